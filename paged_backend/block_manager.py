@@ -1,0 +1,462 @@
+"""BlockManager: pure-Python bookkeeping of the paged KV pool (no tensors).
+
+Every physical block exists from start-up. Free blocks sit in an intrusive doubly-linked queue, so a
+prefix-cache hit can take a block out of the middle in O(1). A freed block keeps its prefix hash
+(lazy eviction): it is reused by a later hit, or evicted when it reaches the front of the queue (LRU).
+Block 0 is the null/padding block and is never handed out.
+
+The cache (`PagedKVCache`) does what this class decides: copy-on-write pairs and swap maps come back
+from the calls that need them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from paged_backend.errors import InvalidRequest, OutOfBlocks
+
+NULL_BLOCK = 0
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    # Prefix-cache identity, set once the block is full and its KV computed.
+    hash: int | None = None
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+    prev: Block | None = field(default=None, repr=False)
+    next: Block | None = field(default=None, repr=False)
+
+
+class FreeBlockQueue:
+    """Doubly-linked queue of free blocks: front = evicted first. O(1) push, pop and remove."""
+
+    def __init__(self) -> None:
+        self._head = Block(-1)
+        self._tail = Block(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def _link_after(self, anchor: Block, block: Block) -> None:
+        block.prev, block.next = anchor, anchor.next
+        anchor.next.prev = block
+        anchor.next = block
+        self.size += 1
+
+    def append(self, block: Block) -> None:
+        self._link_after(self._tail.prev, block)
+
+    def appendleft(self, block: Block) -> None:
+        self._link_after(self._head, block)
+
+    def remove(self, block: Block) -> None:
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self.size -= 1
+
+    def popleft(self) -> Block:
+        if self.size == 0:
+            raise IndexError("no free block")
+        block = self._head.next
+        self.remove(block)
+        return block
+
+    def __contains__(self, block: Block) -> bool:
+        return block.prev is not None
+
+
+@dataclass
+class SequenceBlocks:
+    """Per-sequence state: its block table, the token ids it stored, its committed block hashes."""
+
+    block_table: list[int]
+    token_ids: list[int]
+    extra_keys: Hashable = None
+    block_hashes: list[int] = field(default_factory=list)
+    on_cpu: bool = False
+
+
+@dataclass(frozen=True)
+class BlockStats:
+    total_blocks: int  # usable blocks (block 0 excluded)
+    used_blocks: int  # held by at least one sequence
+    shared_blocks: int  # held by two or more sequences
+    cached_blocks: int  # free, but still holding a reusable prefix
+    free_blocks: int  # free and empty
+    block_size: int
+    tokens_stored: int  # distinct token slots filled in used blocks
+    logical_tokens: int  # sum of sequence lengths (what a copy per sequence would store)
+    blocks_saved_by_sharing: int  # table entries minus used blocks
+    cpu_blocks_used: int
+
+    @property
+    def waste_pct(self) -> float:
+        """Reserved-but-empty slots in used blocks, as % of reserved slots (internal fragmentation)."""
+        reserved = self.used_blocks * self.block_size
+        return 100.0 * (reserved - self.tokens_stored) / reserved if reserved else 0.0
+
+    @property
+    def usage(self) -> float:
+        return self.used_blocks / self.total_blocks if self.total_blocks else 0.0
+
+
+def default_block_hash(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: Hashable) -> int:
+    return hash((parent_hash, token_ids, extra_keys))
+
+
+class BlockManager:
+    """Allocates, shares and frees KV blocks for sequences identified by any hashable id.
+
+    >>> bm = BlockManager(num_blocks=8, block_size=4)
+    >>> bm.allocate("a", [1, 2, 3, 4, 5])
+    0
+    >>> bm.block_table("a")
+    [1, 2]
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.0,
+        num_cpu_blocks: int = 0,
+        hash_fn=default_block_hash,
+    ) -> None:
+        if block_size < 1 or block_size & (block_size - 1) or block_size > 256:
+            raise InvalidRequest(f"block_size must be a power of two in 1..256, got {block_size}")
+        if num_blocks < 2:
+            raise InvalidRequest(f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = int(watermark * (num_blocks - 1))
+        self.hash_fn = hash_fn
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue()
+        for block in self.blocks[1:]:
+            self.free_queue.append(block)
+        self.cached: dict[int, Block] = {}
+        self.seqs: dict[Hashable, SequenceBlocks] = {}
+        self.cpu_free = list(range(num_cpu_blocks - 1, -1, -1))
+        self.cpu_ref_counts = [0] * num_cpu_blocks
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # prompt tokens found cached
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (empty or evictable cached)."""
+        return len(self.free_queue)
+
+    def has(self, seq_id: Hashable) -> bool:
+        return seq_id in self.seqs
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        return self.seqs[seq_id].block_table
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return len(self.seqs[seq_id].token_ids)
+
+    def slot(self, seq_id: Hashable, position: int) -> int:
+        table = self.seqs[seq_id].block_table
+        return table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
+        """Physical slots of positions [start, end) of `seq_id`."""
+        table, bs = self.seqs[seq_id].block_table, self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -------------------------------------------------------------- allocation
+    def _find_cached_prefix(self, token_ids: Sequence[int], extra_keys: Hashable) -> tuple[list[Block], list[int]]:
+        """Leading full blocks already cached; the last token is always left to recompute."""
+        hits: list[Block] = []
+        hashes: list[int] = []
+        if not self.enable_prefix_caching:
+            return hits, hashes
+        bs, parent = self.block_size, None
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            key = self.hash_fn(parent, tokens, extra_keys)
+            block = self.cached.get(key)
+            # Compare contents: a colliding hash must never serve another prefix's KV.
+            if block is None or block.token_ids != tokens or block.parent_hash != parent:
+                break
+            hits.append(block)
+            hashes.append(key)
+            parent = key
+        return hits, hashes
+
+    def _blocks_to_take(self, token_ids: Sequence[int], hits: list[Block]) -> int:
+        fresh = self.blocks_needed(len(token_ids)) - len(hits)
+        revived = sum(1 for b in hits if b.ref_count == 0)  # cached-free hits leave the free queue
+        return fresh + revived
+
+    def can_allocate(self, token_ids: Sequence[int], extra_keys: Hashable = None) -> bool:
+        """Whether `allocate` would succeed now while keeping the watermark free."""
+        hits, _ = self._find_cached_prefix(token_ids, extra_keys)
+        return self._blocks_to_take(token_ids, hits) <= self.num_free_blocks - self.watermark_blocks
+
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], extra_keys: Hashable = None) -> int:
+        """Give `seq_id` blocks for `token_ids`. Returns how many leading tokens are already cached."""
+        if seq_id in self.seqs:
+            raise InvalidRequest(f"sequence {seq_id!r} already has blocks; free it first")
+        if not token_ids:
+            raise InvalidRequest("cannot allocate an empty sequence; give at least one token")
+        hits, hashes = self._find_cached_prefix(token_ids, extra_keys)
+        need = self._blocks_to_take(token_ids, hits)
+        if need > self.num_free_blocks:
+            raise OutOfBlocks(
+                f"{need} KV blocks needed for a {len(token_ids)}-token sequence but only "
+                f"{self.num_free_blocks} are free; raise num_blocks / the KV memory budget or shorten the prompt"
+            )
+        for block in hits:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+        fresh = [self._take_free_block() for _ in range(self.blocks_needed(len(token_ids)) - len(hits))]
+        self.seqs[seq_id] = SequenceBlocks(
+            block_table=[b.block_id for b in hits + fresh],
+            token_ids=list(token_ids),
+            extra_keys=extra_keys,
+            block_hashes=hashes,
+        )
+        if self.enable_prefix_caching:
+            self.prefix_queries += len(token_ids)
+            self.prefix_hits += len(hits) * self.block_size
+        return len(hits) * self.block_size
+
+    def _take_free_block(self) -> Block:
+        block = self.free_queue.popleft()
+        if block.hash is not None:  # evict its cached prefix
+            if self.cached.get(block.hash) is block:
+                del self.cached[block.hash]
+            block.hash, block.parent_hash, block.token_ids = None, None, ()
+        block.ref_count = 1
+        return block
+
+    def _cow_needed(self, seq: SequenceBlocks) -> bool:
+        """Writing the next token would land in a partially filled block others can see."""
+        if len(seq.token_ids) % self.block_size == 0:
+            return False
+        last = self.blocks[seq.block_table[-1]]
+        return last.ref_count > 1
+
+    def blocks_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
+        seq = self.seqs[seq_id]
+        grow = self.blocks_needed(len(seq.token_ids) + num_tokens) - len(seq.block_table)
+        return grow + int(self._cow_needed(seq))
+
+    def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
+        return self.blocks_to_append(seq_id, num_tokens) <= self.num_free_blocks
+
+    def append_slots(self, seq_id: Hashable, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Reserve slots for `token_ids` after the sequence's current tokens.
+
+        Returns the (src, dst) block copies the cache must perform first (copy-on-write of a shared
+        partially filled last block).
+        """
+        seq = self.seqs[seq_id]
+        if seq.on_cpu:
+            raise InvalidRequest(f"sequence {seq_id!r} is swapped out; swap it in before appending")
+        need = self.blocks_to_append(seq_id, len(token_ids))
+        if need > self.num_free_blocks:
+            raise OutOfBlocks(
+                f"sequence {seq_id!r} needs {need} more KV blocks but only {self.num_free_blocks} are free; "
+                f"preempt a sequence or raise the KV memory budget"
+            )
+        copies: list[tuple[int, int]] = []
+        if len(seq.token_ids) % self.block_size:
+            last = self.blocks[seq.block_table[-1]]
+            if last.ref_count > 1:
+                fresh = self._take_free_block()
+                last.ref_count -= 1
+                seq.block_table[-1] = fresh.block_id
+                copies.append((last.block_id, fresh.block_id))
+            elif last.hash is not None:
+                self._unhash(last)  # about to be overwritten past its cached contents
+        grow = self.blocks_needed(len(seq.token_ids) + len(token_ids)) - len(seq.block_table)
+        seq.block_table.extend(self._take_free_block().block_id for _ in range(grow))
+        seq.token_ids.extend(token_ids)
+        return copies
+
+    def _unhash(self, block: Block) -> None:
+        if self.cached.get(block.hash) is block:
+            del self.cached[block.hash]
+        block.hash, block.parent_hash, block.token_ids = None, None, ()
+
+    def commit(self, seq_id: Hashable, num_computed_tokens: int) -> None:
+        """Publish the full blocks whose KV is now computed so later prompts can hit them."""
+        if not self.enable_prefix_caching:
+            return
+        seq, bs = self.seqs[seq_id], self.block_size
+        full = min(num_computed_tokens, len(seq.token_ids)) // bs
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(len(seq.block_hashes), full):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            key = self.hash_fn(parent, tokens, seq.extra_keys)
+            block = self.blocks[seq.block_table[i]]
+            if key not in self.cached and block.hash is None:
+                block.hash, block.parent_hash, block.token_ids = key, parent, tokens
+                self.cached[key] = block
+            seq.block_hashes.append(key)
+            parent = key
+
+    # ------------------------------------------------------------ sharing/free
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """`child_id` shares every block of `parent_id` (refcounts, no copy)."""
+        if child_id in self.seqs:
+            raise InvalidRequest(f"sequence {child_id!r} already exists; free it before forking into it")
+        parent = self.seqs[parent_id]
+        if parent.on_cpu:
+            raise InvalidRequest(f"sequence {parent_id!r} is swapped out; swap it in before forking")
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        self.seqs[child_id] = SequenceBlocks(
+            block_table=list(parent.block_table),
+            token_ids=list(parent.token_ids),
+            extra_keys=parent.extra_keys,
+            block_hashes=list(parent.block_hashes),
+        )
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release every block of `seq_id`. Cached blocks stay reusable until evicted."""
+        seq = self.seqs.pop(seq_id)
+        if seq.on_cpu:
+            for cpu_block in seq.block_table:
+                self._release_cpu(cpu_block)
+            return
+        # Tail blocks first: their prefixes are the least likely to be hit again, so evict them first.
+        for block_id in reversed(seq.block_table):
+            self._release(self.blocks[block_id])
+
+    def _release(self, block: Block) -> None:
+        block.ref_count -= 1
+        if block.ref_count < 0:
+            raise AssertionError(f"block {block.block_id} freed twice")
+        if block.ref_count == 0:
+            if block.hash is None:
+                self.free_queue.appendleft(block)  # nothing to keep: reuse before cached ones
+            else:
+                self.free_queue.append(block)
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Keep only the first `num_tokens` tokens of `seq_id` (speculative rollback, HF crop)."""
+        seq = self.seqs[seq_id]
+        if not 0 <= num_tokens <= len(seq.token_ids):
+            raise InvalidRequest(f"cannot truncate {len(seq.token_ids)} tokens to {num_tokens}")
+        keep = self.blocks_needed(num_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(self.blocks[block_id])
+        del seq.block_table[keep:]
+        del seq.token_ids[num_tokens:]
+        del seq.block_hashes[num_tokens // self.block_size :]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks stay allocated to their sequences)."""
+        for block in list(self.cached.values()):
+            self._unhash(block)
+        for seq in self.seqs.values():
+            seq.block_hashes.clear()
+
+    # -------------------------------------------------------------------- swap
+    def _distinct_blocks(self, seq_ids: Sequence[Hashable]) -> list[int]:
+        seen: dict[int, None] = {}
+        for seq_id in seq_ids:
+            for block_id in self.seqs[seq_id].block_table:
+                seen[block_id] = None
+        return list(seen)
+
+    def can_swap_out(self, seq_ids: Sequence[Hashable]) -> bool:
+        return len(self._distinct_blocks(seq_ids)) <= len(self.cpu_free)
+
+    def swap_out(self, seq_ids: Sequence[Hashable]) -> list[tuple[int, int]]:
+        """Move `seq_ids` (e.g. one request's forks, swapped together) to CPU blocks.
+
+        Returns the (gpu_block, cpu_block) copies to perform before the GPU blocks are reused.
+        """
+        if any(self.seqs[s].on_cpu for s in seq_ids):
+            raise InvalidRequest("a sequence in the group is already swapped out")
+        gpu_blocks = self._distinct_blocks(seq_ids)
+        if len(gpu_blocks) > len(self.cpu_free):
+            raise OutOfBlocks(
+                f"swapping out needs {len(gpu_blocks)} CPU blocks but {len(self.cpu_free)} are free; "
+                f"raise --swap-space"
+            )
+        mapping = {gpu: self.cpu_free.pop() for gpu in gpu_blocks}
+        for seq_id in seq_ids:
+            seq = self.seqs[seq_id]
+            for gpu in reversed(seq.block_table):
+                self._release(self.blocks[gpu])
+            seq.block_table = [mapping[gpu] for gpu in seq.block_table]
+            for cpu in seq.block_table:
+                self.cpu_ref_counts[cpu] += 1
+            seq.on_cpu = True
+        return list(mapping.items())
+
+    def can_swap_in(self, seq_ids: Sequence[Hashable]) -> bool:
+        return len(self._distinct_blocks(seq_ids)) <= self.num_free_blocks
+
+    def swap_in(self, seq_ids: Sequence[Hashable]) -> list[tuple[int, int]]:
+        """Bring swapped-out `seq_ids` back. Returns the (cpu_block, gpu_block) copies to perform."""
+        if not all(self.seqs[s].on_cpu for s in seq_ids):
+            raise InvalidRequest("a sequence in the group is not swapped out")
+        cpu_blocks = self._distinct_blocks(seq_ids)
+        if len(cpu_blocks) > self.num_free_blocks:
+            raise OutOfBlocks(f"swapping in needs {len(cpu_blocks)} free KV blocks, {self.num_free_blocks} free")
+        mapping = {cpu: self._take_free_block() for cpu in cpu_blocks}
+        for block in mapping.values():
+            block.ref_count = 0
+        for seq_id in seq_ids:
+            seq = self.seqs[seq_id]
+            for cpu in seq.block_table:
+                mapping[cpu].ref_count += 1
+                self._release_cpu(cpu)
+            seq.block_table = [mapping[cpu].block_id for cpu in seq.block_table]
+            seq.block_hashes.clear()  # the new blocks are not published; recommit if wanted
+            seq.on_cpu = False
+        return [(cpu, block.block_id) for cpu, block in mapping.items()]
+
+    def _release_cpu(self, cpu_block: int) -> None:
+        self.cpu_ref_counts[cpu_block] -= 1
+        if self.cpu_ref_counts[cpu_block] == 0:
+            self.cpu_free.append(cpu_block)
+
+    # ------------------------------------------------------------------- stats
+    def stats(self) -> BlockStats:
+        bs = self.block_size
+        fill: dict[int, int] = {}
+        table_entries = 0
+        logical = 0
+        for seq in self.seqs.values():
+            if seq.on_cpu:
+                continue
+            n = len(seq.token_ids)
+            logical += n
+            table_entries += len(seq.block_table)
+            for i, block_id in enumerate(seq.block_table):
+                fill[block_id] = max(fill.get(block_id, 0), min(bs, n - i * bs))
+        used = sum(1 for b in self.blocks[1:] if b.ref_count > 0)
+        cached = sum(1 for b in self.blocks[1:] if b.ref_count == 0 and b.hash is not None)
+        return BlockStats(
+            total_blocks=self.num_blocks - 1,
+            used_blocks=used,
+            shared_blocks=sum(1 for b in self.blocks[1:] if b.ref_count > 1),
+            cached_blocks=cached,
+            free_blocks=self.num_free_blocks - cached,
+            block_size=bs,
+            tokens_stored=sum(fill.values()),
+            logical_tokens=logical,
+            blocks_saved_by_sharing=table_entries - len(fill),
+            cpu_blocks_used=len(self.cpu_ref_counts) - len(self.cpu_free),
+        )

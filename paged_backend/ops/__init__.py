@@ -1,0 +1,87 @@
+"""Paged attention and cache-write ops: one dispatcher over three backends.
+
+Backends: ``torch`` (the oracle, CPU default), ``triton`` and ``cuda``. Choose one with the
+``backend=`` argument, the ``PAGED_BACKEND_ATTENTION`` environment variable, or let auto-selection
+pick (cuda for pure decode, triton otherwise, torch on CPU). Every backend module exposes
+``unavailable_reason() -> str | None``, ``paged_attention`` and ``reshape_and_cache`` with the
+signatures of :mod:`paged_backend.ops.reference`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from functools import lru_cache
+from types import ModuleType
+
+import torch
+
+from paged_backend.errors import BackendUnavailable
+
+BACKENDS = ("torch", "triton", "cuda")
+ENV_VAR = "PAGED_BACKEND_ATTENTION"
+_MODULES = {"torch": "reference", "triton": "triton", "cuda": "cuda"}
+
+
+@lru_cache(maxsize=None)
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(f"paged_backend.ops.{_MODULES[name]}")
+
+
+@lru_cache(maxsize=None)
+def unavailable_reason(name: str) -> str | None:
+    """None when backend `name` can run here, else a sentence saying why not."""
+    if name not in BACKENDS:
+        return f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}"
+    if name == "torch":
+        return None
+    try:
+        module = _module(name)
+    except ImportError as exc:
+        return f"the {name} backend could not be imported ({exc}); install paged-backend[{name}]"
+    return module.unavailable_reason()
+
+
+def resolve_backend(name: str | None, device: torch.device, *, decode_only: bool = False) -> str:
+    """The backend to run: the one asked for (checked), else the best available for `device`."""
+    name = name or os.environ.get(ENV_VAR) or None
+    if name and name != "auto":
+        reason = unavailable_reason(name)
+        if reason:
+            raise BackendUnavailable(f"attention backend {name!r} is unavailable: {reason}")
+        if name != "torch" and device.type != "cuda":
+            raise BackendUnavailable(
+                f"attention backend {name!r} needs CUDA tensors, got {device.type}; "
+                f"use backend='torch' or move the model to a GPU"
+            )
+        return name
+    if device.type != "cuda":
+        return "torch"
+    preferred = ("cuda", "triton") if decode_only else ("triton",)
+    for candidate in preferred:
+        if unavailable_reason(candidate) is None:
+            return candidate
+    return "torch"
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, k_scale=1.0, v_scale=1.0,
+                      backend: str | None = None) -> None:
+    """Write `key/value [T, Hkv, D]` into the pools at `slot_mapping [T]` (slot -1 skipped)."""
+    chosen = resolve_backend(backend, key.device)
+    _module(chosen).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                                      k_scale=k_scale, v_scale=v_scale)
+
+
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, *,
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0, backend: str | None = None) -> torch.Tensor:
+    """Varlen causal paged attention; `query [T, Hq, D]` -> `[T, Hq, D]`. Contract in DESIGN.md."""
+    decode_only = query.shape[0] == seq_lens.shape[0]
+    chosen = resolve_backend(backend, query.device, decode_only=decode_only)
+    return _module(chosen).paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+        sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
+    )
+
+
+__all__ = ["BACKENDS", "paged_attention", "reshape_and_cache", "resolve_backend", "unavailable_reason"]
