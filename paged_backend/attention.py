@@ -1,0 +1,159 @@
+"""The bridge between transformers models and the paged pool: attention implementation "paged_backend".
+
+A paged cache's ``update(k, v, layer_idx)`` returns a *handle* (anything with an ``attend`` method) instead
+of contiguous K/V. transformers passes that handle unchanged to the attention function, which lets the
+handle write the new K/V into the pool and run ``paged_attention`` over it. So a model loaded with
+``attn_implementation="paged_backend"`` never materializes contiguous KV.
+
+Per-forward metadata (``PagedMetadata``) is built once by the cache owner and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from paged_backend.errors import UnsupportedModel
+from paged_backend.kv_cache import PagedKVCache
+from paged_backend.ops import paged_attention, reshape_and_cache
+
+ATTN_IMPLEMENTATION = "paged_backend"
+
+
+@dataclass
+class PagedMetadata:
+    """Everything `paged_attention` needs for one forward, shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [N] pool slot of each new token (-1: do not store)
+    block_tables: torch.Tensor  # [B, M] int32
+    seq_lens: torch.Tensor  # [B] int32, context length including the new tokens
+    query_start_loc: torch.Tensor  # [B+1] int32, rows of each sequence in the packed query
+    row_index: torch.Tensor | None = None  # real rows of the flattened [batch * q_len] layout; None = all
+    backend: str | None = None
+
+
+class PagedHandle(Protocol):
+    def attend(
+        self,
+        query: torch.Tensor,
+        scaling: float,
+        sliding_window: int | None,
+        softcap: float | None,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`query [B, Hq, q, D]` -> attention output `[B, q, Hq, D]`, after storing this layer's new K/V."""
+
+
+@dataclass
+class PackedKV:
+    """Handle for one layer of a forward whose metadata is fully known before the forward runs."""
+
+    cache: PagedKVCache
+    layer_idx: int
+    key: torch.Tensor  # [B, Hkv, q, D] new keys of this forward
+    value: torch.Tensor
+    metadata: PagedMetadata
+
+    def attend(self, query, scaling, sliding_window, softcap, attention_mask=None) -> torch.Tensor:
+        return attend_packed(
+            self.cache, self.layer_idx, query, self.key, self.value, self.metadata, scaling, sliding_window, softcap
+        )
+
+
+def _rows(x: torch.Tensor, row_index: torch.Tensor | None) -> torch.Tensor:
+    """[B, H, q, D] -> [B*q, H, D] (optionally only `row_index`)."""
+    batch, heads, q_len, dim = x.shape
+    rows = x.transpose(1, 2).reshape(batch * q_len, heads, dim)
+    return rows if row_index is None else rows.index_select(0, row_index)
+
+
+def attend_packed(
+    cache: PagedKVCache,
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    metadata: PagedMetadata,
+    scaling: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Store this layer's new K/V, then paged attention. Returns `[B, q, Hq, D]` (zeros on non-real rows)."""
+    batch, num_heads, q_len, head_dim = query.shape
+    key_cache, value_cache = cache.layer(layer_idx)
+    k_scale, v_scale = cache.k_scales[layer_idx], cache.v_scales[layer_idx]
+    reshape_and_cache(
+        _rows(key, metadata.row_index),
+        _rows(value, metadata.row_index),
+        key_cache,
+        value_cache,
+        metadata.slot_mapping,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        backend=metadata.backend,
+    )
+    out = paged_attention(
+        _rows(query, metadata.row_index),
+        key_cache,
+        value_cache,
+        metadata.block_tables,
+        metadata.seq_lens,
+        metadata.query_start_loc,
+        scaling,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        backend=metadata.backend,
+    )
+    if metadata.row_index is not None:
+        full = out.new_zeros(batch * q_len, num_heads, head_dim)
+        full.index_copy_(0, metadata.row_index, out)
+        out = full
+    return out.view(batch, q_len, num_heads, head_dim)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key,
+    value,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface function reading K/V straight from the paged pool."""
+    if not hasattr(key, "attend"):
+        raise UnsupportedModel(
+            "attn_implementation='paged_backend' reads K/V from a paged pool: pass "
+            "past_key_values=PagedCache(model, ...) to generate(), or run the model through the paged-backend engine"
+        )
+    if dropout and module.training:
+        raise UnsupportedModel("paged_backend attention is inference-only; call model.eval() or set dropout to 0")
+    if kwargs.get("s_aux") is not None:
+        raise UnsupportedModel("attention sinks (s_aux) are not supported by paged_backend attention")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return key.attend(query, scale, sliding_window, softcap, attention_mask), None
+
+
+def padding_mask_only(batch_size: int, q_length: int, kv_length: int, *args, attention_mask=None, **kwargs):
+    """Mask function for "paged_backend": causality and windows come from sequence lengths, so pass only
+    the 2D padding mask through (None when there is no padding), never a dense [q, kv] mask."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    return attention_mask.bool()
+
+
+def register_paged_attention() -> str:
+    """Register the "paged_backend" attention and mask functions with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_mask_only)
+    return ATTN_IMPLEMENTATION
