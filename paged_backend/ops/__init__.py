@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from functools import lru_cache
+from functools import cache
 from types import ModuleType
 
 import torch
@@ -23,12 +23,12 @@ ENV_VAR = "PAGED_BACKEND_ATTENTION"
 _MODULES = {"torch": "reference", "triton": "triton", "cuda": "cuda"}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _module(name: str) -> ModuleType:
     return importlib.import_module(f"paged_backend.ops.{_MODULES[name]}")
 
 
-@lru_cache(maxsize=None)
+@cache
 def unavailable_reason(name: str) -> str | None:
     """None when backend `name` can run here, else a sentence saying why not."""
     if name not in BACKENDS:

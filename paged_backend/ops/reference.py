@@ -1,7 +1,8 @@
 """Pure-PyTorch paged attention: the oracle every other backend is tested against.
 
-Runs on CPU and GPU. Decode rows (q_len == 1) are batched into one gathered matmul;
-prefill / chunked-prefill sequences are computed one by one. Math is fp32 throughout.
+Runs on CPU and GPU. Sequences are computed one by one: gather the sequence's blocks, then one
+strided matmul per sequence for all its query rows and q heads (GQA rows packed per kv head).
+Math is fp32 throughout.
 """
 
 from __future__ import annotations
@@ -42,27 +43,11 @@ def reshape_and_cache(
             flat[slots] = src.to(cache.dtype)
 
 
-def _dequant(x: torch.Tensor, scale: float) -> torch.Tensor:
-    x = x.float()
-    return x * scale if scale != 1.0 else x
-
-
-def _gather(cache: torch.Tensor, table: torch.Tensor, length: int, scale: float) -> torch.Tensor:
-    """Contiguous `[..., length, Hkv, D]` fp32 view of the first `length` tokens behind `table`."""
-    block_size = cache.shape[1]
-    num_blocks = -(-length // block_size)
-    blocks = table[..., :num_blocks].long().clamp_(min=0)
-    gathered = cache[blocks]  # [..., nb, bs, H, D]
-    shape = gathered.shape
-    gathered = gathered.reshape(*shape[:-4], shape[-4] * shape[-3], shape[-2], shape[-1])
-    return _dequant(gathered[..., :length, :, :], scale)
-
-
-def _probs(scores: torch.Tensor, scale: float, softcap: float | None, mask: torch.Tensor):
-    scores = scores * scale
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
-    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+def _context(cache: torch.Tensor, blocks: torch.Tensor, buffer: torch.Tensor, length: int, scale: float):
+    """fp32 `[length, Hkv, D]` of the first `length` tokens stored in `blocks` (gathered into `buffer`)."""
+    torch.index_select(cache, 0, blocks, out=buffer)  # reusing one buffer avoids page faults per sequence
+    tokens = buffer.view(-1, cache.shape[2], cache.shape[3])[:length].float()
+    return tokens * scale if scale != 1.0 else tokens
 
 
 def paged_attention(
@@ -80,47 +65,38 @@ def paged_attention(
     v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Varlen causal attention of `query [T, Hq, D]` over paged K/V. See DESIGN.md for the contract."""
-    num_tokens, num_q_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
+    num_q_heads, head_dim = query.shape[1:]
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     group = num_q_heads // num_kv_heads
     out = torch.zeros_like(query)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
-    decode = [b for b, q in enumerate(q_lens) if q == 1]
-    others = [b for b, q in enumerate(q_lens) if q > 1]
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    tables = block_tables.to(device=query.device, dtype=torch.long)
+    max_blocks = max((-(-length // block_size) for length in lens), default=0)
+    key_buffer = key_cache.new_empty((max_blocks, *key_cache.shape[1:]))
+    value_buffer = value_cache.new_empty((max_blocks, *value_cache.shape[1:]))
 
-    if decode:
-        idx = torch.tensor(decode, device=query.device)
-        rows = torch.tensor([starts[b] for b in decode], device=query.device)
-        ctx = torch.tensor([lens[b] for b in decode], device=query.device)
-        max_len = max(lens[b] for b in decode)
-        tables = block_tables.to(query.device)[idx]
-        keys = _gather(key_cache, tables, max_len, k_scale)  # [B, L, Hkv, D]
-        values = _gather(value_cache, tables, max_len, v_scale)
-        q = query[rows].float().view(len(decode), num_kv_heads, group, head_dim)
-        scores = torch.einsum("bhgd,blhd->bhgl", q, keys)
-        pos = torch.arange(max_len, device=query.device)
-        mask = pos[None, :] < ctx[:, None]
-        if sliding_window is not None:
-            mask &= pos[None, :] > (ctx[:, None] - 1 - sliding_window)
-        probs = _probs(scores, scale, softcap, mask[:, None, None, :])
-        o = torch.einsum("bhgl,blhd->bhgd", probs, values)
-        out[rows] = o.reshape(len(decode), num_q_heads, head_dim).to(query.dtype)
-
-    for b in others:
-        q_len, length = q_lens[b], lens[b]
-        table = block_tables[b].to(query.device)
-        keys = _gather(key_cache, table, length, k_scale)  # [L, Hkv, D]
-        values = _gather(value_cache, table, length, v_scale)
+    for b, length in enumerate(lens):
+        q_len = starts[b + 1] - starts[b]
+        if q_len == 0:
+            continue
+        num_blocks = -(-length // block_size)
+        blocks = tables[b, :num_blocks]
+        keys = _context(key_cache, blocks, key_buffer[:num_blocks], length, k_scale)  # [L, Hkv, D]
+        values = _context(value_cache, blocks, value_buffer[:num_blocks], length, v_scale)
+        # rows of one kv head are (query token, q head of its group): one strided matmul per sequence
         q = query[starts[b] : starts[b + 1]].float().view(q_len, num_kv_heads, group, head_dim)
-        scores = torch.einsum("qhgd,lhd->hgql", q, keys)
+        q = q.transpose(0, 1).reshape(num_kv_heads, q_len * group, head_dim)
+        scores = torch.matmul(q, keys.permute(1, 2, 0)) * scale  # [Hkv, q_len * G, L]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(length - q_len, length, device=query.device)[:, None]
         k_pos = torch.arange(length, device=query.device)[None, :]
-        mask = k_pos <= q_pos
+        visible = k_pos <= q_pos
         if sliding_window is not None:
-            mask &= k_pos > q_pos - sliding_window
-        probs = _probs(scores, scale, softcap, mask)
-        o = torch.einsum("hgql,lhd->qhgd", probs, values)
-        out[starts[b] : starts[b + 1]] = o.reshape(q_len, num_q_heads, head_dim).to(query.dtype)
+            visible &= k_pos > q_pos - sliding_window
+        visible = visible[:, None, :].expand(q_len, group, length).reshape(q_len * group, length)
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        o = torch.matmul(probs, values.transpose(0, 1))  # [Hkv, q_len * G, D]
+        o = o.view(num_kv_heads, q_len, group, head_dim).transpose(0, 1).reshape(q_len, num_q_heads, head_dim)
+        out[starts[b] : starts[b + 1]] = o.to(query.dtype)
     return out
