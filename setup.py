@@ -1,0 +1,36 @@
+"""Build hook: compile the generate.v3 gRPC stubs into the wheel (metadata lives in pyproject.toml)."""
+
+import shutil
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+PROTO = Path(__file__).parent / "proto" / "generate" / "v3" / "generate.proto"
+
+
+class BuildPyWithStubs(build_py):
+    """build_py that also writes paged_backend/tgi/generated/{generate.proto, generate_pb2*.py}."""
+
+    def run(self) -> None:
+        super().run()
+        if self.editable_mode:
+            return  # editable installs compile the stubs on first import instead
+        target = Path(self.build_lib) / "paged_backend" / "tgi" / "generated"
+        target.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(PROTO, target / PROTO.name)
+        _load_compiler()(target / PROTO.name, target)
+
+
+def _load_compiler():
+    # The package is not importable while it is being built; load the compiler module by path.
+    import importlib.util
+
+    path = Path(__file__).parent / "integrations" / "tgi" / "stubs.py"
+    spec = importlib.util.spec_from_file_location("paged_backend_tgi_stubs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.compile_stubs
+
+
+setup(cmdclass={"build_py": BuildPyWithStubs})
