@@ -1,0 +1,81 @@
+"""PagedKVCache: sizing, layout, block copies and swaps move the right bytes."""
+
+import pytest
+import torch
+
+from paged_backend import BlockManager, InvalidRequest, PagedKVCache
+from paged_backend.kv_cache import bytes_per_block, num_blocks_for_budget, resolve_kv_dtype
+from paged_backend.ops import reshape_and_cache
+
+
+def make_cache(**kw):
+    args = dict(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=10, block_size=4, dtype=torch.float32)
+    args.update(kw)
+    return PagedKVCache(**args)
+
+
+def test_layout_is_nhd_per_layer_and_bytes_add_up():
+    cache = make_cache()
+    key_cache, value_cache = cache.layer(1)
+    assert key_cache.shape == value_cache.shape == (10, 4, 2, 8)
+    assert cache.bytes_per_block == 2 * 2 * 4 * 2 * 8 * 4
+    assert cache.total_bytes == 10 * cache.bytes_per_block
+
+
+def test_budget_sizing_in_bytes_and_rejects_a_budget_below_two_blocks():
+    per_block = bytes_per_block(4, 8, 128, 16, torch.float16)
+    assert num_blocks_for_budget(4, 8, 128, 16, torch.float16, memory_bytes=10 * per_block + 5) == 10
+    with pytest.raises(InvalidRequest, match="raise the budget"):
+        num_blocks_for_budget(4, 8, 128, 16, torch.float16, memory_bytes=per_block)
+    assert num_blocks_for_budget(1, 1, 8, 1, torch.float32, memory_fraction=1e-6) >= 2
+
+
+def test_unknown_kv_dtype_names_the_choices():
+    assert resolve_kv_dtype("auto", torch.bfloat16) is torch.bfloat16
+    with pytest.raises(InvalidRequest, match="fp8"):
+        resolve_kv_dtype("int3", torch.float16)
+
+
+def test_copy_on_write_copies_the_block_in_every_layer():
+    cache = make_cache()
+    bm = BlockManager(10, 4)
+    bm.allocate("p", [1, 2, 3, 4, 5])
+    keys = torch.randn(5, 2, 8)
+    for layer in range(2):
+        reshape_and_cache(keys, -keys, *cache.layer(layer), torch.tensor(bm.slot_mapping("p", 0, 5)))
+    bm.fork("p", "c")
+    copies = bm.append_slots("c", [6])
+    cache.copy_blocks(copies)
+    src, dst = copies[0]
+    for layer in range(2):
+        key_cache, value_cache = cache.layer(layer)
+        assert torch.equal(key_cache[dst], key_cache[src]) and torch.equal(value_cache[dst], -key_cache[src])
+
+
+def test_swap_out_and_in_round_trips_the_bytes():
+    cache = make_cache(num_cpu_blocks=4)
+    bm = BlockManager(10, 4, num_cpu_blocks=4)
+    bm.allocate("a", list(range(6)))
+    keys = torch.randn(6, 2, 8)
+    reshape_and_cache(keys, keys, *cache.layer(0), torch.tensor(bm.slot_mapping("a", 0, 6)))
+    cache.swap_out(bm.swap_out(["a"]))
+    cache.kv.zero_()  # the GPU blocks get reused by someone else
+    cache.swap_in(bm.swap_in(["a"]))
+    slots = torch.tensor(bm.slot_mapping("a", 0, 6))
+    assert torch.equal(cache.layer(0)[0].view(-1, 2, 8)[slots], keys)
+
+
+def test_swap_without_cpu_pool_says_what_to_change():
+    with pytest.raises(InvalidRequest, match="num_cpu_blocks"):
+        make_cache().swap_out([(1, 0)])
+
+
+def test_fp8_pool_stores_scaled_values_and_copies_bytes():
+    cache = make_cache(dtype=torch.float8_e4m3fn)
+    keys = torch.tensor([0.5, -1.0, 2.0, 0.25]).repeat(2, 2, 2)  # [2, 2, 8], exactly representable
+    reshape_and_cache(keys, keys, *cache.layer(0), torch.tensor([4, 5]), k_scale=0.5, v_scale=1.0)
+    key_cache, value_cache = cache.layer(0)
+    assert torch.equal(key_cache[1, :2].float() * 0.5, keys)
+    assert torch.equal(value_cache[1, :2].float(), keys)
+    cache.copy_blocks([(1, 2)])
+    assert torch.equal(key_cache[2].float(), key_cache[1].float())
