@@ -1,0 +1,65 @@
+"""Which transformers models a PagedCache can serve, and the KV geometry its pool needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paged_backend.errors import UnsupportedModel
+
+# Layer kinds whose K/V is an ordinary growing attention cache; anything else keeps other state.
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """Shape of one token's K (or V) in one layer, for every layer of the model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _unsupported_feature(config) -> str | None:
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
+        return "cross-attention (encoder-decoder models keep a second, encoder-side cache)"
+    for layer_type in getattr(config, "layer_types", None) or ():
+        if layer_type not in ATTENTION_LAYER_TYPES:
+            return f"layers of type {layer_type!r} (only full and sliding-window attention layers are paged)"
+    if getattr(config, "kv_lora_rank", None):
+        return "multi-head latent attention (keys and values of different widths)"
+    if getattr(config, "num_kv_shared_layers", 0):
+        return "KV sharing across layers (some layers read another layer's cache)"
+    return None
+
+
+def kv_geometry(config) -> KVGeometry:
+    """Geometry of a decoder-only config's KV cache; raises `UnsupportedModel` naming what does not fit.
+
+    >>> from transformers import LlamaConfig
+    >>> kv_geometry(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2))
+    KVGeometry(num_layers=2, num_kv_heads=2, head_dim=16)
+    """
+    feature = _unsupported_feature(config)
+    if feature:
+        raise UnsupportedModel(f"{type(config).__name__} uses {feature}, which PagedCache does not support")
+    heads = config.num_attention_heads
+    return KVGeometry(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+    )
+
+
+def check_update_shapes(key, value, geometry: KVGeometry, layer_idx: int) -> None:
+    """A model whose per-layer K/V does not match its config cannot share one pool layout."""
+    expected = (geometry.num_kv_heads, geometry.head_dim)
+    if layer_idx >= geometry.num_layers:
+        raise UnsupportedModel(
+            f"the model wrote cache layer {layer_idx} but its config declares {geometry.num_layers} layers"
+        )
+    if tuple(key.shape[1:2]) + tuple(key.shape[3:]) != expected or value.shape != key.shape:
+        raise UnsupportedModel(
+            f"layer {layer_idx} caches keys {tuple(key.shape)} and values {tuple(value.shape)}, but the pool holds "
+            f"{expected[0]} KV heads of width {expected[1]} for both; models with per-layer or K/V-specific "
+            f"head sizes are not supported"
+        )

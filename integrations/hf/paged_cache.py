@@ -1,0 +1,384 @@
+"""PagedCache: a transformers `Cache` whose K/V lives in the core's paged pool, one sequence per batch row.
+
+`generate` drives it through the Cache contract (update / get_seq_length / get_mask_sizes / reorder_cache /
+crop). Under sdpa or eager attention `update` returns K/V gathered from the pool, rectangular and aligned with
+the 2D mask (pads stored). Under attn_implementation="paged_backend" it returns a handle whose `attend` writes
+and reads the pool directly; pads are never stored there, so per-row lengths exclude them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import Cache
+
+from paged_backend.attention import ATTN_IMPLEMENTATION, PagedMetadata, attend_packed
+from paged_backend.block_manager import BlockManager
+from paged_backend.errors import InvalidRequest
+from paged_backend.hf.cache_stats import CacheStats
+from paged_backend.hf.identical_rows import identical_rows
+from paged_backend.hf.layer_handle import PagedLayerKV
+from paged_backend.hf.model_support import check_update_shapes, kv_geometry
+from paged_backend.kv_cache import PagedKVCache, num_blocks_for_budget
+from paged_backend.ops import reshape_and_cache
+
+
+@dataclass
+class ForwardStep:
+    """What one forward adds, decided on layer 0 and reused by every layer."""
+
+    fresh: bool  # first forward into an empty cache: K/V can be returned as computed
+    new_columns: torch.Tensor  # [B, q] bool, which new columns get stored (False: padding)
+    stored_before: list[int]  # tokens each row held before this forward
+    followers: dict[int, int]  # row -> leader row whose blocks it shares (identical prompts)
+    metadata: PagedMetadata | None = None
+    gather_slots: torch.Tensor | None = None  # [B, past + q] pool slots, for sdpa / eager reads
+    has_holes: bool = field(default=False)  # a padding column sits after a stored one in some row
+
+
+def _placeholder_tokens(n: int) -> list[int]:
+    # Prefix caching is off, so the BlockManager only needs the token count.
+    return [0] * n
+
+
+def _model_facts(model_or_config) -> tuple[object, torch.dtype, torch.device]:
+    if isinstance(model_or_config, torch.nn.Module):
+        param = next(model_or_config.parameters())
+        return model_or_config.config.get_text_config(decoder=True), param.dtype, param.device
+    config = model_or_config.get_text_config(decoder=True)
+    dtype = getattr(config, "dtype", None)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return config, dtype or torch.float32, torch.device("cpu")
+
+
+class PagedCache(Cache):
+    """Paged KV storage for `model.generate`, with prompt sharing across repeated rows and beams.
+
+    Give exactly one budget: `max_tokens` (KV slots), `num_blocks`, or `memory_bytes`.
+
+    >>> cache = PagedCache(model, max_tokens=32_768)                             # doctest: +SKIP
+    >>> out = model.generate(**inputs, past_key_values=cache, num_beams=4)       # doctest: +SKIP
+    >>> print(cache.stats()); cache.reset()                                      # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model_or_config,
+        *,
+        max_tokens: int | None = None,
+        num_blocks: int | None = None,
+        memory_bytes: int | None = None,
+        block_size: int = 16,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__(layers=[])
+        self.config, model_dtype, model_device = _model_facts(model_or_config)
+        self.geometry = kv_geometry(self.config)
+        dtype = dtype or model_dtype
+        device = torch.device(device or model_device)
+        num_blocks = self._resolve_num_blocks(max_tokens, num_blocks, memory_bytes, block_size, dtype)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        g = self.geometry
+        self.kv_cache = PagedKVCache(
+            g.num_layers, g.num_kv_heads, g.head_dim, num_blocks, block_size, dtype=dtype, device=device
+        )
+        self.backend = backend
+        self._next_seq_id = 0
+        self._peak_used_blocks = 0
+        self._clear()
+
+    def _resolve_num_blocks(self, max_tokens, num_blocks, memory_bytes, block_size, dtype) -> int:
+        given = [x is not None for x in (max_tokens, num_blocks, memory_bytes)]
+        if sum(given) != 1:
+            raise InvalidRequest("give PagedCache exactly one budget: max_tokens=, num_blocks= or memory_bytes=")
+        if max_tokens is not None:
+            return -(-max_tokens // block_size) + 1  # + the reserved null block
+        if num_blocks is not None:
+            return num_blocks
+        g = self.geometry
+        return num_blocks_for_budget(
+            g.num_layers, g.num_kv_heads, g.head_dim, block_size, dtype, memory_bytes=memory_bytes
+        )
+
+    def _clear(self) -> None:
+        self._rows: list[int] = []  # BlockManager sequence id of each batch row
+        self._columns = torch.zeros(0, 0, dtype=torch.bool)  # [B, seq_length]: which columns are stored
+        self._seq_length = 0  # columns per row, padding included (what transformers calls the cache length)
+        self._paged: bool | None = None  # attention mode the current contents were written under
+        self._step: ForwardStep | None = None
+
+    # ------------------------------------------------------------ Cache contract
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._seq_length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        # Every layer keeps every column, sliding ones included; the mask applies the window.
+        return self._seq_length + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._seq_length
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def __len__(self) -> int:
+        return self.geometry.num_layers
+
+    @property
+    def is_compileable(self) -> bool:
+        return False  # shapes change every step; True would make generate pre-build 4D masks and compile
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    @property
+    def is_initialized(self) -> bool:
+        return bool(self._rows)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._rows) if self._rows else -1
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * self.geometry.num_layers
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * self.geometry.num_layers
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * self.geometry.num_layers
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store this layer's new K/V. Returns (K, V) for sdpa/eager, or a pool handle for paged_backend."""
+        check_update_shapes(key_states, value_states, self.geometry, layer_idx)
+        if self.config._attn_implementation == ATTN_IMPLEMENTATION:
+            handle = PagedLayerKV(self, layer_idx, key_states, value_states)
+            return handle, handle  # the step is planned in attend: it needs the padding mask
+        if layer_idx == 0:
+            self._begin_step(key_states, value_states, None, paged=False)
+        step = self._step
+        self._check_followers(layer_idx, key_states, value_states)
+        key_cache, value_cache = self.kv_cache.layer(layer_idx)
+        reshape_and_cache(
+            _token_rows(key_states), _token_rows(value_states), key_cache, value_cache,
+            step.metadata.slot_mapping, backend=self.backend,
+        )
+        if step.fresh:
+            return key_states, value_states
+        return self._gather(key_cache, key_states.dtype), self._gather(value_cache, value_states.dtype)
+
+    def attend_layer(self, handle: PagedLayerKV, query, scaling, sliding_window, softcap, attention_mask):
+        """Paged-attention path of `update`'s handle: plan on layer 0, then write and attend from the pool."""
+        if handle.layer_idx == 0:
+            self._begin_step(handle.key, handle.value, attention_mask, paged=True)
+        step = self._step
+        if sliding_window is not None and step.has_holes:
+            raise InvalidRequest(
+                "paged_backend attention skips padding, so a sliding window cannot count padding columns that sit "
+                "between real tokens; left-pad the batch, or use attn_implementation='sdpa'"
+            )
+        self._check_followers(handle.layer_idx, handle.key, handle.value)
+        return attend_packed(
+            self.kv_cache, handle.layer_idx, query, handle.key, handle.value, step.metadata,
+            scaling, sliding_window, softcap,
+        )
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i continues row beam_idx[i]. Block tables are permuted; no KV is copied."""
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        picks = indices.tolist()
+        if picks == list(range(len(self._rows))):
+            return
+        rows = [self._copy_row(self._rows[i]) for i in picks]
+        self._free_rows()
+        self._rows = rows
+        self._columns = self._columns[indices.cpu()]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Row i becomes rows i*repeats .. i*repeats+repeats-1, all sharing its blocks."""
+        self._rows = [copy for seq in self._rows for copy in [seq] + [self._copy_row(seq) for _ in range(repeats - 1)]]
+        self._columns = self._columns.repeat_interleave(repeats, dim=0)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` columns (negative, as transformers passes it)."""
+        if tokens_to_remove > 0:
+            raise InvalidRequest(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+        keep = max(self._seq_length + tokens_to_remove, 0)
+        stored = self._columns[:, :keep].sum(dim=1).tolist()
+        for seq, count in zip(self._rows, stored, strict=True):
+            if self.block_manager.has(seq):
+                self.block_manager.truncate(seq, count)
+        self._columns = self._columns[:, :keep]
+        self._seq_length = keep
+
+    def reset(self) -> None:
+        """Free every row's blocks; the cache is empty and reusable for a new generate."""
+        self._free_rows()
+        self._clear()
+
+    def stats(self) -> CacheStats:
+        """Blocks used / shared / free, bytes, waste % and what prompt sharing saved."""
+        return CacheStats(self.block_manager.stats(), self.kv_cache.bytes_per_block, self._peak_used_blocks)
+
+    # ------------------------------------------------------------- rows/blocks
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+    def _copy_row(self, seq: int) -> int:
+        child = self._new_seq_id()
+        if self.block_manager.has(seq):
+            self.block_manager.fork(seq, child)
+        return child
+
+    def _free_rows(self) -> None:
+        for seq in self._rows:
+            if self.block_manager.has(seq):
+                self.block_manager.free(seq)
+        self._rows = []
+
+    def _num_stored(self, seq: int) -> int:
+        return self.block_manager.num_tokens(seq) if self.block_manager.has(seq) else 0
+
+    def _grow(self, seq: int, num_tokens: int) -> list[tuple[int, int]]:
+        """Reserve slots for `num_tokens` more tokens; returns the copy-on-write block copies to do."""
+        if num_tokens == 0:
+            return []
+        if not self.block_manager.has(seq):
+            self.block_manager.allocate(seq, _placeholder_tokens(num_tokens))
+            return []
+        return self.block_manager.append_slots(seq, _placeholder_tokens(num_tokens))
+
+    # -------------------------------------------------------------------- steps
+    def _begin_step(self, key: torch.Tensor, value: torch.Tensor, attention_mask, *, paged: bool) -> None:
+        batch, _, q_len, _ = key.shape
+        fresh = not self._rows
+        if fresh:
+            self._paged = paged
+            self._rows = [self._new_seq_id() for _ in range(batch)]
+            self._columns = torch.zeros(batch, 0, dtype=torch.bool)
+        elif self._paged != paged:
+            raise InvalidRequest(
+                "this PagedCache was filled under another attention implementation; call cache.reset() "
+                "before generating with a different attn_implementation"
+            )
+        elif batch != len(self._rows):
+            self._expand_to(batch)
+        new_columns = self._new_columns(attention_mask, batch, q_len) if paged else torch.ones(batch, q_len).bool()
+        followers = identical_rows(key, value, new_columns) if fresh else {}
+        stored_before = [self._num_stored(seq) for seq in self._rows]
+        copies: list[tuple[int, int]] = []
+        for row, (seq, count) in enumerate(zip(self._rows, new_columns.sum(dim=1).tolist(), strict=True)):
+            if row not in followers:
+                copies += self._grow(seq, count)
+        for row, leader in followers.items():
+            if self.block_manager.has(self._rows[leader]):
+                self.block_manager.fork(self._rows[leader], self._rows[row])
+        self.kv_cache.copy_blocks(copies)
+        self._columns = torch.cat([self._columns, new_columns], dim=1)
+        self._seq_length += q_len
+        holes = bool((self._columns.int().cummax(dim=1).values > self._columns.int()).any())
+        self._step = ForwardStep(fresh, new_columns, stored_before, followers, has_holes=holes)
+        self._build_metadata()
+        used = self.block_manager.num_blocks - 1 - self.block_manager.num_free_blocks
+        self._peak_used_blocks = max(self._peak_used_blocks, used)
+
+    def _expand_to(self, batch: int) -> None:
+        """A filled cache meets generate's k-times expanded batch (beams / num_return_sequences): fork rows."""
+        if batch % len(self._rows):
+            raise InvalidRequest(
+                f"the cache holds {len(self._rows)} rows but the model got a batch of {batch}; continue with the "
+                f"same rows (or a multiple, for beams / num_return_sequences), or call cache.reset()"
+            )
+        self.batch_repeat_interleave(batch // len(self._rows))
+
+    def _new_columns(self, attention_mask, batch: int, q_len: int) -> torch.Tensor:
+        """Which of this forward's columns are real tokens (paged attention never stores padding)."""
+        past = self._seq_length
+        if attention_mask is None:
+            if not bool(self._columns.all()):
+                raise InvalidRequest(
+                    "the cache skipped padding columns earlier, so pass the full 2D attention_mask when continuing"
+                )
+            return torch.ones(batch, q_len, dtype=torch.bool)
+        mask = attention_mask.bool().cpu()
+        if tuple(mask.shape) != (batch, past + q_len):
+            raise InvalidRequest(
+                f"attention_mask has shape {tuple(mask.shape)}, expected ({batch}, {past + q_len}): past plus new columns"
+            )
+        if not torch.equal(mask[:, :past], self._columns):
+            raise InvalidRequest(
+                "the attention_mask's past columns differ from the padding the cache stored; keep the mask of "
+                "earlier calls and append to it"
+            )
+        return mask[:, past:]
+
+    def _build_metadata(self) -> None:
+        step, bm, device = self._step, self.block_manager, self.kv_cache.device
+        counts = step.new_columns.sum(dim=1).tolist()
+        slots: list[int] = []
+        for row, (seq, before, count) in enumerate(zip(self._rows, step.stored_before, counts, strict=True)):
+            own = row not in step.followers and count
+            slots += bm.slot_mapping(seq, before, before + count) if own else [-1] * count
+        tables = [bm.block_table(seq) if bm.has(seq) else [] for seq in self._rows]
+        block_tables = torch.zeros(len(tables), max(1, *map(len, tables)), dtype=torch.int32)
+        for row, table in enumerate(tables):
+            block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        seq_lens = [before + count for before, count in zip(step.stored_before, counts, strict=True)]
+        starts = torch.tensor([0, *counts]).cumsum(0)
+        row_index = None if bool(step.new_columns.all()) else step.new_columns.flatten().nonzero().squeeze(1)
+        step.metadata = PagedMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            block_tables=block_tables.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start_loc=starts.to(device=device, dtype=torch.int32),
+            row_index=None if row_index is None else row_index.to(device),
+            backend=self.backend,
+        )
+        if not self._paged and not step.fresh:
+            positions = torch.arange(self._seq_length, device=device)
+            bs = bm.block_size
+            step.gather_slots = step.metadata.block_tables.long()[:, positions // bs] * bs + positions % bs
+
+    def _check_followers(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Rows grouped on layer 0 must still match here; a row that differs gets its own copy of the blocks."""
+        step = self._step
+        if layer_idx == 0 or not step.followers:
+            return
+        diverged = [
+            row for row, leader in step.followers.items()
+            if not (torch.equal(key[row], key[leader]) and torch.equal(value[row], value[leader]))
+        ]
+        for row in diverged:
+            self._unshare(row, step.followers.pop(row))
+        if diverged:
+            self._build_metadata()
+
+    def _unshare(self, row: int, leader: int) -> None:
+        bm, seq, lead = self.block_manager, self._rows[row], self._rows[leader]
+        if not bm.has(lead):
+            return
+        bm.free(seq)
+        bm.allocate(seq, _placeholder_tokens(bm.num_tokens(lead)))
+        # Earlier layers were verified equal, so the leader's blocks are this row's KV up to here.
+        self.kv_cache.copy_blocks(list(zip(bm.block_table(lead), bm.block_table(seq), strict=True)))
+
+    def _gather(self, pool: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[B, Hkv, past + q, D] contiguous K or V of every row, read from the pool through its block table."""
+        flat = pool.view(-1, pool.shape[-2], pool.shape[-1])
+        return flat[self._step.gather_slots].transpose(1, 2).contiguous().to(dtype)
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, q, D] -> [B*q, H, D], row-major like the slot mapping."""
+    batch, heads, q_len, dim = x.shape
+    return x.transpose(1, 2).reshape(batch * q_len, heads, dim)

@@ -1,0 +1,51 @@
+"""Tiny seeded decoder models (2 layers, hidden 64, vocab 128, float32) of every architecture PagedCache serves."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+PAD, EOS = 0, 2
+_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=256, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=1,
+               initializer_range=0.2)
+_GQA = dict(num_key_value_heads=2)
+SLIDING_WINDOW = 6  # shorter than the test sequences, so windows really slide
+
+ARCHITECTURES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, _GQA),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {**_GQA, "sliding_window": SLIDING_WINDOW}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, _GQA),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {**_GQA, "head_dim": 16}),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+               {**_GQA, "head_dim": 16, "sliding_window": SLIDING_WINDOW, "attn_logit_softcapping": 5.0}),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+               {**_GQA, "head_dim": 16, "sliding_window": SLIDING_WINDOW,
+                "layer_types": ["sliding_attention", "full_attention"]}),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, _GQA),
+    "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel, {"n_positions": 256}),
+}
+
+
+def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0):
+    """A randomly initialised model of `arch`, identical for equal seeds."""
+    config_cls, model_cls, extra = ARCHITECTURES[arch]
+    config = config_cls(**_COMMON, **extra)
+    torch.manual_seed(seed)
+    model = model_cls._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = EOS
+    return model.eval()
+
+
+def prompts(padded: bool, rows: int = 2) -> dict[str, torch.Tensor]:
+    """A batch of prompts; with `padded`, rows have different lengths and are left-padded."""
+    g = torch.Generator().manual_seed(7)
+    lengths = [9 - 3 * (r % 3) for r in range(rows)] if padded else [9] * rows
+    width = max(lengths)
+    input_ids = torch.full((rows, width), PAD)
+    attention_mask = torch.zeros(rows, width, dtype=torch.long)
+    for r, n in enumerate(lengths):
+        input_ids[r, width - n :] = torch.randint(3, 128, (n,), generator=g)
+        attention_mask[r, width - n :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
