@@ -1,0 +1,51 @@
+"""The FastAPI app: OpenAI routes, /health, /metrics, around one AsyncEngine.
+
+>>> from paged_backend.engine import Engine                      # doctest: +SKIP
+>>> app = build_app(Engine(), ServerSettings(api_key="secret"))  # doctest: +SKIP
+>>> uvicorn.run(app, port=8000)                                  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI
+
+from paged_backend import __version__
+from paged_backend.server import chat, completions, system_routes
+from paged_backend.server.async_engine import AsyncEngine
+from paged_backend.server.guard import RequestGuard
+from paged_backend.server.metrics import ServerMetrics
+from paged_backend.server.openai_errors import install_error_handlers
+from paged_backend.server.state import EMBEDDED_MODEL_NAME, ServerSettings, ServerState
+
+if TYPE_CHECKING:
+    from paged_backend.engine import Engine
+
+
+def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
+    """An app serving `engine`; the engine loop starts and drains with the app's lifespan."""
+    async_engine = AsyncEngine(engine)
+    model_name = settings.served_model_name or engine.config.model or EMBEDDED_MODEL_NAME
+    state = ServerState(settings, async_engine, ServerMetrics(async_engine), model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await async_engine.start()
+        yield
+        await async_engine.shutdown(settings.drain_timeout)
+
+    app = FastAPI(title="paged-backend", version=__version__, lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    for module in (completions, chat, system_routes):
+        app.include_router(module.router)
+    app.add_middleware(
+        RequestGuard,
+        api_key=settings.api_key,
+        max_request_body_bytes=settings.max_request_body_bytes,
+        max_concurrent_requests=settings.max_concurrent_requests,
+    )
+    return app

@@ -1,0 +1,236 @@
+"""AsyncEngine: one thread steps the (not thread-safe) Engine; asyncio callers add, stream and abort.
+
+Every engine call (add, abort, step, stats) runs on that thread, fed by a command queue, so no lock is held
+across a step and the event loop never blocks on the model. Outputs go back to per-request asyncio queues.
+
+>>> async def main(engine):                       # doctest: +SKIP
+...     async_engine = AsyncEngine(engine)
+...     await async_engine.start()
+...     async for output in async_engine.generate("r1", "Hello", SamplingParams(max_tokens=4)):
+...         print(output.outputs[0].text)
+...     await async_engine.shutdown(drain_timeout=5)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from paged_backend.engine.request import RequestOutput, SamplingParams
+from paged_backend.errors import PagedBackendError
+
+if TYPE_CHECKING:
+    from paged_backend.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+class EngineNotRunning(PagedBackendError):
+    """The engine loop is not accepting requests (not started yet, or shutting down); retry elsewhere."""
+
+
+class RequestAborted(PagedBackendError):
+    """The request was aborted before it finished (server shutdown or an explicit abort)."""
+
+
+class EngineStepFailed(RuntimeError):
+    """An engine step raised; every request in flight at that moment is failed with this error."""
+
+
+_STOP = object()  # command-queue sentinel that ends the engine thread
+
+
+class AsyncEngine:
+    """Continuous batching for asyncio: requests join the running batch at the next step."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None] | object] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}  # event-loop side only
+        self._live_request_ids: set[str] = set()  # engine-thread side only
+        self._stats = engine.stats()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._accepting = False
+        self._idle = asyncio.Event()
+
+    async def start(self) -> None:
+        """Start the engine thread; requests are accepted from now on."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="paged-backend-engine", daemon=True)
+        self._thread.start()
+        self._accepting = True
+        self._idle.set()
+
+    async def shutdown(self, drain_timeout: float) -> None:
+        """Stop accepting, let in-flight requests finish for up to `drain_timeout` s, abort the rest, stop."""
+        self._accepting = False
+        if self._thread is None:
+            return
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=drain_timeout)
+        except asyncio.TimeoutError:
+            logger.warning("aborting %d request(s) still running after %.1f s", len(self._streams), drain_timeout)
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        self._commands.put(_STOP)
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its cumulative outputs until it finishes.
+
+        Bad input raises InvalidRequest / PromptTooLong before the first output. Closing or cancelling the
+        iterator early (a client disconnect) aborts the request, which frees its blocks at once.
+        """
+        if not self._accepting:
+            raise EngineNotRunning("the engine is not accepting requests (starting or shutting down); retry later")
+        if request_id in self._streams:
+            raise PagedBackendError(f"request id {request_id!r} is already running; use a unique id")
+        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = outputs
+        self._idle.clear()
+        finished = False
+        try:
+            try:
+                await self._call_on_engine_thread(
+                    lambda: self._add(request_id, prompt, sampling_params, prompt_token_ids, priority)
+                )
+            except PagedBackendError:
+                finished = True  # rejected: nothing was queued, nothing to abort
+                raise
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            del self._streams[request_id]
+            if not self._streams:
+                self._idle.set()
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (idempotent); its blocks are freed at the next turn of the engine thread."""
+        self._commands.put(lambda: self._abort(request_id))
+
+    def stats(self) -> Any:
+        """The engine's EngineStats as of the end of the latest engine-thread iteration."""
+        return self._stats
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ---- event-loop side -------------------------------------------------------------------------------
+
+    def _call_on_engine_thread(self, function: Callable[[], Any]) -> asyncio.Future:
+        future = self._loop.create_future()
+
+        def run() -> None:
+            try:
+                result = function()
+            except BaseException as error:  # handed to the awaiting caller, never swallowed
+                self._loop.call_soon_threadsafe(_resolve, future, None, error)
+            else:
+                self._loop.call_soon_threadsafe(_resolve, future, result, None)
+
+        self._commands.put(run)
+        return future
+
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put_nowait(item)
+
+    # ---- engine-thread side ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self._drain_commands(block=not self.engine.has_unfinished_requests()):
+                    return
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._stats = self.engine.stats()
+            except Exception as error:  # a broken step fails its requests; the loop itself keeps serving
+                logger.exception("engine step failed; failing %d request(s) in flight", len(self._live_request_ids))
+                self._fail_live_requests(error)
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Run queued commands (waiting for one when idle); False once the stop sentinel arrives."""
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if command is _STOP:
+                return False
+            try:
+                command()
+            except Exception:  # one bad command (an abort that raised) must not stop the loop
+                logger.exception("engine command failed")
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, request_id, prompt, sampling_params, prompt_token_ids, priority) -> None:
+        self.engine.add_request(
+            request_id, prompt, sampling_params, prompt_token_ids=prompt_token_ids, priority=priority
+        )
+        self._live_request_ids.add(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        if request_id not in self._live_request_ids:
+            return
+        self.engine.abort_request(request_id)
+        self._live_request_ids.discard(request_id)
+        error = RequestAborted(f"request {request_id!r} was aborted before it finished")
+        self._loop.call_soon_threadsafe(self._deliver, [(request_id, error)])
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        for output in outputs:
+            if output.finished:
+                self._live_request_ids.discard(output.request_id)
+        if outputs:
+            self._loop.call_soon_threadsafe(self._deliver, [(output.request_id, output) for output in outputs])
+
+    def _fail_live_requests(self, cause: Exception) -> None:
+        failed = list(self._live_request_ids)
+        for request_id in failed:
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("abort of %r after a failed step also failed", request_id)
+        self._live_request_ids.clear()
+        error = EngineStepFailed(f"the engine failed while running this request: {cause!r}")
+        self._loop.call_soon_threadsafe(self._deliver, [(request_id, error) for request_id in failed])
+
+
+def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

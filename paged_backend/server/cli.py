@@ -1,0 +1,72 @@
+"""`paged-backend serve`: the OpenAI-compatible server. `register(app)` adds the command to a Typer app."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+
+from paged_backend.errors import PagedBackendError
+from paged_backend.server import engine_args
+from paged_backend.server.engine_args import EngineArgs
+
+
+def serve(
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on")] = 8000,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="PAGED_BACKEND_API_KEY", help="require 'Authorization: Bearer <key>' on /v1")
+    ] = None,
+    max_concurrent_requests: Annotated[
+        int | None, typer.Option(min=1, help="generation requests in flight; more get 429")
+    ] = None,
+    max_request_body_bytes: Annotated[int, typer.Option(min=1, help="larger request bodies get 413")] = 1 << 20,
+    drain_timeout: Annotated[
+        float, typer.Option(min=0, help="seconds in-flight requests get to finish on shutdown before being aborted")
+    ] = 10.0,
+    served_model_name: Annotated[str | None, typer.Option(help="model name in the API; default: --model")] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
+    model: engine_args.Model = None,
+    block_size: engine_args.BlockSize = None,
+    num_blocks: engine_args.NumBlocks = None,
+    max_num_seqs: engine_args.MaxNumSeqs = None,
+    max_num_batched_tokens: engine_args.MaxNumBatchedTokens = None,
+    max_model_len: engine_args.MaxModelLen = None,
+    swap_space: engine_args.SwapSpace = None,
+    enable_prefix_caching: engine_args.EnablePrefixCaching = None,
+    dtype: engine_args.Dtype = None,
+    device: engine_args.Device = None,
+    seed: engine_args.Seed = None,
+    gpu_memory_utilization: engine_args.GpuMemoryUtilization = None,
+) -> None:
+    """Serve OpenAI /v1/completions and /v1/chat/completions, /v1/models, /health and /metrics."""
+    import uvicorn
+
+    from paged_backend.engine import Engine
+    from paged_backend.server.app import build_app
+    from paged_backend.server.state import ServerSettings
+
+    args = EngineArgs(
+        model=model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, swap_space=swap_space,
+        enable_prefix_caching=enable_prefix_caching, dtype=dtype, device=device, seed=seed,
+        gpu_memory_utilization=gpu_memory_utilization,
+    )  # fmt: skip
+    try:
+        engine = Engine(args.to_engine_config())
+    except (PagedBackendError, ValidationError) as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from error
+    settings = ServerSettings(
+        api_key=api_key, max_concurrent_requests=max_concurrent_requests,
+        max_request_body_bytes=max_request_body_bytes, drain_timeout=drain_timeout,
+        served_model_name=served_model_name,
+    )  # fmt: skip
+    app = build_app(engine, settings)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `serve` command to a Typer app (the `paged-backend` CLI)."""
+    app.command("serve")(serve)

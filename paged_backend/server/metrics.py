@@ -1,0 +1,75 @@
+"""Prometheus metrics named like vLLM's (`vllm:` -> `paged_backend:`), in a registry owned by one app.
+
+Engine gauges and counters are read from the engine's stats at scrape time; latency histograms are
+observed by the server as it streams each request's tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from paged_backend.engine.request import RequestOutput
+from paged_backend.server.async_engine import AsyncEngine
+
+PREFIX = "paged_backend:"
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, async_engine: AsyncEngine) -> None:
+        self.async_engine = async_engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.async_engine.stats()
+        yield GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests in the running batch.", stats.num_running)
+        yield GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests waiting to run.", stats.num_waiting)
+        yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stats.kv_usage)
+        counters = {
+            "num_preemptions": ("Sequences preempted for lack of KV blocks.", stats.num_preemptions),
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
+            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+            "prompt_tokens": ("Prompt tokens processed.", stats.prompt_tokens),
+            "generation_tokens": ("Tokens generated.", stats.generation_tokens),
+        }
+        for name, (documentation, value) in counters.items():
+            yield CounterMetricFamily(f"{PREFIX}{name}", documentation, value)
+
+
+class ServerMetrics:
+    """All metrics of one app; `track` wraps an engine output stream to time its tokens."""
+
+    def __init__(self, async_engine: AsyncEngine) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineStatsCollector(async_engine))
+
+        def histogram(name: str, documentation: str) -> Histogram:
+            return Histogram(f"{PREFIX}{name}", documentation, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to the first output token.")
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between successive outputs.")
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish of a request.")
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def track(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        """Pass outputs through, observing TTFT, the gaps between them, and end-to-end latency."""
+        arrival = previous = time.monotonic()
+        tokens_seen = 0
+        try:
+            async for output in outputs:
+                now = time.monotonic()
+                tokens = sum(len(completion.token_ids) for completion in output.outputs)
+                if tokens > tokens_seen:  # a prefill chunk that produced no token is not a token
+                    (self.inter_token_latency if tokens_seen else self.time_to_first_token).observe(now - previous)
+                    tokens_seen, previous = tokens, now
+                if output.finished:
+                    self.e2e_request_latency.observe(now - arrival)
+                yield output
+        finally:
+            await outputs.aclose()

@@ -1,0 +1,112 @@
+"""OpenAI-style error bodies and the exception handlers that turn every failure into one (4xx for bad input)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from paged_backend.errors import InvalidRequest, OutOfBlocks, PagedBackendError, PromptTooLong
+from paged_backend.server.async_engine import EngineNotRunning, EngineStepFailed, RequestAborted
+from paged_backend.server.disconnect import ClientDisconnected
+
+logger = logging.getLogger(__name__)
+
+
+class ModelNotFound(Exception):
+    """The request names a model this server does not serve."""
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    """The `{"error": {message, type, param, code}}` object every OpenAI endpoint returns on failure."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(
+    status_code: int, message: str, type_: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status_code)
+
+
+def error_bytes(message: str, type_: str, code: str | None = None) -> bytes:
+    """The same body, pre-serialized for the raw ASGI guard that answers before FastAPI runs."""
+    return json.dumps(error_body(message, type_, None, code)).encode()
+
+
+def engine_error(error: Exception) -> tuple[int, dict]:
+    """Status and body for an error raised by the engine or the async loop."""
+    if isinstance(error, PromptTooLong):
+        return 400, error_body(str(error), "invalid_request_error", "prompt", "context_length_exceeded")
+    if isinstance(error, OutOfBlocks):
+        return 429, error_body(str(error), "rate_limit_error", None, "kv_cache_full")
+    if isinstance(error, (EngineNotRunning, RequestAborted)):
+        return 503, error_body(str(error), "server_unavailable", None, "service_unavailable")
+    if isinstance(error, EngineStepFailed):
+        return 500, error_body(str(error), "internal_error", None, "engine_step_failed")
+    if isinstance(error, (InvalidRequest, PagedBackendError)):
+        return 400, error_body(str(error), "invalid_request_error", None, None)
+    return 500, error_body("internal server error", "internal_error", None, None)
+
+
+def describe_validation_error(error: dict) -> tuple[str, str | None]:
+    """A sentence naming the offending field, and that field's dotted path (OpenAI's `param`)."""
+    location = [str(part) for part in error.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    kind = error.get("type", "")
+    if kind == "json_invalid":
+        return f"the request body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}", None
+    if kind == "extra_forbidden":
+        return f"unknown field '{param}'; remove it (see GET /openapi.json for the accepted fields)", param
+    if kind == "missing":
+        return f"'{param}' is required", param
+    if not location:
+        return f"the request body is invalid: {error.get('msg')}", None
+    return f"invalid value for '{param}': {error.get('msg')}", param
+
+
+async def _validation_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    message, param = describe_validation_error(errors[0]) if errors else ("the request is invalid", None)
+    return error_response(400, message, "invalid_request_error", param)
+
+
+async def _http_handler(request: Request, exc: HTTPException) -> JSONResponse:
+    if exc.status_code == 404:
+        message = f"no route {request.method} {request.url.path}; see GET /openapi.json"
+        return error_response(404, message, "invalid_request_error", None, "not_found")
+    if exc.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+        return error_response(405, message, "invalid_request_error", None, "method_not_allowed")
+    return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+
+
+async def _engine_handler(request: Request, exc: Exception) -> JSONResponse:
+    status_code, body = engine_error(exc)
+    return JSONResponse(body, status_code=status_code)
+
+
+async def _model_not_found_handler(request: Request, exc: ModelNotFound) -> JSONResponse:
+    return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
+
+
+async def _disconnected_handler(request: Request, exc: ClientDisconnected) -> Response:
+    return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+
+async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal server error", "internal_error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _validation_handler)
+    app.add_exception_handler(HTTPException, _http_handler)
+    app.add_exception_handler(PagedBackendError, _engine_handler)
+    app.add_exception_handler(EngineStepFailed, _engine_handler)
+    app.add_exception_handler(ModelNotFound, _model_not_found_handler)
+    app.add_exception_handler(ClientDisconnected, _disconnected_handler)
+    app.add_exception_handler(Exception, _unexpected_handler)

@@ -1,0 +1,119 @@
+"""OpenAI request bodies. Strict: wrong types and unknown fields are rejected with a 400 naming the field.
+
+Besides OpenAI's fields, the vLLM sampling extensions (top_k, min_p, repetition_penalty, min_tokens,
+ignore_eos, stop_token_ids, skip_special_tokens) are accepted. `user` is accepted and ignored, as OpenAI
+only uses it for abuse monitoring.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from paged_backend.engine.request import SamplingParams
+
+MAX_N = 16  # choices per prompt; bounds the work one request can ask for
+MAX_STOP_STRINGS = 16
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions; null means the default."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: int | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    user: str | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    skip_special_tokens: bool | None = None
+
+    @property
+    def wants_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Engine parameters; fields left out or null keep SamplingParams' own defaults."""
+        given = {
+            name: getattr(self, name)
+            for name in (
+                "n",
+                "temperature",
+                "top_p",
+                "seed",
+                "stop",
+                "presence_penalty",
+                "frequency_penalty",
+                "top_k",
+                "min_p",
+                "repetition_penalty",
+                "min_tokens",
+                "ignore_eos",
+                "stop_token_ids",
+                "skip_special_tokens",
+            )  # fmt: skip
+            if getattr(self, name) is not None
+        }
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **given)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt of a batch: text, or token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if self.prompt and all(isinstance(item, int) for item in self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    add_generation_prompt: bool = True
+
+    def requested_logprobs(self) -> int | None:
+        """Engine logprobs count: top alternatives per token, or None when logprobs are off."""
+        return (self.top_logprobs or 0) if self.logprobs else None

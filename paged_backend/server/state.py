@@ -1,0 +1,50 @@
+"""What the routes share: settings, the async engine, metrics, and the served model's name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+from transformers import PreTrainedTokenizerBase
+
+from paged_backend.server.async_engine import AsyncEngine
+from paged_backend.server.metrics import ServerMetrics
+from paged_backend.server.openai_errors import ModelNotFound
+
+EMBEDDED_MODEL_NAME = "paged-backend-tiny"
+
+
+@dataclass
+class ServerSettings:
+    """HTTP-level limits and behaviour; engine settings live in EngineConfig."""
+
+    api_key: str | None = None
+    max_concurrent_requests: int | None = None  # generation requests in flight; more get 429
+    max_request_body_bytes: int = 1 << 20  # larger bodies get 413
+    drain_timeout: float = 10.0  # seconds in-flight requests get to finish on shutdown
+    served_model_name: str | None = None  # default: --model, or the embedded model's name
+
+
+@dataclass
+class ServerState:
+    settings: ServerSettings
+    async_engine: AsyncEngine
+    metrics: ServerMetrics
+    model_name: str
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.async_engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.async_engine.engine.max_model_len
+
+    def check_model(self, requested: str | None) -> None:
+        """OpenAI answers 404 model_not_found for a model it does not serve; omitting it means ours."""
+        if requested is not None and requested != self.model_name:
+            raise ModelNotFound(f"model '{requested}' is not served here; this server serves '{self.model_name}'")
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server

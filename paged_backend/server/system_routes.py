@@ -1,0 +1,34 @@
+"""GET /health, /metrics and /v1/models."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from paged_backend.server.state import ServerState, server_state
+
+router = APIRouter()
+STARTED = int(time.time())
+
+
+@router.get("/health")
+async def health(server: ServerState = Depends(server_state)) -> JSONResponse:
+    """200 while the engine loop serves; the body carries the engine's counters for debugging."""
+    return JSONResponse({"status": "ok", "requests_in_flight": server.async_engine.num_in_flight,
+                         "engine": asdict(server.async_engine.stats())})  # fmt: skip
+
+
+@router.get("/metrics")
+async def metrics(server: ServerState = Depends(server_state)) -> Response:
+    return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def list_models(server: ServerState = Depends(server_state)) -> JSONResponse:
+    model = {"id": server.model_name, "object": "model", "created": STARTED, "owned_by": "paged-backend",
+             "max_model_len": server.max_model_len}  # fmt: skip
+    return JSONResponse({"object": "list", "data": [model]})
