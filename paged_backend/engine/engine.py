@@ -1,0 +1,402 @@
+"""Engine (add_request / step / abort_request) and LLM (offline generate) over any HF causal LM."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from paged_backend.attention import register_paged_attention
+from paged_backend.block_manager import BlockManager
+from paged_backend.config import CacheConfig, EngineConfig, SchedulerConfig
+from paged_backend.engine.request import Request, RequestOutput, SamplingParams, Sequence, SequenceStatus
+from paged_backend.engine.runner import ModelRunner
+from paged_backend.engine.sampler import Sampler
+from paged_backend.engine.scheduler import Scheduler
+from paged_backend.errors import InvalidRequest, PromptTooLong
+from paged_backend.kv_cache import (
+    PagedKVCache,
+    available_memory,
+    bytes_per_block,
+    num_blocks_for_budget,
+    resolve_kv_dtype,
+)
+from paged_backend.models import load_model
+
+CPU_DEFAULT_KV_BYTES = 2 << 30  # on CPU "free memory" is the whole machine: default to 2 GiB (or 20%) instead
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters a server exports; usage figures are fractions in [0, 1]."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_usage: float
+    peak_kv_usage: float
+    num_preemptions: int
+    num_split_prefills: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found cached
+    prompt_tokens: int
+    generation_tokens: int
+    num_steps: int
+    step_time: float  # seconds inside step()
+    forward_time: float  # seconds inside the model forward
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+def _model_shape(config) -> tuple[int, int, int, int]:
+    """(layers, kv heads, head dim, max positions) of a causal LM config."""
+    config = config.get_text_config()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return config.num_hidden_layers, kv_heads, head_dim, getattr(config, "max_position_embeddings", 2048)
+
+
+class Engine:
+    """Continuous-batching engine: add requests, call `step()` until done, read cumulative outputs.
+
+    >>> engine = Engine(EngineConfig(device="cpu", cache=CacheConfig(num_blocks=64)))
+    >>> engine.add_request("a", "Hello", SamplingParams(temperature=0, max_tokens=4))
+    >>> while engine.has_unfinished_requests():
+    ...     outputs = engine.step()
+    >>> len(outputs[0].outputs[0].token_ids)
+    4
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        model: PreTrainedModel | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        if model is None:
+            model, tokenizer = load_model(config.model, tokenizer=config.tokenizer, dtype=config.dtype,
+                                          device=config.device)
+        elif tokenizer is None:
+            raise InvalidRequest("a model object was given without its tokenizer; pass tokenizer=...")
+        model.set_attn_implementation(register_paged_attention())
+        self.model, self.tokenizer = model.eval(), tokenizer
+        cache = config.cache
+        num_layers, kv_heads, head_dim, max_positions = _model_shape(model.config)
+        kv_dtype = resolve_kv_dtype(cache.cache_dtype, model.dtype)
+        device = model.device
+        num_blocks = self._num_blocks(cache, (num_layers, kv_heads, head_dim, cache.block_size, kv_dtype), device)
+        block_bytes = bytes_per_block(num_layers, kv_heads, head_dim, cache.block_size, kv_dtype)
+        num_cpu_blocks = int(cache.swap_space * (1 << 30)) // block_bytes
+        self.block_manager = BlockManager(
+            num_blocks, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
+            watermark=cache.watermark, num_cpu_blocks=num_cpu_blocks,
+        )
+        self.kv_cache = PagedKVCache(
+            num_layers, kv_heads, head_dim, num_blocks, cache.block_size,
+            dtype=kv_dtype, device=device, num_cpu_blocks=num_cpu_blocks,
+        )
+        # A sequence must fit the pool on its own, or it could never be scheduled again after a preemption.
+        capacity = (num_blocks - 1 - self.block_manager.watermark_blocks) * cache.block_size
+        self.max_model_len = min(config.scheduler.max_model_len or max_positions, capacity)
+        mode = config.scheduler.preemption_mode or ("swap" if num_cpu_blocks else "recompute")
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, mode)
+        backend = None if config.attention_backend == "auto" else config.attention_backend
+        self.runner = ModelRunner(model, self.kv_cache, self.block_manager, backend)
+        self.eos_token_ids = self._eos_token_ids()
+        self.sampler = Sampler(self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._counters = dict(prompt_tokens=0, generation_tokens=0, num_steps=0, step_time=0.0, forward_time=0.0)
+        self._peak_kv_usage = 0.0
+
+    @staticmethod
+    def _num_blocks(cache: CacheConfig, shape: tuple, device: torch.device) -> int:
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        memory_bytes = cache.kv_cache_memory_bytes
+        if memory_bytes is None and device.type != "cuda":
+            memory_bytes = min(CPU_DEFAULT_KV_BYTES, available_memory(device) // 5)
+        if memory_bytes is not None:
+            return num_blocks_for_budget(*shape, memory_bytes=memory_bytes)
+        return num_blocks_for_budget(*shape, memory_fraction=cache.gpu_memory_utilization, device=device)
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            if source is not None:
+                ids.update(source if isinstance(source, list) else [source])
+        return ids
+
+    # ------------------------------------------------------------- requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request. Bad input raises `InvalidRequest` / `PromptTooLong` at once and queues nothing."""
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use; give each request a unique id")
+        params = sampling_params or SamplingParams()
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise InvalidRequest("give a prompt or prompt_token_ids")
+            prompt_token_ids = self.tokenizer(prompt).input_ids
+        prompt_token_ids = list(prompt_token_ids)
+        if not prompt_token_ids:
+            raise InvalidRequest("prompt is empty; give at least one token of prompt")
+        vocab = self.model.config.get_text_config().vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequest(f"prompt_token_ids must be integers in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise PromptTooLong(
+                f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.max_model_len} "
+                f"(prompt plus at least one generated token): shorten the prompt or raise max_model_len / the KV pool"
+            )
+        request = Request(request_id, prompt, prompt_token_ids, params, priority, next(self._arrivals))
+        request.seqs.append(Sequence(request, 0))
+        self.requests[request_id] = request
+        self.scheduler.add(request.seqs[0])
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its blocks now. Unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                self.scheduler.remove(seq)
+        request.finished = True
+        request.metrics.finished_time = time.monotonic()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return the outputs of every request that got a token (or finished)."""
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        self.kv_cache.swap_out(plan.swap_out)
+        self.kv_cache.copy_blocks(plan.copies)
+        self.kv_cache.swap_in(plan.swap_in)
+        now = time.monotonic()
+        for item in plan.scheduled:
+            metrics = item.seq.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        forward_start = time.perf_counter()
+        logits = self.runner.execute(plan.scheduled)
+        self._counters["forward_time"] += time.perf_counter() - forward_start
+
+        sampling: list[Sequence] = []
+        for item in plan.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens = item.start + item.num_tokens
+            self.block_manager.commit(seq.seq_id, seq.num_computed_tokens)
+            if item.samples:
+                sampling.append(seq)
+        rows, seqs = self._fork_new_samples(sampling)
+        if len(rows) != len(sampling):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        tokens, logprobs = self.sampler(logits, seqs)
+
+        advanced: dict[str, Request] = {}
+        now = time.monotonic()
+        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+            self._append_token(seq, token, logprob)
+            advanced[seq.request.request_id] = seq.request
+        self._counters["generation_tokens"] += len(tokens)
+        self.scheduler.drop_finished()
+        outputs = []
+        for request in advanced.values():
+            request.metrics.record_token(now)
+            if all(seq.is_finished for seq in request.seqs):
+                request.finished = True
+                request.metrics.finished_time = now
+                del self.requests[request.request_id]
+            outputs.append(request.output())
+        self._peak_kv_usage = max(self._peak_kv_usage, self._kv_usage())
+        self._counters["num_steps"] += 1
+        self._counters["step_time"] += time.perf_counter() - started
+        return outputs
+
+    def _fork_new_samples(self, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+        """Requests whose prompt just finished prefilling fork their n - 1 siblings (shared prompt blocks)."""
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for row, seq in enumerate(sampling):
+            rows.append(row)
+            seqs.append(seq)
+            request = seq.request
+            if request.forked:
+                continue
+            request.forked = True
+            self._counters["prompt_tokens"] += len(request.prompt_token_ids)
+            for index in range(1, request.params.n):
+                child = seq.fork(index)
+                self.block_manager.fork(seq.seq_id, child.seq_id)
+                request.seqs.append(child)
+                self.scheduler.add_running(child)
+                rows.append(row)
+                seqs.append(child)
+        return rows, seqs
+
+    def _append_token(self, seq: Sequence, token: int, logprob: dict[int, float] | None) -> None:
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        params = seq.request.params
+        new_text = self._detokenize(seq)
+        if seq.num_output_tokens >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                return self._finish(seq, "stop", None)
+            if token in params.stop_token_ids:
+                return self._finish(seq, "stop", token)
+            for stop in params.stop:
+                # Only the new text and the stop-string-long tail before it can hold a new match.
+                at = seq.text.find(stop, max(0, len(seq.text) - len(new_text) - len(stop) + 1))
+                if at != -1:
+                    seq.text = seq.text[:at]
+                    return self._finish(seq, "stop", stop)
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason
+        self.scheduler.remove(seq)
+
+    def _detokenize(self, seq: Sequence) -> str:
+        """Append the text of the newest token(s); waits while bytes of a character are still incomplete."""
+        skip = seq.request.params.skip_special_tokens
+        ids = seq.token_ids
+        before = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
+        after = self.tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        new_text = after[len(before) :]
+        seq.text += new_text
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        return new_text
+
+    # ----------------------------------------------------------------- stats
+    def _kv_usage(self) -> float:
+        manager = self.block_manager
+        return 1 - manager.num_free_blocks / (manager.num_blocks - 1)
+
+    def stats(self) -> EngineStats:
+        scheduler, manager, counters = self.scheduler, self.block_manager, self._counters
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_swapped=len(scheduler.swapped),
+            kv_usage=self._kv_usage(),
+            peak_kv_usage=self._peak_kv_usage,
+            num_preemptions=scheduler.num_preemptions,
+            num_split_prefills=scheduler.num_split_prefills,
+            prefix_cache_queries=manager.prefix_queries,
+            prefix_cache_hits=manager.prefix_hits,
+            prompt_tokens=counters["prompt_tokens"],
+            generation_tokens=counters["generation_tokens"],
+            num_steps=counters["num_steps"],
+            step_time=counters["step_time"],
+            forward_time=counters["forward_time"],
+        )
+
+
+class LLM:
+    """Offline batch generation on top of `Engine`.
+
+    >>> llm = LLM(device="cpu", num_blocks=64)
+    >>> [out] = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3))
+    >>> len(out.outputs[0].token_ids)
+    3
+    """
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel | None = None,
+        *,
+        tokenizer: str | PreTrainedTokenizerBase | None = None,
+        **engine_kwargs,
+    ) -> None:
+        objects = not (model is None or isinstance(model, str))
+        config = engine_config(model=None if objects else model,
+                               tokenizer=None if objects or tokenizer is None else tokenizer, **engine_kwargs)
+        self.engine = Engine(config, model=model if objects else None, tokenizer=tokenizer if objects else None)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequest(f"{len(params)} sampling params for {len(prompts)} prompts; give one or one each")
+        ids = []
+        for prompt, param in zip(prompts, params, strict=True):
+            request_id = str(next(self._ids))
+            if isinstance(prompt, str):
+                self.engine.add_request(request_id, prompt, param)
+            else:
+                self.engine.add_request(request_id, None, param, prompt_token_ids=prompt)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        progress = _progress(len(ids)) if use_tqdm else None
+        generated, started = 0, time.perf_counter()
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                generated += 1
+                if output.finished:
+                    finished[output.request_id] = output
+                    if progress is not None:
+                        progress.update(1)
+            if progress is not None:
+                progress.set_postfix_str(f"{generated / (time.perf_counter() - started):.1f} tok/s")
+        if progress is not None:
+            progress.close()
+        return [finished[request_id] for request_id in ids]
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)
+
+
+def engine_config(**kwargs) -> EngineConfig:
+    """Build an `EngineConfig` from flat keyword arguments (vLLM style: `block_size=16, max_num_seqs=64`).
+
+    >>> engine_config(block_size=8, max_num_seqs=4).scheduler.max_num_seqs
+    4
+    """
+    cache_fields, scheduler_fields = CacheConfig.model_fields, SchedulerConfig.model_fields
+    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in cache_fields}
+    scheduler = {k: kwargs.pop(k) for k in list(kwargs) if k in scheduler_fields}
+    unknown = set(kwargs) - set(EngineConfig.model_fields)
+    if unknown:
+        raise InvalidRequest(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+    return EngineConfig(cache=CacheConfig(**cache), scheduler=SchedulerConfig(**scheduler), **kwargs)

@@ -1,0 +1,219 @@
+"""Request and sequence state, sampling parameters and the outputs the engine returns (vLLM vocabulary)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from paged_backend.errors import InvalidRequest
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop. Field names and defaults follow vLLM.
+
+    >>> SamplingParams(temperature=0.0, max_tokens=8).max_tokens
+    8
+    >>> SamplingParams(top_p=1.5)
+    Traceback (most recent call last):
+    paged_backend.errors.InvalidRequest: top_p must be in (0, 1], got 1.5
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: no limit
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs per output token, besides the sampled one
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        checks = [
+            ("n", self.n >= 1, "must be at least 1"),
+            ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
+            ("temperature", self.temperature >= 0, "must be >= 0 (0 = greedy)"),
+            ("top_k", self.top_k >= -1, "must be -1, 0 (no limit) or positive"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "must be token ids"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise InvalidRequest(f"{name} {rule}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.monotonic) of one request; a server exports these."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    def record_token(self, now: float) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = now
+        else:
+            self.inter_token_latencies.append(now - self.last_token_time)
+        self.last_token_time = now
+
+
+@dataclass
+class CompletionOutput:
+    """One sampled completion; text and token ids are cumulative (a server computes deltas)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+_sequence_ids = itertools.count()
+DETOKENIZE_CONTEXT = 5
+
+
+class Sequence:
+    """One completion being generated: its tokens, progress through the KV pool and detokenizer state."""
+
+    def __init__(self, request: Request, index: int) -> None:
+        self.seq_id = next(_sequence_ids)
+        self.request = request
+        self.index = index
+        self.token_ids = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose KV is in the pool
+        self.status = SequenceStatus.WAITING
+        self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.generator = self._generator(request.params.seed, index)
+        # Incremental detokenization: text so far and the token window decoded last time. The window starts a
+        # few prompt tokens back so tokenizers that drop a word's leading space alone still render it.
+        self.text = ""
+        self.prefix_offset = max(0, self.num_prompt_tokens - DETOKENIZE_CONTEXT)
+        self.read_offset = self.num_prompt_tokens
+
+    @staticmethod
+    def _generator(seed: int | None, index: int) -> torch.Generator | None:
+        """Seeded requests own their RNG, so their tokens never depend on what else is in the batch."""
+        if seed is None:
+            return None
+        return torch.Generator().manual_seed(hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def fork(self, index: int) -> Sequence:
+        """A sibling for parallel sampling (n > 1) that shares this sequence's prompt."""
+        child = Sequence(self.request, index)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        return child
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=self.output_token_ids,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass(eq=False)
+class Request:
+    """A user request: one prompt, its sampling parameters, and its n sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival_order: int = 0
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False  # the n - 1 siblings exist once the prompt is prefilled
+    finished: bool = False
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[seq.completion() for seq in self.seqs],
+            finished=self.finished,
+            metrics=self.metrics,
+        )

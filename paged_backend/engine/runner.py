@@ -1,0 +1,98 @@
+"""Packs one scheduled step into a `[1, T]` batch and runs the HF model over the paged pool.
+
+Metadata (slot mapping, block tables, sequence lengths, query start locations) is built once per step and
+shared by every layer through `PackedKV` handles. Logits are computed only at each sampling sequence's last
+position (`logits_to_keep`), never for the whole packed prompt.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache, PreTrainedModel
+
+from paged_backend.attention import PackedKV, PagedMetadata
+from paged_backend.block_manager import BlockManager
+from paged_backend.engine.scheduler import ScheduledSequence
+from paged_backend.kv_cache import PagedKVCache
+
+
+class StepCache(Cache):
+    """The per-step cache handed to the model: `update` returns handles that write to and read from the pool."""
+
+    def __init__(self, kv_cache: PagedKVCache, metadata: PagedMetadata) -> None:
+        super().__init__(layers=[])
+        self.kv_cache, self.metadata = kv_cache, metadata
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        handle = PackedKV(self.kv_cache, layer_idx, key_states, value_states, self.metadata)
+        return handle, handle
+
+
+class ModelRunner:
+    """Runs the model for a list of scheduled sequences; returns logits of the sequences that sample."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        kv_cache: PagedKVCache,
+        block_manager: BlockManager,
+        attention_backend: str | None = None,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_manager = block_manager
+        self.attention_backend = attention_backend
+        self.device = kv_cache.device
+
+    def prepare(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor, PagedMetadata, list[int]]:
+        """Flatten the step into input ids, positions, paged metadata and the rows whose logits are kept."""
+        manager, block_size = self.block_manager, self.block_manager.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_start_loc = [0]
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        for item in scheduled:
+            seq, start = item.seq, item.start
+            end = start + item.num_tokens
+            table = manager.block_table(seq.seq_id)
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            if item.num_tokens == 1:  # the decode hot path: one slot, no list building
+                slots.append(table[start // block_size] * block_size + start % block_size)
+            else:
+                slots += manager.slot_mapping(seq.seq_id, start, end)
+            seq_lens.append(end)
+            query_start_loc.append(query_start_loc[-1] + item.num_tokens)
+            tables.append(table)
+            if item.samples:
+                sample_rows.append(query_start_loc[-1] - 1)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        int32 = dict(dtype=torch.int32, device=self.device)
+        metadata = PagedMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            block_tables=torch.tensor(padded, **int32),
+            seq_lens=torch.tensor(seq_lens, **int32),
+            query_start_loc=torch.tensor(query_start_loc, **int32),
+            backend=self.attention_backend,
+        )
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        pos = torch.tensor([positions], dtype=torch.long, device=self.device)
+        return ids, pos, metadata, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
+        """One packed forward. Returns float32 logits `[num_sampling_sequences, vocab]`."""
+        ids, positions, metadata, sample_rows = self.prepare(scheduled)
+        keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            past_key_values=StepCache(self.kv_cache, metadata),
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        return out.logits[0].float()

@@ -1,0 +1,184 @@
+"""Iteration-level scheduling: which sequences run this step, how many tokens each, who gets preempted.
+
+Running sequences go first, decodes before prefill chunks so a long prompt never starves them. Waiting
+sequences are admitted only when their whole prompt fits above the watermark and nobody was preempted this
+step, which keeps admission from thrashing against preemption.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from collections import deque
+from dataclasses import dataclass, field
+
+from paged_backend.block_manager import BlockManager
+from paged_backend.config import SchedulerConfig
+from paged_backend.engine.request import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    start: int  # first position computed this step
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the sequence's last token, so the step samples its next one."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.scheduled)
+
+
+class Scheduler:
+    """Decides each step's batch under the `max_num_seqs` / `max_num_batched_tokens` budgets."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, preemption_mode: str) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.preemption_mode = preemption_mode
+        self.waiting: list[Sequence] = []  # kept sorted by `key`
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []  # kept sorted by `key`
+        self.num_preemptions = 0
+        self.num_split_prefills = 0  # prefill chunks that stopped before the end of their prompt
+
+    def key(self, seq: Sequence) -> tuple[int, int, int]:
+        """Smaller = served first, preempted last."""
+        request = seq.request
+        priority = request.priority if self.config.policy == "priority" else 0
+        return priority, request.arrival_order, seq.index
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        insort(self.waiting, seq, key=self.key)
+
+    def add_running(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Forget a finished or aborted sequence and free its blocks at once."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        if self.block_manager.has(seq.seq_id):
+            self.block_manager.free(seq.seq_id)
+
+    def drop_finished(self) -> None:
+        self.running = [seq for seq in self.running if not seq.is_finished]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # ------------------------------------------------------------------ step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        ordered = sorted(self.running, key=self.key)
+        queue = deque([s for s in ordered if s.num_tokens - s.num_computed_tokens == 1])
+        queue.extend(s for s in ordered if s.num_tokens - s.num_computed_tokens != 1)
+        self.running = []
+        preempted = False
+        while queue:
+            seq = queue.popleft()
+            num_new = self._chunk(seq, budget)
+            if num_new == 0:
+                self.running.append(seq)  # stays running; no budget left this step
+                continue
+            while not self._can_reserve(seq):
+                victim = max([*queue, seq], key=self.key)  # the lowest-priority one, possibly `seq` itself
+                if victim is not seq:
+                    queue.remove(victim)
+                self._preempt(victim, out)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                budget -= self._reserve_and_schedule(seq, num_new, out)
+        if not preempted:
+            budget = self._swap_in(budget, out)
+            self._admit(budget, out)
+        return out
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens `seq` computes this step: all it has left, or a budget-sized chunk of its prefill."""
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if remaining > budget and not self.config.enable_chunked_prefill:
+            return 0
+        return min(remaining, budget)
+
+    def _pending(self, seq: Sequence) -> list[int]:
+        """Tokens sampled since the block manager last saw the sequence (they need slots)."""
+        return seq.token_ids[self.block_manager.num_tokens(seq.seq_id) :]
+
+    def _can_reserve(self, seq: Sequence) -> bool:
+        return self.block_manager.can_append(seq.seq_id, len(self._pending(seq)))
+
+    def _reserve_and_schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> int:
+        pending = self._pending(seq)
+        if pending:
+            out.copies += self.block_manager.append_slots(seq.seq_id, pending)
+        start = seq.num_computed_tokens
+        out.scheduled.append(ScheduledSequence(seq, start, num_new))
+        if start + num_new < seq.num_tokens:
+            self.num_split_prefills += 1
+        self.running.append(seq)
+        return num_new
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        manager = self.block_manager
+        if self.preemption_mode == "swap" and manager.can_swap_out([seq.seq_id]):
+            out.swap_out += manager.swap_out([seq.seq_id])
+            seq.status = SequenceStatus.SWAPPED
+            insort(self.swapped, seq, key=self.key)
+            return
+        # Recompute: drop the KV; the sequence re-prefills prompt + output later (prefix cache helps).
+        manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        self.add(seq)
+
+    def _swap_in(self, budget: int, out: SchedulerOutput) -> int:
+        manager = self.block_manager
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            need = len(manager.block_table(seq.seq_id)) + 1  # its blocks plus room for the next token
+            if need > manager.num_free_blocks - manager.watermark_blocks:
+                break
+            self.swapped.pop(0)
+            out.swap_in += manager.swap_in([seq.seq_id])
+            seq.status = SequenceStatus.RUNNING
+            num_new = self._chunk(seq, budget)
+            if num_new == 0:
+                self.running.append(seq)
+                break
+            budget -= self._reserve_and_schedule(seq, num_new, out)
+        return budget
+
+    def _admit(self, budget: int, out: SchedulerOutput) -> None:
+        manager = self.block_manager
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            # A fresh request reserves room for all its n samples, which fork right after the prefill.
+            width = 1 if seq.request.forked else seq.request.params.n
+            if len(self.running) + width > self.config.max_num_seqs:
+                break
+            if not self.config.enable_chunked_prefill and seq.num_tokens > budget:
+                break
+            if not manager.can_allocate(seq.token_ids):
+                break
+            self.waiting.pop(0)
+            seq.num_computed_tokens = manager.allocate(seq.seq_id, seq.token_ids)
+            seq.status = SequenceStatus.RUNNING
+            budget -= self._reserve_and_schedule(seq, min(seq.num_tokens - seq.num_computed_tokens, budget), out)

@@ -1,0 +1,191 @@
+"""Loading HF causal LMs and tokenizers (local directory or hub id), plus the embedded tiny default model.
+
+The embedded default needs no download: a Llama-architecture model with seeded random weights and a
+byte-level tokenizer built with the `tokenizers` library. It exists so every command works on a fresh install.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from paged_backend.errors import InvalidRequest
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+# Bytes 0xFD..0xFF never occur in UTF-8 text, so their ids carry the special tokens: vocab stays at 256.
+SPECIAL_TOKENS = {"<|bos|>": 253, "<|eos|>": 254, "<|pad|>": 255}
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|bos|>{{ message['role'] }}\n{{ message['content'] }}<|eos|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
+)
+EMBEDDED_SHAPE = dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=512)
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise InvalidRequest(f"device must be auto, cpu, cuda or cuda:N, got {device!r}") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequest("device 'cuda' was asked for but no CUDA device is available; use --device cpu")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device, config_dtype: torch.dtype | None = None) -> torch.dtype:
+    """'auto' -> float32 on CPU (half precision is slow there), the checkpoint's half dtype on GPU."""
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    if dtype not in DTYPES:
+        raise InvalidRequest(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A 256-token byte-level tokenizer with bos/eos/pad and a chat template, built locally in milliseconds.
+
+    >>> tok = byte_tokenizer()
+    >>> tok.decode(tok("hé").input_ids)
+    'hé'
+    """
+    byte_to_char = _bytes_to_unicode()
+    vocab = {byte_to_char[b]: b for b in range(253)}
+    vocab.update(SPECIAL_TOKENS)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The GPT-2 byte -> printable character map that the ByteLevel pre-tokenizer uses."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    mapping = {b: chr(b) for b in printable}
+    mapping.update({b: chr(256 + i) for i, b in enumerate(others)})
+    return mapping
+
+
+def tiny_model(
+    arch: str = "llama",
+    seed: int = 0,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    vocab_size: int = 256,
+    max_position_embeddings: int = 1024,
+    dtype: torch.dtype = torch.float32,
+) -> PreTrainedModel:
+    """A randomly initialised causal LM with a fixed seed (tests, benchmarks, the embedded default).
+
+    >>> model = tiny_model("qwen2", seed=1)
+    >>> model.config.num_hidden_layers
+    2
+    """
+    if arch not in ARCHITECTURES:
+        raise InvalidRequest(f"unknown tiny model architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    config_cls, model_cls = ARCHITECTURES[arch]
+    config = config_cls(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=SPECIAL_TOKENS["<|bos|>"],
+        eos_token_id=SPECIAL_TOKENS["<|eos|>"],
+        pad_token_id=SPECIAL_TOKENS["<|pad|>"],
+        tie_word_embeddings=False,
+    )
+    # Weights are drawn from a private generator so building a model never disturbs the global RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    return model.to(dtype).eval()
+
+
+def embedded_model(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """The default model when none is given: tiny Llama (hidden 256, 4 layers, GQA 8/2) + byte tokenizer."""
+    shape = EMBEDDED_SHAPE
+    model = tiny_model(
+        "llama",
+        seed=1234,
+        hidden_size=shape["hidden_size"],
+        num_layers=shape["num_layers"],
+        num_heads=shape["num_heads"],
+        num_kv_heads=shape["num_kv_heads"],
+        intermediate_size=shape["intermediate_size"],
+        max_position_embeddings=2048,
+        dtype=dtype,
+    )
+    return model, byte_tokenizer()
+
+
+def _is_path(name: str) -> bool:
+    """A hub id is `name` or `org/name`; anything else is meant as a local path."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.path.exists(name)
+
+
+def load_model(
+    model: str | None = None,
+    *,
+    tokenizer: str | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """Load `(model, tokenizer)` from a local HF directory or hub id; None gives the embedded tiny model.
+
+    >>> model, tok = load_model(None, device="cpu")
+    >>> type(model).__name__
+    'LlamaForCausalLM'
+    """
+    target = resolve_device(device)
+    if model is None:
+        loaded, tok = embedded_model(resolve_dtype(dtype, target))
+        return loaded.to(target), tok
+    source = os.path.expanduser(model)
+    if _is_path(model) and not os.path.isdir(source):
+        raise InvalidRequest(f"model path or id '{model}' not found: no such directory")
+    try:
+        config_dtype = getattr(AutoConfig.from_pretrained(source), "dtype", None)
+        torch_dtype = resolve_dtype(dtype, target, config_dtype)
+        loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+        tok = AutoTokenizer.from_pretrained(os.path.expanduser(tokenizer) if tokenizer else source)
+    except OSError as exc:
+        raise InvalidRequest(f"model path or id '{model}' not found: {exc}") from exc
+    return loaded.to(target).eval(), tok
