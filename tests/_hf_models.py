@@ -38,11 +38,10 @@ def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0):
     return model.eval()
 
 
-def prompts(padded: bool, rows: int = 2) -> dict[str, torch.Tensor]:
-    """A batch of prompts; with `padded`, rows have different lengths and are left-padded."""
+def prompts(padded: bool, rows: int = 2, width: int = 9) -> dict[str, torch.Tensor]:
+    """A batch of prompts; with `padded`, every row is left-padded (to different lengths)."""
     g = torch.Generator().manual_seed(7)
-    lengths = [9 - 3 * (r % 3) for r in range(rows)] if padded else [9] * rows
-    width = max(lengths)
+    lengths = [width - 2 * (r + 1) for r in range(rows)] if padded else [width] * rows
     input_ids = torch.full((rows, width), PAD)
     attention_mask = torch.zeros(rows, width, dtype=torch.long)
     for r, n in enumerate(lengths):

@@ -6,9 +6,10 @@ work right away.
 """
 
 from paged_backend.attention import register_paged_attention
-from paged_backend.hf.cache_stats import CacheStats
-from paged_backend.hf.model_support import KVGeometry, kv_geometry
-from paged_backend.hf.paged_cache import PagedCache
+
+from .cache_stats import CacheStats
+from .model_support import KVGeometry, kv_geometry
+from .paged_cache import PagedCache
 
 ATTN_IMPLEMENTATION = register_paged_attention()
 

@@ -9,7 +9,7 @@ import torch
 from paged_backend.errors import UnsupportedModel
 
 if TYPE_CHECKING:
-    from paged_backend.hf.paged_cache import PagedCache
+    from .paged_cache import PagedCache
 
 _TOUCHED = (
     "the model's attention code used the cached keys/values after Cache.update ({what}) instead of passing them "

@@ -17,17 +17,29 @@ class KVGeometry:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    sliding_windows: tuple[int | None, ...]  # per layer: window size, or None for full attention
+
+
+def _layer_types(config) -> list[str]:
+    """The config's layer types, inferred the way transformers' DynamicCache does when not listed."""
+    if getattr(config, "layer_types", None):
+        return list(config.layer_types)
+    if getattr(config, "sliding_window", None) is not None:
+        return ["sliding_attention"] * config.num_hidden_layers
+    if getattr(config, "attention_chunk_size", None) is not None:
+        return ["chunked_attention"] * config.num_hidden_layers
+    return ["full_attention"] * config.num_hidden_layers
 
 
 def _unsupported_feature(config) -> str | None:
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
         return "cross-attention (encoder-decoder models keep a second, encoder-side cache)"
-    for layer_type in getattr(config, "layer_types", None) or ():
+    for layer_type in _layer_types(config):
         if layer_type not in ATTENTION_LAYER_TYPES:
             return f"layers of type {layer_type!r} (only full and sliding-window attention layers are paged)"
     if getattr(config, "kv_lora_rank", None):
         return "multi-head latent attention (keys and values of different widths)"
-    if getattr(config, "num_kv_shared_layers", 0):
+    if getattr(config, "num_kv_shared_layers", 0) or getattr(config, "kv_sharing_modes", None):
         return "KV sharing across layers (some layers read another layer's cache)"
     return None
 
@@ -37,7 +49,7 @@ def kv_geometry(config) -> KVGeometry:
 
     >>> from transformers import LlamaConfig
     >>> kv_geometry(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2))
-    KVGeometry(num_layers=2, num_kv_heads=2, head_dim=16)
+    KVGeometry(num_layers=2, num_kv_heads=2, head_dim=16, sliding_windows=(None, None))
     """
     feature = _unsupported_feature(config)
     if feature:
@@ -47,6 +59,9 @@ def kv_geometry(config) -> KVGeometry:
         num_layers=config.num_hidden_layers,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        sliding_windows=tuple(
+            config.sliding_window if layer_type == "sliding_attention" else None for layer_type in _layer_types(config)
+        ),
     )
 
 

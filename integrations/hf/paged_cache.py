@@ -16,12 +16,13 @@ from transformers import Cache
 from paged_backend.attention import ATTN_IMPLEMENTATION, PagedMetadata, attend_packed
 from paged_backend.block_manager import BlockManager
 from paged_backend.errors import InvalidRequest
-from paged_backend.hf.cache_stats import CacheStats
-from paged_backend.hf.identical_rows import identical_rows
-from paged_backend.hf.layer_handle import PagedLayerKV
-from paged_backend.hf.model_support import check_update_shapes, kv_geometry
 from paged_backend.kv_cache import PagedKVCache, num_blocks_for_budget
 from paged_backend.ops import reshape_and_cache
+
+from .cache_stats import CacheStats
+from .identical_rows import identical_rows
+from .layer_handle import PagedLayerKV
+from .model_support import check_update_shapes, kv_geometry
 
 
 @dataclass
@@ -115,8 +116,8 @@ class PagedCache(Cache):
         return self._seq_length
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        # Every layer keeps every column, sliding ones included; the mask applies the window.
-        return self._seq_length + query_length, 0
+        visible = self._visible_past(layer_idx, self._seq_length)
+        return visible + query_length, self._seq_length - visible
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self._seq_length
@@ -145,7 +146,7 @@ class PagedCache(Cache):
 
     @property
     def is_sliding(self) -> list[bool]:
-        return [False] * self.geometry.num_layers
+        return [window is not None for window in self.geometry.sliding_windows]
 
     @property
     def is_linear(self) -> list[bool]:
@@ -170,9 +171,15 @@ class PagedCache(Cache):
             _token_rows(key_states), _token_rows(value_states), key_cache, value_cache,
             step.metadata.slot_mapping, backend=self.backend,
         )
-        if step.fresh:
-            return key_states, value_states
-        return self._gather(key_cache, key_states.dtype), self._gather(value_cache, value_states.dtype)
+        if step.fresh:  # contiguous like DynamicCache's concatenation: kernels round by memory layout
+            return key_states.contiguous(), value_states.contiguous()
+        # Sliding layers see what DynamicCache keeps (window - 1 past columns), so the math is the same.
+        q_len = key_states.shape[2]
+        columns = self._visible_past(layer_idx, self._seq_length - q_len) + q_len
+        return (
+            self._gather(key_cache, key_states.dtype, columns),
+            self._gather(value_cache, value_states.dtype, columns),
+        )
 
     def attend_layer(self, handle: PagedLayerKV, query, scaling, sliding_window, softcap, attention_mask):
         """Paged-attention path of `update`'s handle: plan on layer 0, then write and attend from the pool."""
@@ -372,10 +379,15 @@ class PagedCache(Cache):
         # Earlier layers were verified equal, so the leader's blocks are this row's KV up to here.
         self.kv_cache.copy_blocks(list(zip(bm.block_table(lead), bm.block_table(seq), strict=True)))
 
-    def _gather(self, pool: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[B, Hkv, past + q, D] contiguous K or V of every row, read from the pool through its block table."""
+    def _visible_past(self, layer_idx: int, past: int) -> int:
+        """Past columns a layer attends over in sdpa/eager: all, or the last window - 1 for sliding layers."""
+        window = self.geometry.sliding_windows[layer_idx]
+        return past if window is None else min(past, window - 1)
+
+    def _gather(self, pool: torch.Tensor, dtype: torch.dtype, columns: int) -> torch.Tensor:
+        """[B, Hkv, columns, D] contiguous K or V of the last `columns` columns, read through the block tables."""
         flat = pool.view(-1, pool.shape[-2], pool.shape[-1])
-        return flat[self._step.gather_slots].transpose(1, 2).contiguous().to(dtype)
+        return flat[self._step.gather_slots[:, -columns:]].transpose(1, 2).contiguous().to(dtype)
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
