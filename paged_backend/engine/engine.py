@@ -26,7 +26,7 @@ from paged_backend.kv_cache import (
 )
 from paged_backend.models import load_model
 
-CPU_DEFAULT_KV_BYTES = 2 << 30  # on CPU "free memory" is the whole machine: default to 2 GiB (or 20%) instead
+CPU_DEFAULT_KV_BYTES = 512 << 20  # on CPU "free memory" is the whole machine: default to 512 MiB (or 10%)
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class Engine:
         backend = None if config.attention_backend == "auto" else config.attention_backend
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager, backend)
         self.eos_token_ids = self._eos_token_ids()
-        self.sampler = Sampler(self.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=device)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._counters = dict(prompt_tokens=0, generation_tokens=0, num_steps=0, step_time=0.0, forward_time=0.0)
@@ -123,7 +123,7 @@ class Engine:
             return cache.num_blocks
         memory_bytes = cache.kv_cache_memory_bytes
         if memory_bytes is None and device.type != "cuda":
-            memory_bytes = min(CPU_DEFAULT_KV_BYTES, available_memory(device) // 5)
+            memory_bytes = min(CPU_DEFAULT_KV_BYTES, available_memory(device) // 10)
         if memory_bytes is not None:
             return num_blocks_for_budget(*shape, memory_bytes=memory_bytes)
         return num_blocks_for_budget(*shape, memory_fraction=cache.gpu_memory_utilization, device=device)
@@ -345,22 +345,30 @@ class LLM:
         prompts: str | list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
+        priority: list[int] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in input order."""
+        """Generate for every prompt (text or token ids); outputs come back in input order.
+
+        `priority` (one per prompt, smaller first) matters with the "priority" scheduling policy.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequest(f"{len(params)} sampling params for {len(prompts)} prompts; give one or one each")
-        ids = []
-        for prompt, param in zip(prompts, params, strict=True):
-            request_id = str(next(self._ids))
-            if isinstance(prompt, str):
-                self.engine.add_request(request_id, prompt, param)
-            else:
-                self.engine.add_request(request_id, None, param, prompt_token_ids=prompt)
-            ids.append(request_id)
+        priority = priority or [0] * len(prompts)
+        ids: list[str] = []
+        try:
+            for prompt, param, rank in zip(prompts, params, priority, strict=True):
+                request_id = str(next(self._ids))
+                text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+                self.engine.add_request(request_id, text, param, prompt_token_ids=token_ids, priority=rank)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:  # all or nothing: a bad prompt leaves no half-queued batch behind
+                self.engine.abort_request(request_id)
+            raise
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

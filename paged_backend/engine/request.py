@@ -145,19 +145,12 @@ class Sequence:
         self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.generator = self._generator(request.params.seed, index)
+        self.generator: torch.Generator | None = None  # made by the sampler for seeded requests
         # Incremental detokenization: text so far and the token window decoded last time. The window starts a
         # few prompt tokens back so tokenizers that drop a word's leading space alone still render it.
         self.text = ""
         self.prefix_offset = max(0, self.num_prompt_tokens - DETOKENIZE_CONTEXT)
         self.read_offset = self.num_prompt_tokens
-
-    @staticmethod
-    def _generator(seed: int | None, index: int) -> torch.Generator | None:
-        """Seeded requests own their RNG, so their tokens never depend on what else is in the batch."""
-        if seed is None:
-            return None
-        return torch.Generator().manual_seed(hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF)
 
     @property
     def output_token_ids(self) -> list[int]:

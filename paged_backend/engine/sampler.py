@@ -21,8 +21,20 @@ class Sampler:
     [1]
     """
 
-    def __init__(self, eos_token_ids: set[int]) -> None:
+    def __init__(self, eos_token_ids: set[int], *, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.eos_token_ids = sorted(eos_token_ids)
+        self.device = torch.device(device)
+        # Unseeded requests share the engine's generator: runs repeat, the global RNG is left alone.
+        self.generator = torch.Generator(self.device).manual_seed(seed)
+
+    def generator_for(self, seq: Sequence) -> torch.Generator:
+        """Seeded requests own their RNG, so their tokens never depend on what else is in the batch."""
+        seed = seq.request.params.seed
+        if seed is None:
+            return self.generator
+        if seq.generator is None:
+            seq.generator = torch.Generator(self.device).manual_seed(hash((seed, seq.index)) & (2**63 - 1))
+        return seq.generator
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
         params = [seq.request.params for seq in seqs]
@@ -59,7 +71,7 @@ class Sampler:
         if sampled:
             probs = self._probabilities(logits[sampled], [seqs[i].request.params for i in sampled])
             for row, i in enumerate(sampled):
-                draw = torch.multinomial(probs[row], 1, generator=seqs[i].generator)
+                draw = torch.multinomial(probs[row], 1, generator=self.generator_for(seqs[i]))
                 tokens[i] = draw[0]
         return tokens.tolist()
 
