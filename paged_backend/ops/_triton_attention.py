@@ -22,10 +22,20 @@ def _tanh(x):
 
 
 @triton.jit
+def _e4m3_as_fp16(x):
+    """e4m3fn bytes -> fp16 holding value / 256: exponent and mantissa bits shift into place exactly.
+
+    Bit decoding works on every GPU (Triton has no e4m3 type before sm89); the caller folds 256 into the scales.
+    """
+    bits = x.to(tl.uint16)
+    return (((bits & 0x7F) << 7) | ((bits & 0x80) << 8)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     """Last sequence b whose first query block `query_start_loc[b] // BLOCK_Q + b` is <= q_block."""
-    lo = 0
-    hi = num_seqs - 1
+    lo = tl.zeros([], dtype=tl.int32)  # tensors, not constants: num_seqs == 1 is specialised to a constexpr
+    hi = lo + num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
@@ -50,7 +60,7 @@ def paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -104,7 +114,9 @@ def paged_attention_kernel(
         slot = offs_n % BLOCK_SIZE
         k_offsets = block_ids * stride_k_block + slot * stride_k_slot + kv_head * stride_k_head
         k = tl.load(key_cache_ptr + k_offsets[None, :] + offs_d[:, None],
-                    mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
+                    mask=key_valid[None, :] & dim_valid[:, None], other=0)
+        if KV_FP8:
+            k = _e4m3_as_fp16(k)
         # fp8 -> fp16/bf16/fp32 is exact; the pool scale is folded into qk_scale and v_scale
         scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
         if USE_SOFTCAP:
@@ -121,7 +133,9 @@ def paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v_offsets = block_ids * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
         v = tl.load(value_cache_ptr + v_offsets[:, None] + offs_d[None, :],
-                    mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+                    mask=key_valid[:, None] & dim_valid[None, :], other=0)
+        if KV_FP8:
+            v = _e4m3_as_fp16(v)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
 

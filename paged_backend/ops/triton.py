@@ -22,6 +22,7 @@ SPLIT_KV_MAX_PROGRAMS = 128
 SPLIT_KV_TOKENS_PER_SEGMENT = 512
 SPLIT_KV_MAX_SEGMENTS = 16
 KV_TILE = 32
+FP8_BIT_DECODE_SCALE = 256.0  # the kernel decodes e4m3 bytes to value / 256 (see _e4m3_as_fp16)
 
 
 def unavailable_reason() -> str | None:
@@ -154,6 +155,12 @@ def paged_attention_split_kv(
         partial_out = partial_max = partial_sum = out  # unused by the single-segment kernel
     # the interpreter's numpy dot cannot multiply bf16; on a GPU bf16 goes to the tensor cores as is
     upcast_dot = query.dtype == torch.bfloat16 and not query.is_cuda
+    kv_fp8 = is_fp8(key_cache.dtype)
+    if kv_fp8 and key_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8 pools must be float8_e4m3fn for the Triton kernel, got {key_cache.dtype}")
+    if kv_fp8:
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+        k_scale, v_scale = k_scale * FP8_BIT_DECODE_SCALE, v_scale * FP8_BIT_DECODE_SCALE
     attention_kernels, _ = _kernels()
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
     attention_kernels.paged_attention_kernel[grid](
@@ -169,7 +176,7 @@ def paged_attention_split_kv(
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE=KV_TILE, BLOCK_M=block_m, BLOCK_Q=block_q,
         NUM_SEGMENTS=num_segments, USE_SOFTCAP=bool(softcap), USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 or upcast_dot else "tf32",
+        KV_FP8=kv_fp8, DOT_PRECISION="ieee" if query.dtype == torch.float32 or upcast_dot else "tf32",
         UPCAST_DOT=upcast_dot,
     )
     if num_segments > 1:
