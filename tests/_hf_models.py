@@ -27,10 +27,10 @@ ARCHITECTURES = {
 }
 
 
-def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0):
-    """A randomly initialised model of `arch`, identical for equal seeds."""
+def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0, **overrides):
+    """A randomly initialised model of `arch`, identical for equal seeds and overrides."""
     config_cls, model_cls, extra = ARCHITECTURES[arch]
-    config = config_cls(**_COMMON, **extra)
+    config = config_cls(**{**_COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = model_cls._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
     model.generation_config.pad_token_id = PAD
