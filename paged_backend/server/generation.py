@@ -81,6 +81,7 @@ class Generation:
     _progress: dict[int, _ChoiceProgress] = field(default_factory=dict, init=False)
     _final: dict[int, RequestOutput] = field(default_factory=dict, init=False)
     _n: int = field(default=1, init=False)
+    _holdback: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
@@ -88,6 +89,8 @@ class Generation:
     async def start(self, prompts: list[str | list[int]], params: SamplingParams) -> None:
         """Add every prompt and wait for its first output, so bad input fails before any response byte."""
         self._n = params.n
+        # The engine cuts a matched stop string out of text it already reported: hold back its possible start.
+        self._holdback = max((len(stop) for stop in params.stop), default=1) - 1
         for index, prompt in enumerate(prompts):
             text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
             stream = self.async_engine.generate(f"{self.id}-{index}", text, params, prompt_token_ids=token_ids)
@@ -150,14 +153,17 @@ class Generation:
         progress = self._progress.setdefault(index, _ChoiceProgress())
         if progress.finished:
             return None
-        text = completion.text[progress.text_sent :]
+        finished = completion.finish_reason is not None
+        safe_end = len(completion.text) if finished else len(completion.text) - self._holdback
+        text = completion.text[progress.text_sent : safe_end]
         token_ids = completion.token_ids[progress.tokens_sent :]
         logprobs = None if completion.logprobs is None else completion.logprobs[progress.tokens_sent :]
-        if not text and not token_ids and completion.finish_reason is None:
+        if not text and not token_ids and not finished:
             return None
         delta = ChoiceDelta(index, text, token_ids, logprobs, completion.finish_reason, not progress.started)
-        progress.text_sent, progress.tokens_sent = len(completion.text), len(completion.token_ids)
-        progress.started, progress.finished = True, completion.finish_reason is not None
+        progress.text_sent += len(text)
+        progress.tokens_sent = len(completion.token_ids)
+        progress.started, progress.finished = True, finished
         return delta
 
 

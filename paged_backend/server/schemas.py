@@ -18,6 +18,14 @@ MAX_STOP_STRINGS = 16
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
+MAX_PROMPTS = 64  # prompts in one batch request
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Prompt = (
+    str
+    | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+)
 
 
 class _Strict(BaseModel):
@@ -81,14 +89,12 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: Prompt
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt of a batch: text, or token ids."""
-        if isinstance(self.prompt, str):
-            return [self.prompt]
-        if self.prompt and all(isinstance(item, int) for item in self.prompt):
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
             return [self.prompt]
         return list(self.prompt)
 
