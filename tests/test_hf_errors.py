@@ -1,0 +1,87 @@
+"""PagedCache refuses what it cannot do exactly, with a sentence saying what to change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _hf_models import prompts, tiny_model
+from paged_backend.hf import PagedCache
+from paged_backend.hf.layer_handle import PagedLayerKV
+from transformers import AttentionInterface, BartConfig, LlamaConfig
+
+from paged_backend import InvalidRequest, OutOfBlocks, UnsupportedModel
+
+
+def llama_config(**overrides) -> LlamaConfig:
+    return LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, **overrides)
+
+
+def test_import_registers_the_paged_backend_attention():
+    assert "paged_backend" in AttentionInterface._global_mapping
+    model = tiny_model("llama", "paged_backend")
+    assert model.config._attn_implementation == "paged_backend"
+
+
+@pytest.mark.parametrize(
+    ("config", "feature"),
+    [
+        (BartConfig(d_model=64, encoder_layers=1, decoder_layers=1), "cross-attention"),
+        (llama_config(layer_types=["full_attention", "linear_attention"]), "linear_attention"),
+        (llama_config(attention_chunk_size=8), "chunked_attention"),
+    ],
+    ids=["encoder_decoder", "linear_attention", "chunked_attention"],
+)
+def test_unsupported_architectures_name_the_feature(config, feature):
+    with pytest.raises(UnsupportedModel, match=feature):
+        PagedCache(config, max_tokens=64)
+
+
+def test_model_code_that_touches_the_handle_is_unsupported():
+    handle = PagedLayerKV(None, 0, torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16))
+    with pytest.raises(UnsupportedModel, match="shape"):
+        _ = handle.shape
+    with pytest.raises(UnsupportedModel, match="cat"):
+        torch.cat([handle, handle])
+
+
+def test_keys_of_another_width_than_the_config_are_unsupported():
+    cache = PagedCache(llama_config(), max_tokens=64)
+    with pytest.raises(UnsupportedModel, match="head sizes"):
+        cache.update(torch.zeros(1, 2, 3, 32), torch.zeros(1, 2, 3, 32), 0)
+
+
+@pytest.mark.parametrize("budget", [{}, {"max_tokens": 64, "num_blocks": 8}], ids=["none", "two"])
+def test_exactly_one_budget(budget):
+    with pytest.raises(InvalidRequest, match="exactly one budget"):
+        PagedCache(llama_config(), **budget)
+
+
+def test_memory_budget_sizes_the_pool():
+    cache = PagedCache(llama_config(), memory_bytes=10 * 2 * 2 * 16 * 2 * 16 * 4, block_size=16)
+    assert cache.kv_cache.num_blocks == 10
+    assert cache.stats().pool_bytes == 10 * cache.kv_cache.bytes_per_block
+
+
+def test_a_budget_too_small_for_the_prompt_raises_out_of_blocks():
+    model = tiny_model("llama")
+    with pytest.raises(OutOfBlocks, match="KV memory budget"):
+        model.generate(**prompts(padded=False), max_new_tokens=2, past_key_values=PagedCache(model, max_tokens=8))
+
+
+@torch.no_grad()
+def test_a_different_batch_on_a_filled_cache_is_refused():
+    model = tiny_model("llama")
+    cache = PagedCache(model, max_tokens=256)
+    model(**prompts(padded=False, rows=2), past_key_values=cache)
+    with pytest.raises(InvalidRequest, match="cache.reset"):
+        model(**prompts(padded=False, rows=3), past_key_values=cache)
+
+
+@torch.no_grad()
+def test_switching_attention_on_a_filled_cache_is_refused():
+    model = tiny_model("llama")
+    cache = PagedCache(model, max_tokens=256)
+    model(**prompts(padded=False), past_key_values=cache)
+    model.set_attn_implementation("paged_backend")
+    with pytest.raises(InvalidRequest, match="cache.reset"):
+        model(input_ids=torch.tensor([[5], [6]]), past_key_values=cache)
