@@ -1,0 +1,174 @@
+"""The TGI HTTP API on any backend: `create_app(backend, settings)` returns the FastAPI app.
+
+Routes, defaults, SSE framing, error bodies and status codes follow TGI's router (`server.rs`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from paged_backend.tgi import openai_routes
+from paged_backend.tgi.backend import Backend
+from paged_backend.tgi.errors import TgiError, UnhealthyError
+from paged_backend.tgi.infer import Infer
+from paged_backend.tgi.metrics import TgiMetrics
+from paged_backend.tgi.responses import generate_json, stream_json, timing_headers
+from paged_backend.tgi.schemas import CompatGenerateRequest, GenerateRequest
+from paged_backend.tgi.settings import RouterSettings
+from paged_backend.tgi.sse import event, sse_response
+from paged_backend.tgi.validation import validate_stream
+
+from paged_backend import __version__
+
+DRAIN_TIMEOUT_SECONDS = 90.0  # TGI's --graceful-termination-timeout default
+
+
+def create_app(backend: Backend, settings: RouterSettings, drain_timeout: float = DRAIN_TIMEOUT_SECONDS) -> FastAPI:
+    metrics = TgiMetrics(settings.max_input_tokens, settings.max_total_tokens)
+    infer = Infer(backend, settings, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await backend.start()
+        yield
+        await backend.shutdown(drain_timeout)
+
+    app = FastAPI(title="paged-backend (TGI API)", version=__version__, lifespan=lifespan)
+    app.state.infer = infer
+    app.state.settings = settings
+
+    @app.exception_handler(TgiError)
+    async def tgi_error(request: Request, error: TgiError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def body_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in error.errors())
+        message = f"Failed to deserialize the JSON body into the target type: {problems}"
+        return JSONResponse({"error": message, "error_type": "validation"}, status_code=422)
+
+    @app.middleware("http")
+    async def payload_limit(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and int(length) > settings.payload_limit:
+            return Response(status_code=413)
+        return await call_next(request)
+
+    def require_api_key(request: Request) -> None:
+        if settings.api_key and request.headers.get("authorization") != f"Bearer {settings.api_key}":
+            raise _Unauthorized()
+
+    @app.exception_handler(_Unauthorized)
+    async def unauthorized(request: Request, error: _Unauthorized) -> Response:
+        return Response(status_code=401)
+
+    guarded = [Depends(require_api_key)]
+
+    async def generate_response(body: GenerateRequest, default_full_text: bool) -> tuple[dict, dict]:
+        start = time.monotonic()
+        with infer.permit():
+            request = infer.validate(body.inputs, body.parameters)
+            validation_time = time.monotonic() - start
+            generation, others = await infer.generate(request)
+        params = body.parameters
+        full_text = params.return_full_text if params.return_full_text is not None else default_full_text
+        with_details = params.details or params.decoder_input_details
+        payload = generate_json(generation, body.inputs if full_text else "", with_details, others)
+        headers = timing_headers(generation, backend.name, validation_time, time.monotonic() - start)
+        return payload, headers
+
+    async def stream_frames(body: GenerateRequest, default_full_text: bool) -> AsyncIterator[str]:
+        params = body.parameters
+        full_text = params.return_full_text if params.return_full_text is not None else default_full_text
+        try:
+            with infer.permit():
+                validate_stream(params)
+                request = infer.validate(body.inputs, params)
+                async with contextlib.aclosing(infer.stream(request)) as steps:
+                    async for step in steps:
+                        yield event(stream_json(step, body.inputs if full_text else "", params.details))
+        except TgiError as error:
+            yield event(error.body())
+
+    @app.post("/generate", dependencies=guarded)
+    async def generate(body: GenerateRequest) -> JSONResponse:
+        payload, headers = await generate_response(body, default_full_text=False)
+        return JSONResponse(payload, headers=headers)
+
+    @app.post("/generate_stream", dependencies=guarded)
+    async def generate_stream(body: GenerateRequest) -> Response:
+        return sse_response(stream_frames(body, default_full_text=False), {"x-compute-type": backend.name})
+
+    @app.post("/", dependencies=guarded)
+    async def compat_generate(body: CompatGenerateRequest) -> Response:
+        if body.stream:
+            return sse_response(stream_frames(body, settings.compat_return_full_text))
+        payload, headers = await generate_response(body, settings.compat_return_full_text)
+        return JSONResponse([payload], headers=headers)
+
+    @app.post("/tokenize", dependencies=guarded)
+    async def tokenize(body: GenerateRequest) -> JSONResponse:
+        encoding = infer.tokenizer(body.inputs, return_offsets_mapping=True)
+        pieces = [
+            {"id": token_id, "text": body.inputs[start:stop], "start": start, "stop": stop}
+            for token_id, (start, stop) in zip(encoding.input_ids, encoding.offset_mapping, strict=True)
+        ]
+        return JSONResponse(pieces)
+
+    openai_routes.register(app, infer, settings, guarded)
+
+    @app.get("/info")
+    async def info() -> JSONResponse:
+        return JSONResponse(
+            {
+                "model_id": settings.model_id,
+                "model_sha": None,
+                "model_pipeline_tag": "text-generation",
+                "max_concurrent_requests": settings.max_concurrent_requests,
+                "max_best_of": settings.max_best_of,
+                "max_stop_sequences": settings.max_stop_sequences,
+                "max_input_tokens": settings.max_input_tokens,
+                "max_total_tokens": settings.max_total_tokens,
+                "validation_workers": settings.validation_workers,
+                "max_client_batch_size": settings.max_client_batch_size,
+                "router": "text-generation-router",
+                "version": __version__,
+                "sha": None,
+                "docker_label": None,
+                "backend": backend.name,
+            }
+        )
+
+    async def health_response() -> Response:
+        if not await backend.health():
+            raise UnhealthyError()
+        return Response(status_code=200)
+
+    app.add_api_route("/health", health_response, methods=["GET"])
+    app.add_api_route("/ping", health_response, methods=["GET"])
+    app.add_api_route("/", health_response, methods=["GET"])
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        load = backend.load()
+        metrics.queue_size.set(load.queue_size)
+        metrics.batch_current_size.set(load.batch_size)
+        metrics.batch_current_max_tokens.set(load.kv_tokens_used)
+        metrics.batch_max_total_tokens.set(load.kv_tokens_total)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        model = {"id": settings.model_id, "object": "model", "created": 0, "owned_by": settings.model_id}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    return app
+
+
+class _Unauthorized(Exception):
+    """Missing or wrong `Authorization: Bearer <api key>`; TGI answers 401 with an empty body."""

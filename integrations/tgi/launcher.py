@@ -1,0 +1,122 @@
+"""`paged-backend launch`: text-generation-launcher's command line, serving the TGI API on a chosen backend.
+
+paged-backend launch --model-id PATH --backend paged      # this engine, in-process (default)
+paged-backend launch --model-id PATH --backend reference  # HF generate, contiguous KV (A/B baseline)
+paged-backend launch --backend grpc --shard-uds-path /tmp/text-generation-server   # drive a v3 shard
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+
+from paged_backend.tgi.launcher_flags import ignored_flags, parse_flags
+from paged_backend.tgi.settings import RouterSettings, model_to_load
+
+logger = logging.getLogger("paged_backend.tgi")
+
+
+class LaunchError(SystemExit):
+    """A flag combination TGI's router would also refuse; exits with the reason."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"paged-backend launch: {message}")
+
+
+def engine_config(args: argparse.Namespace):
+    """EngineConfig for `--backend paged`, from TGI flag names (pool sized by --max-batch-total-tokens)."""
+    from paged_backend.server.engine_args import EngineArgs
+
+    num_blocks = args.num_blocks
+    if num_blocks is None and args.max_batch_total_tokens is not None:
+        num_blocks = math.ceil(args.max_batch_total_tokens / args.block_size) + 1  # + the reserved block 0
+    engine_args = EngineArgs(
+        model=model_to_load(args.model_id),
+        block_size=args.block_size,
+        num_blocks=num_blocks,
+        max_num_seqs=args.max_batch_size,
+        max_num_batched_tokens=args.max_batch_prefill_tokens,
+        max_model_len=args.max_total_tokens,
+        dtype=args.dtype,
+        device=args.device,
+        gpu_memory_utilization=args.cuda_memory_fraction,
+    )
+    config = engine_args.to_engine_config()
+    config.tokenizer = args.tokenizer_name
+    if args.kv_cache_dtype:
+        config.cache.cache_dtype = _kv_cache_dtype(args.kv_cache_dtype)
+    return config
+
+
+def _kv_cache_dtype(name: str) -> str:
+    # TGI spells fp8 variants after torch dtypes; the pool knows fp8 (e4m3).
+    if name in ("fp8", "fp8_e4m3fn"):
+        return "fp8"
+    if name == "fp8_e5m2":
+        raise LaunchError("--kv-cache-dtype fp8_e5m2 is not supported; use fp8_e4m3fn")
+    return name
+
+
+def build_backend(args: argparse.Namespace):
+    """The backend object the HTTP face drives."""
+    if args.backend == "paged":
+        from paged_backend.tgi.paged import PagedBackend
+
+        from paged_backend.engine import Engine
+
+        return PagedBackend(Engine(engine_config(args)))
+    if args.backend == "reference":
+        from paged_backend.tgi.reference import ReferenceBackend
+
+        from paged_backend.models import load_model
+
+        model, tokenizer = load_model(
+            model_to_load(args.model_id), tokenizer=args.tokenizer_name, dtype=args.dtype or "auto", device=args.device
+        )
+        max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", 2048)
+        return ReferenceBackend(model, tokenizer, max_positions)
+    from paged_backend.tgi.router.backend import GrpcBackend
+
+    return GrpcBackend.from_flags(args)
+
+
+def router_settings(args: argparse.Namespace, max_model_len: int) -> RouterSettings:
+    """Limits with TGI's defaults and its startup checks."""
+    max_total = args.max_total_tokens or max_model_len
+    max_input = args.max_input_tokens if args.max_input_tokens is not None else max_total - 1
+    if max_input >= max_total:
+        raise LaunchError(f"`max_input_tokens` must be < `max_total_tokens`. Given: {max_input} and {max_total}")
+    if max_total > max_model_len:
+        raise LaunchError(f"`max_total_tokens` ({max_total}) exceeds what the backend holds ({max_model_len})")
+    return RouterSettings(
+        model_id=args.model_id or RouterSettings.model_id,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_best_of=args.max_best_of,
+        max_stop_sequences=args.max_stop_sequences,
+        max_top_n_tokens=args.max_top_n_tokens,
+        max_input_tokens=max_input,
+        max_total_tokens=max_total,
+        max_client_batch_size=args.max_client_batch_size,
+        validation_workers=args.validation_workers,
+        api_key=args.api_key,
+        payload_limit=args.payload_limit,
+    )
+
+
+def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> None:
+    """Parse TGI flags, build the backend, serve until interrupted."""
+    import uvicorn
+    from paged_backend.tgi.http_app import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_flags(sys.argv[1:] if argv is None else argv, prog)
+    ignored = ignored_flags(args)
+    if ignored:
+        logger.warning("ignoring %s: no meaning for --backend %s", ", ".join(ignored), args.backend)
+    backend = build_backend(args)
+    settings = router_settings(args, backend.max_model_len)
+    app = create_app(backend, settings, drain_timeout=float(args.graceful_termination_timeout))
+    logger.info("TGI API on %s:%d, backend %s, model %s", args.hostname, args.port, backend.name, settings.model_id)
+    uvicorn.run(app, host=args.hostname, port=args.port, log_level="warning", timeout_graceful_shutdown=5)

@@ -1,0 +1,146 @@
+"""text-generation-launcher's flags and env vars, accepted as they are, plus `--backend`.
+
+Each flag reads the env var of its name in upper snake case (`--max-input-tokens` / MAX_INPUT_TOKENS) like
+TGI's clap parser; command line beats env beats default. A flag that has no meaning for the chosen backend
+is still accepted, and `ignored_flags` names it so the launcher can say so once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+BACKENDS = ("paged", "reference", "grpc")
+ALL = frozenset(BACKENDS)
+ROUTER = frozenset({"grpc"})  # knobs of the batching loop, which only our Python router runs
+NONE: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    type: Callable[[str], Any] | None  # None: a switch
+    default: Any
+    help: str
+    used_by: frozenset[str] = ALL  # backends for which the flag changes anything
+    env: str | None = None  # default: the name in upper snake case
+
+    @property
+    def dest(self) -> str:
+        return self.name.removeprefix("--").replace("-", "_")
+
+    @property
+    def env_var(self) -> str:
+        return self.env or self.dest.upper()
+
+
+def _truthy(text: str) -> bool:
+    return text.strip().lower() in {"1", "true", "yes", "on"}
+
+
+FLAGS: list[Flag] = [
+    Flag("--backend", str, "paged", "paged | reference | grpc: which engine serves the TGI API", env="TGI_BACKEND"),
+    Flag("--model-id", str, None, "local directory or hub id; omit for the embedded tiny model"),
+    Flag("--tokenizer-name", str, None, "tokenizer directory or id when it differs from the model"),
+    Flag(
+        "--dtype", str, None, "float16 | bfloat16 | float32 (default: auto)", used_by=frozenset({"paged", "reference"})
+    ),
+    Flag("--kv-cache-dtype", str, None, "KV pool dtype: fp8 | fp8_e4m3fn | float16 | bfloat16", frozenset({"paged"})),
+    Flag(
+        "--device",
+        str,
+        "auto",
+        "auto | cpu | cuda | cuda:N (paged-backend addition)",
+        frozenset({"paged", "reference"}),
+    ),
+    Flag("--hostname", str, "0.0.0.0", "address to listen on"),
+    Flag("--port", int, 3000, "HTTP port"),
+    Flag("--max-concurrent-requests", int, 128, "requests in flight before 429 overloaded"),
+    Flag("--max-best-of", int, 2, "largest best_of accepted"),
+    Flag("--max-stop-sequences", int, 4, "most stop sequences per request"),
+    Flag("--max-top-n-tokens", int, 5, "largest top_n_tokens accepted"),
+    Flag("--max-input-tokens", int, None, "longest prompt (default: max-total-tokens - 1)"),
+    Flag("--max-input-length", int, None, "legacy name of --max-input-tokens"),
+    Flag("--max-total-tokens", int, None, "longest prompt + output (default: the model's context)"),
+    Flag("--max-batch-prefill-tokens", int, 4096, "prompt tokens per forward", frozenset({"paged", "grpc"})),
+    Flag("--max-batch-total-tokens", int, None, "KV capacity in tokens (sizes the pool)", frozenset({"paged", "grpc"})),
+    Flag("--max-batch-size", int, None, "most requests per batch", frozenset({"paged", "grpc"})),
+    Flag("--waiting-served-ratio", float, 0.3, "waiting/running ratio that triggers a prefill", ROUTER),
+    Flag("--max-waiting-tokens", int, 20, "decode steps before waiting requests are forced in", ROUTER),
+    Flag("--max-client-batch-size", int, 4, "most prompts in one /v1/completions call"),
+    Flag("--cuda-memory-fraction", float, 1.0, "fraction of device memory for the KV pool", frozenset({"paged"})),
+    Flag("--block-size", int, 16, "tokens per KV block (paged-backend addition)", frozenset({"paged", "grpc"})),
+    Flag("--num-blocks", int, None, "KV pool size in blocks, overrides memory sizing", frozenset({"paged", "grpc"})),
+    Flag("--api-key", str, None, "require `Authorization: Bearer <key>` on generate routes"),
+    Flag("--payload-limit", int, 2_000_000, "largest request body in bytes (413 above)"),
+    Flag("--graceful-termination-timeout", int, 90, "seconds to drain requests on shutdown"),
+    Flag("--shard-uds-path", str, "/tmp/text-generation-server", "shard socket prefix; rank 0 at {path}-0", ROUTER),
+    Flag("--master-shard-uds-path", str, None, "socket of shard 0 (default: {shard-uds-path}-0)", ROUTER),
+    Flag("--validation-workers", int, 2, "reported in /info; validation runs on the event loop"),
+    # Accepted so TGI command lines keep working; reported as ignored when given.
+    Flag("--revision", str, None, "hub revision", NONE),
+    Flag("--json-output", None, False, "JSON log lines", NONE),
+    Flag("--sharded", str, None, "tensor parallelism", NONE),
+    Flag("--num-shard", int, None, "tensor parallel shards", NONE),
+    Flag("--quantize", str, None, "weight quantization", NONE),
+    Flag("--speculate", int, None, "speculative decoding", NONE),
+    Flag("--trust-remote-code", None, False, "run model code from the hub", NONE),
+    Flag("--cuda-graphs", str, None, "CUDA graph batch sizes", NONE),
+    Flag("--master-addr", str, None, "torch.distributed address", NONE),
+    Flag("--master-port", int, None, "torch.distributed port", NONE),
+    Flag("--huggingface-hub-cache", str, None, "hub cache dir", NONE),
+    Flag("--weights-cache-override", str, None, "weights cache dir", NONE),
+    Flag("--disable-custom-kernels", None, False, "custom CUDA kernels", NONE),
+    Flag("--rope-scaling", str, None, "RoPE scaling", NONE),
+    Flag("--rope-factor", float, None, "RoPE factor", NONE),
+    Flag("--lora-adapters", str, None, "LoRA adapters", NONE),
+    Flag("--enable-prefill-logprobs", None, False, "prompt logprobs (always available here)", NONE),
+    Flag("--watermark-gamma", float, None, "watermarking", NONE),
+    Flag("--watermark-delta", float, None, "watermarking", NONE),
+    Flag("--otlp-endpoint", str, None, "OpenTelemetry", NONE),
+    Flag("--otlp-service-name", str, None, "OpenTelemetry", NONE),
+    Flag("--cors-allow-origin", str, None, "CORS", NONE),
+    Flag("--prometheus-port", int, None, "separate metrics port (/metrics is on --port)", NONE),
+    Flag("--tokenizer-config-path", str, None, "tokenizer config", NONE),
+    Flag("--disable-grammar-support", None, False, "grammars (never supported here)", NONE),
+    Flag("--usage-stats", str, None, "telemetry", NONE),
+    Flag("--max-image-fetch-size", int, None, "image inputs", NONE),
+    Flag("--ngrok", None, False, "ngrok tunnel", NONE),
+    Flag("--env", None, False, "print the environment", NONE),
+]
+
+
+def build_parser(prog: str = "paged-backend launch") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Serve the TGI HTTP API (text-generation-launcher flags and env vars) on paged-backend.",
+    )
+    for flag in FLAGS:
+        raw_env = os.environ.get(flag.env_var)
+        if flag.type is None:
+            default = _truthy(raw_env) if raw_env is not None else flag.default
+            parser.add_argument(flag.name, dest=flag.dest, action="store_true", default=default, help=flag.help)
+        else:
+            default = flag.type(raw_env) if raw_env is not None else flag.default
+            choices = BACKENDS if flag.dest == "backend" else None
+            parser.add_argument(
+                flag.name, dest=flag.dest, type=flag.type, default=default, choices=choices, help=flag.help
+            )
+    return parser
+
+
+def parse_flags(argv: list[str], prog: str = "paged-backend launch") -> argparse.Namespace:
+    args = build_parser(prog).parse_args(argv)
+    if args.max_input_tokens is None:
+        args.max_input_tokens = args.max_input_length
+    return args
+
+
+def ignored_flags(args: argparse.Namespace) -> list[str]:
+    """Flags given (on the command line or by env) that change nothing for the chosen backend."""
+    return [
+        flag.name for flag in FLAGS if args.backend not in flag.used_by and getattr(args, flag.dest) != flag.default
+    ]

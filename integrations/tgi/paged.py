@@ -1,0 +1,80 @@
+"""`--backend paged`: this project's continuous-batching engine in-process, through the server's AsyncEngine."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+
+from paged_backend.tgi.backend import BackendEvent, BackendLoad, GeneratedToken
+from paged_backend.tgi.errors import GenerationError, OverloadedError, ValidationError
+from paged_backend.tgi.sampling import finish_reason, sampling_params, top_tokens
+from paged_backend.tgi.validation import ValidRequest
+
+from paged_backend.engine import Engine
+from paged_backend.errors import InvalidRequest, PromptTooLong
+from paged_backend.server.async_engine import AsyncEngine, EngineNotRunning, EngineStepFailed, RequestAborted
+
+
+class PagedBackend:
+    name = "paged"
+    supports_prefill_logprobs = False
+
+    def __init__(self, engine: Engine) -> None:
+        self.async_engine = AsyncEngine(engine)
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self._request_ids = itertools.count()
+        self._running = False
+
+    async def start(self) -> None:
+        await self.async_engine.start()
+        self._running = True
+
+    async def shutdown(self, drain_timeout: float) -> None:
+        self._running = False
+        await self.async_engine.shutdown(drain_timeout)
+
+    async def health(self) -> bool:
+        return self._running
+
+    def load(self) -> BackendLoad:
+        stats = self.async_engine.stats()
+        manager = self.async_engine.engine.block_manager
+        capacity = (manager.num_blocks - 1) * manager.block_size
+        return BackendLoad(
+            queue_size=stats.num_waiting,
+            batch_size=stats.num_running,
+            kv_tokens_used=round(stats.kv_usage * capacity),
+            kv_tokens_total=capacity,
+        )
+
+    async def generate(self, request: ValidRequest) -> AsyncIterator[BackendEvent]:
+        params = sampling_params(request.parameters, request.stopping, request.top_n_tokens)
+        request_id = f"tgi-{next(self._request_ids)}"
+        outputs = self.async_engine.generate(request_id, sampling_params=params, prompt_token_ids=request.input_ids)
+        num_sent = 0
+        try:
+            async for output in outputs:
+                completion = output.outputs[0]
+                if completion.finish_reason == "abort":
+                    raise GenerationError(f"request {request_id} was aborted by the engine")
+                last = len(completion.token_ids) - 1
+                for position in range(num_sent, last + 1):
+                    token_id = completion.token_ids[position]
+                    logprobs = completion.logprobs[position]
+                    done = output.finished and position == last
+                    yield GeneratedToken(
+                        id=token_id,
+                        logprob=logprobs[token_id],
+                        top_tokens=top_tokens(logprobs, request.top_n_tokens),
+                        finish_reason=finish_reason(completion.finish_reason, completion.stop_reason) if done else None,
+                    )
+                num_sent = last + 1
+        except (InvalidRequest, PromptTooLong) as error:
+            raise ValidationError(str(error)) from error
+        except EngineNotRunning as error:
+            raise OverloadedError(str(error)) from error
+        except (EngineStepFailed, RequestAborted) as error:
+            raise GenerationError(str(error)) from error
+        finally:
+            await outputs.aclose()

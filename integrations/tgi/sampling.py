@@ -1,0 +1,40 @@
+"""TGI chooser / stopping parameters -> the engine's `SamplingParams` (one mapping for every path)."""
+
+from __future__ import annotations
+
+from paged_backend.tgi.backend import FinishReason
+from paged_backend.tgi.validation import ChooserParameters, StoppingParameters
+
+from paged_backend.engine.request import SamplingParams
+
+
+def sampling_params(
+    parameters: ChooserParameters, stopping: StoppingParameters, top_n_tokens: int = 0
+) -> SamplingParams:
+    """Greedy unless TGI would sample; `logprobs` always on, since every TGI token carries its logprob."""
+    return SamplingParams(
+        max_tokens=stopping.max_new_tokens,
+        temperature=parameters.temperature if parameters.do_sample else 0.0,
+        top_k=parameters.top_k,
+        top_p=parameters.top_p,
+        repetition_penalty=parameters.repetition_penalty,
+        frequency_penalty=parameters.frequency_penalty,
+        seed=parameters.seed if parameters.do_sample else None,
+        stop=list(stopping.stop_sequences),
+        ignore_eos=stopping.ignore_eos_token,
+        logprobs=top_n_tokens,
+    )
+
+
+def top_tokens(logprobs: dict[int, float], top_n_tokens: int) -> list[tuple[int, float]]:
+    """The `top_n_tokens` most likely (id, logprob) pairs of an engine logprob dict."""
+    if not top_n_tokens:
+        return []
+    return sorted(logprobs.items(), key=lambda item: item[1], reverse=True)[:top_n_tokens]
+
+
+def finish_reason(engine_reason: str, stop_reason: int | str | None) -> FinishReason:
+    """Engine finish reasons in TGI's words: a stop string is `stop_sequence`, any other stop is EOS."""
+    if engine_reason == "length":
+        return "length"
+    return "stop_sequence" if isinstance(stop_reason, str) else "eos_token"

@@ -1,0 +1,135 @@
+"""TGI test plumbing: `python -m paged_backend.tgi` / the shard as subprocesses on free ports and sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import IO
+
+import httpx
+from paged_backend.tgi.settings import EMBEDDED_MODEL_ID
+
+STARTUP_TIMEOUT = 240  # seconds; importing torch on a busy 2-core box is slow
+# Small pool and context so each server starts fast; greedy requests stay well inside both.
+SERVER_ARGS = ["--device", "cpu", "--max-total-tokens", "512", "--max-batch-total-tokens", "4096"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Process:
+    """A child process with its output in a temp file (shown when a test needs it)."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.log: IO[str] = tempfile.TemporaryFile("w+")
+        self.process = subprocess.Popen(
+            [sys.executable, *args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def check_alive(self) -> None:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"process exited with {self.process.returncode}:\n{self.output()}")
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        return self.process.returncode
+
+
+class TgiServer(Process):
+    def __init__(self, backend: str, extra_args: list[str] = (), env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.backend = backend
+        args = ["-m", "paged_backend.tgi", "--backend", backend, "--hostname", "127.0.0.1", "--port", str(self.port)]
+        super().__init__([*args, *SERVER_ARGS, *extra_args], env)
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> TgiServer:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.backend} server not healthy after {timeout}s:\n{self.output()}")
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=30).text)
+
+    def wait_until_drained(self, timeout: float = 30) -> dict[str, float]:
+        """Metrics once nothing runs and every KV token slot is free again (fails after `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            metrics = self.metrics()
+            if metrics["tgi_batch_current_max_tokens"] == 0 and metrics["tgi_batch_current_size"] == 0:
+                return metrics
+            if time.monotonic() > deadline:
+                raise AssertionError(f"KV still held after {timeout}s: {metrics}")
+            time.sleep(0.2)
+
+
+class Shard(Process):
+    """`python -m paged_backend.tgi.shard serve` on a unix socket `{uds_path}-0`."""
+
+    def __init__(self, uds_path: str, extra_args: list[str] = ()) -> None:
+        self.uds_path = uds_path
+        self.socket_path = f"{uds_path}-0"
+        args = ["-m", "paged_backend.tgi.shard", "serve", EMBEDDED_MODEL_ID, "--uds-path", uds_path, *extra_args]
+        super().__init__(args, {"PAGED_BACKEND_DEVICE": "cpu"})
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> Shard:
+        # TGI's launcher takes the socket file's existence as readiness.
+        deadline = time.monotonic() + timeout
+        while not Path(self.socket_path).exists():
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"shard socket {self.socket_path} missing after {timeout}s:\n{self.output()}")
+            time.sleep(0.2)
+        return self
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+@contextmanager
+def running(*processes: Process):
+    """Start-up runs in parallel (each child imports torch); every child is stopped on exit."""
+    with ExitStack() as stack:
+        for process in processes:
+            stack.callback(process.stop)
+        for process in processes:
+            process.wait_ready()
+        yield processes
