@@ -1,0 +1,67 @@
+"""`paged-backend run` on the embedded model: text and JSONL prompts in, JSONL results out, a summary."""
+
+import json
+
+from typer.testing import CliRunner
+
+from paged_backend.cli import app, read_prompts
+
+runner = CliRunner()
+
+
+def results(text):
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_run_with_only_an_input_file_uses_the_embedded_model(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello there\nThe quick brown fox\n\nOne more\n")
+    result = runner.invoke(app, ["run", "--input", str(prompts), "--max-tokens", "5", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    rows = results(result.stdout)
+    assert [r["prompt"] for r in rows] == ["Hello there", "The quick brown fox", "One more"]
+    assert all(len(r["outputs"][0]["token_ids"]) <= 5 for r in rows)
+    assert "requests            3" in result.stderr
+    for field in ("tok/s", "peak KV use", "preemptions", "prefix-cache hits"):
+        assert field in result.stderr
+
+
+def test_run_jsonl_with_per_prompt_sampling_to_an_output_file(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "abc", "max_tokens": 3, "ignore_eos": True}, {"prompt": "xyz", "n": 2, "max_tokens": 2,
+             "temperature": 0.8, "seed": 1, "ignore_eos": True}]
+    prompts.write_text("\n".join(json.dumps(line) for line in lines))
+    out = tmp_path / "out.jsonl"
+    args = ["run", "-i", str(prompts), "-o", str(out), "--num-blocks", "64", "--block-size", "8", "--max-num-seqs", "4",
+            "--no-enable-prefix-caching", "--seed", "3"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = results(out.read_text())
+    assert len(rows[0]["outputs"][0]["token_ids"]) == 3 and rows[0]["outputs"][0]["finish_reason"] == "length"
+    assert len(rows[1]["outputs"]) == 2 and rows[1]["metrics"]["ttft_s"] >= 0
+
+
+def test_run_reads_stdin():
+    result = runner.invoke(app, ["run", "--max-tokens", "2", "--num-blocks", "32", "--no-progress"], input="hi\n")
+    assert result.exit_code == 0, result.output
+    assert results(result.stdout)[0]["prompt"] == "hi"
+
+
+def test_run_reports_bad_input_clearly(tmp_path):
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text(json.dumps({"prompt": "x", "temperature": -1}))
+    result = runner.invoke(app, ["run", "-i", str(prompts), "--num-blocks", "32", "--no-progress"])
+    assert result.exit_code == 2 and "temperature" in result.stderr
+    prompts.write_text(json.dumps({"prompt": "x"}))
+    result = runner.invoke(app, ["run", "-i", str(prompts), "--model", "/no/such/model", "--no-progress"])
+    assert result.exit_code == 2 and "not found" in result.stderr
+
+
+def test_read_prompts_detects_jsonl_and_names_a_bad_line():
+    assert read_prompts('{"prompt": "a"}\n{"prompt": "b", "top_k": 2}') == [{"prompt": "a"}, {"prompt": "b", "top_k": 2}]
+    try:
+        read_prompts('{"prompt": "a"}\n{"text": "b"}')
+    except Exception as error:  # typer.BadParameter
+        assert "line 2" in str(error)
+    else:
+        raise AssertionError("a line without a prompt must be rejected")
