@@ -67,7 +67,7 @@ class PagedBackend:
                         id=token_id,
                         logprob=logprobs[token_id],
                         top_tokens=top_tokens(logprobs, request.top_n_tokens),
-                        finish_reason=finish_reason(completion.finish_reason, completion.stop_reason) if done else None,
+                        finish_reason=self._finish_reason(completion, request) if done else None,
                     )
                 num_sent = last + 1
         except (InvalidRequest, PromptTooLong) as error:
@@ -78,3 +78,10 @@ class PagedBackend:
             raise GenerationError(str(error)) from error
         finally:
             await outputs.aclose()
+
+    @staticmethod
+    def _finish_reason(completion, request: ValidRequest):
+        # TGI checks the length limit before EOS, so a last token that is also EOS still ends with `length`.
+        if len(completion.token_ids) >= request.stopping.max_new_tokens:
+            return "length"
+        return finish_reason(completion.finish_reason, completion.stop_reason)

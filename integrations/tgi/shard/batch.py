@@ -1,0 +1,126 @@
+"""Shard-side batch state (TGI's `Batch` protocol): from_pb, filter, concatenate, to_pb.
+
+Each request wraps an engine `Sequence` (token ids, sampling params, seeded generator) so the engine's
+`ModelRunner` and `Sampler` run on it unchanged; its KV lives where the router said (`blocks`, `slots`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from paged_backend.tgi.sampling import sampling_params
+from paged_backend.tgi.tokens import IncrementalDetokenizer, StoppingCriteria
+from paged_backend.tgi.validation import ChooserParameters, StoppingParameters
+
+from paged_backend.engine.request import Request, Sequence
+from paged_backend.errors import InvalidRequest
+
+
+@dataclass
+class ShardRequest:
+    id: int
+    seq: Sequence
+    blocks: list[int]
+    slots: list[int]
+    stopping: StoppingCriteria
+    detokenizer: IncrementalDetokenizer
+    chooser: ChooserParameters
+    prefill_logprobs: bool
+    top_n_tokens: int
+    num_computed_tokens: int  # tokens whose KV is already in the pool (cache_len at prefill)
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.seq.output_token_ids
+
+
+@dataclass
+class ShardBatch:
+    id: int
+    requests: list[ShardRequest] = field(default_factory=list)
+    block_size: int = 16
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def filter(self, request_ids: list[int]) -> ShardBatch:
+        keep = set(request_ids)
+        return ShardBatch(self.id, [r for r in self.requests if r.id in keep], self.block_size)
+
+    @classmethod
+    def concatenate(cls, batches: list[ShardBatch]) -> ShardBatch:
+        """One batch (with the first one's id) holding every request of `batches`."""
+        requests = [request for batch in batches for request in batch.requests]
+        return cls(batches[0].id, requests, batches[0].block_size)
+
+    def to_pb(self, pb):
+        return pb.CachedBatch(
+            id=self.id,
+            request_ids=[r.id for r in self.requests],
+            size=len(self.requests),
+            max_tokens=sum(len(r.blocks) for r in self.requests) * self.block_size,
+            current_tokens=len(self.requests),
+        )
+
+
+def chooser_from_pb(parameters) -> ChooserParameters:
+    """Router parameters with TGI's effective-sampling rule; unset proto floats mean 'off'."""
+    chooser = ChooserParameters(
+        temperature=parameters.temperature if parameters.temperature > 0 else 1.0,
+        top_k=parameters.top_k,
+        top_p=parameters.top_p if 0 < parameters.top_p < 1 else 1.0,
+        typical_p=parameters.typical_p if 0 < parameters.typical_p < 1 else 1.0,
+        repetition_penalty=parameters.repetition_penalty or 1.0,
+        frequency_penalty=parameters.frequency_penalty,
+        seed=parameters.seed,
+        watermark=parameters.watermark,
+    )
+    return replace(chooser, do_sample=parameters.do_sample or chooser.warpers_active)
+
+
+def input_text(request) -> str:
+    """Text chunks of the request (image chunks are for multimodal models; this shard serves text models)."""
+    chunks = [chunk.text for chunk in request.input_chunks.chunks if chunk.WhichOneof("chunk") == "text"]
+    return "".join(chunks) if request.input_chunks.chunks else request.inputs
+
+
+def check_slots(blocks: list[int], slots: list[int], block_size: int) -> None:
+    """The runner derives decode slots from the block table, so the router's slots must agree with it."""
+    for position, slot in enumerate(slots):
+        expected = blocks[position // block_size] * block_size + position % block_size
+        if slot != expected:
+            raise InvalidRequest(
+                f"slot {slot} at position {position} is not block {blocks[position // block_size]} offset "
+                f"{position % block_size}; slots must follow the block table"
+            )
+
+
+def request_from_pb(request, tokenizer, eos_ids: set[int], block_size: int) -> ShardRequest:
+    if request.HasField("chunk_len"):
+        raise InvalidRequest("chunked prefill (chunk_len) is not supported: this shard reports support_chunking=false")
+    input_ids = tokenizer(input_text(request), add_special_tokens=request.add_special_tokens).input_ids
+    if request.truncate:
+        input_ids = input_ids[-request.truncate :]
+    chooser = chooser_from_pb(request.parameters)
+    stop = request.stopping_parameters
+    stopping = StoppingParameters(
+        max_new_tokens=stop.max_new_tokens,
+        stop_sequences=tuple(stop.stop_sequences),
+        ignore_eos_token=stop.ignore_eos_token,
+    )
+    params = sampling_params(chooser, stopping, request.top_n_tokens)
+    seq = Sequence(Request(str(request.id), None, list(input_ids), params), 0)
+    blocks, slots = list(request.blocks), list(request.slots)
+    check_slots(blocks, slots, block_size)
+    return ShardRequest(
+        id=request.id,
+        seq=seq,
+        blocks=blocks,
+        slots=slots,
+        stopping=StoppingCriteria(eos_ids, stopping.stop_sequences, stop.max_new_tokens, stop.ignore_eos_token),
+        detokenizer=IncrementalDetokenizer(tokenizer, input_ids),
+        chooser=chooser,
+        prefill_logprobs=request.prefill_logprobs,
+        top_n_tokens=request.top_n_tokens,
+        num_computed_tokens=request.cache_len,
+    )

@@ -1,0 +1,108 @@
+"""`text-generation-server` (alias `paged-backend-shard`): TGI's shard command line on this project's core.
+
+    text-generation-server serve MODEL_ID --uds-path /tmp/text-generation-server   # what TGI's launcher runs
+    text-generation-server download-weights MODEL_ID
+
+Flags TGI's launcher passes but that change nothing here are accepted and reported once. Our additions:
+`--num-blocks` (KV pool size; default: memory budget) and `--device` (env PAGED_BACKEND_DEVICE).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Annotated
+
+import typer
+from paged_backend.tgi.settings import model_to_load
+
+app = typer.Typer(help="generate.v3 gRPC shard (text-generation-server compatible) on paged-backend.")
+logger = logging.getLogger("paged_backend.tgi.shard")
+
+Opt = typer.Option
+
+
+@app.command()
+def serve(
+    model_id: str,
+    revision: Annotated[str | None, Opt(help="hub revision (ignored)")] = None,
+    sharded: Annotated[bool, Opt("--sharded/--no-sharded", help="tensor parallelism (not supported)")] = False,
+    quantize: Annotated[str | None, Opt(help="weight quantization (ignored)")] = None,
+    speculate: Annotated[int | None, Opt(help="speculative decoding (ignored)")] = None,
+    dtype: Annotated[str | None, Opt(help="float16 | bfloat16 | float32")] = None,
+    kv_cache_dtype: Annotated[str | None, Opt(help="fp8_e4m3fn | float16 | bfloat16 | float32")] = None,
+    trust_remote_code: Annotated[bool, Opt(help="run hub model code (ignored)")] = False,
+    uds_path: Annotated[
+        str, Opt(help="socket prefix; this shard binds {uds_path}-{rank}")
+    ] = "/tmp/text-generation-server",
+    logger_level: Annotated[str, Opt(help="log level")] = "INFO",
+    json_output: Annotated[bool, Opt(help="JSON logs (ignored)")] = False,
+    otlp_endpoint: Annotated[str | None, Opt(help="OpenTelemetry (ignored)")] = None,
+    otlp_service_name: Annotated[str, Opt(help="OpenTelemetry (ignored)")] = "text-generation-inference.server",
+    max_input_tokens: Annotated[int | None, Opt(help="used by chunking shards (ignored)")] = None,
+    num_blocks: Annotated[int | None, Opt(help="KV pool size in blocks (default: memory budget)")] = None,
+    device: Annotated[str, Opt(envvar="PAGED_BACKEND_DEVICE", help="auto | cpu | cuda | cuda:N")] = "auto",
+) -> None:
+    """Serve TextGenerationService for MODEL_ID on a unix socket."""
+    from paged_backend.tgi.shard.model import ShardModel
+    from paged_backend.tgi.shard.server import serve as serve_shard
+
+    logging.basicConfig(level=logger_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if sharded or world_size > 1:
+        raise typer.BadParameter("sharded serving is not supported by paged-backend; run one shard (WORLD_SIZE=1)")
+    given = {
+        "--revision": revision,
+        "--quantize": quantize,
+        "--speculate": speculate,
+        "--trust-remote-code": trust_remote_code or None,
+        "--json-output": json_output or None,
+        "--otlp-endpoint": otlp_endpoint,
+        "--max-input-tokens": max_input_tokens,
+    }
+    ignored = [name for name, value in given.items() if value is not None]
+    if os.environ.get("ATTENTION", "paged") != "paged":
+        ignored.append(f"ATTENTION={os.environ['ATTENTION']} (this shard always runs paged attention)")
+    if ignored:
+        logger.warning("ignoring %s: no meaning for the paged-backend shard", ", ".join(ignored))
+    model = ShardModel(
+        model_to_load(model_id),
+        dtype=dtype or "auto",
+        device=device,
+        kv_cache_dtype=_kv_cache_dtype(kv_cache_dtype),
+        num_blocks=num_blocks,
+        memory_fraction=float(os.environ.get("CUDA_MEMORY_FRACTION", "1.0")),
+    )
+    asyncio.run(serve_shard(model, uds_path, rank=int(os.environ.get("RANK", "0")), world_size=world_size))
+
+
+def _kv_cache_dtype(name: str | None) -> str:
+    if name is None:
+        return "auto"
+    if name == "fp8_e5m2":
+        raise typer.BadParameter("--kv-cache-dtype fp8_e5m2 is not supported; use fp8_e4m3fn")
+    return "fp8" if name in ("fp8", "fp8_e4m3fn") else name
+
+
+@app.command("download-weights")
+def download_weights(
+    model_id: str,
+    revision: Annotated[str | None, Opt(help="hub revision")] = None,
+    extension: Annotated[str, Opt(help="weight file extension")] = ".safetensors",
+    auto_convert: Annotated[bool, Opt(help="convert .bin to safetensors (ignored)")] = True,
+    logger_level: Annotated[str, Opt(help="log level")] = "INFO",
+    json_output: Annotated[bool, Opt(help="JSON logs (ignored)")] = False,
+    trust_remote_code: Annotated[bool, Opt(help="(ignored)")] = False,
+    merge_lora: Annotated[bool, Opt(help="(ignored)")] = False,
+) -> None:
+    """Fetch MODEL_ID's weights and tokenizer into the hub cache (nothing to do for local or embedded models)."""
+    logging.basicConfig(level=logger_level.upper())
+    source = model_to_load(model_id)
+    if source is None or os.path.isdir(os.path.expanduser(source)):
+        logger.info("%s is local: nothing to download", model_id)
+        return
+    from huggingface_hub import snapshot_download
+
+    patterns = [f"*{extension}", "*.json", "*.model", "*.txt", "*.tiktoken"]
+    snapshot_download(source, revision=revision, allow_patterns=patterns)

@@ -1,0 +1,206 @@
+"""The shard's model: HF weights with paged attention, a KV pool sized at warmup, and one generate_token.
+
+The forward reuses the engine's `ModelRunner.prepare` (packing into `[1, T]` with slot mapping and block
+tables) and `StepCache` (the `PackedKV` handles); tokens come from the engine's `Sampler`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from paged_backend.tgi.shard.batch import ShardBatch, ShardRequest
+from paged_backend.tgi.tokens import eos_token_ids
+
+from paged_backend.attention import register_paged_attention
+from paged_backend.engine.engine import CPU_DEFAULT_KV_BYTES
+from paged_backend.engine.runner import ModelRunner, StepCache
+from paged_backend.engine.sampler import Sampler
+from paged_backend.engine.scheduler import ScheduledSequence
+from paged_backend.errors import InvalidRequest, OutOfBlocks
+from paged_backend.kv_cache import (
+    PagedKVCache,
+    available_memory,
+    bytes_per_block,
+    num_blocks_for_budget,
+    resolve_kv_dtype,
+)
+from paged_backend.models import load_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenResult:
+    """What one forward produced for one request."""
+
+    request: ShardRequest
+    token_id: int
+    text: str  # incremental detokenization of this token
+    logprob: float
+    top_tokens: list[tuple[int, float]]
+    prefill_logprobs: list[float] | None  # one per prompt token (NaN first), when asked at prefill
+    finish_reason: str | None
+
+
+class RouterBlocks:
+    """The block-table view `ModelRunner.prepare` reads, answered from router-assigned blocks and slots."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.requests: dict[int, ShardRequest] = {}
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return self.requests[seq_id].blocks
+
+    def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
+        return self.requests[seq_id].slots[start:end]
+
+
+class ShardModel:
+    def __init__(
+        self,
+        model_id: str | None,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        kv_cache_dtype: str = "auto",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        memory_fraction: float = 1.0,
+    ) -> None:
+        model, self.tokenizer = load_model(model_id, dtype=dtype, device=device)
+        model.set_attn_implementation(register_paged_attention())
+        self.model = model.eval()
+        text_config = model.config.get_text_config()
+        self.num_layers = text_config.num_hidden_layers
+        heads = text_config.num_attention_heads
+        self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+        self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+        self.max_position_embeddings = getattr(text_config, "max_position_embeddings", 2048)
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, model.dtype)
+        self.block_size = block_size
+        self.requested_num_blocks = num_blocks
+        self.memory_fraction = memory_fraction
+        self.eos_ids = eos_token_ids(self.tokenizer, getattr(model, "generation_config", None))
+        self.sampler = Sampler(self.eos_ids)
+        self.blocks = RouterBlocks(block_size)
+        self.kv_cache: PagedKVCache | None = None
+        self.runner: ModelRunner | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def num_blocks(self) -> int:
+        return 0 if self.kv_cache is None else self.kv_cache.num_blocks
+
+    def _budget_blocks(self) -> int:
+        """Pool size: --num-blocks, else the memory budget (GPU: CUDA_MEMORY_FRACTION of free memory)."""
+        if self.requested_num_blocks is not None:
+            return self.requested_num_blocks
+        shape = (self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.kv_dtype)
+        if self.device.type != "cuda":
+            memory = min(CPU_DEFAULT_KV_BYTES, available_memory(self.device) // 5)
+            return num_blocks_for_budget(*shape, memory_bytes=memory)
+        return num_blocks_for_budget(*shape, memory_fraction=self.memory_fraction, device=self.device)
+
+    def allocate_pool(self) -> int:
+        num_blocks = self._budget_blocks()
+        self.kv_cache = PagedKVCache(
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            num_blocks,
+            self.block_size,
+            dtype=self.kv_dtype,
+            device=self.device,
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, self.blocks)
+        per_block = bytes_per_block(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.kv_dtype)
+        logger.info(
+            "KV pool: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size, num_blocks * per_block / 2**20
+        )
+        return num_blocks
+
+    def assign_blocks(self, batch: ShardBatch) -> None:
+        """Warmup requests come without blocks: lay them out one after another from block 1."""
+        next_block = 1
+        for request in batch.requests:
+            needed = math.ceil((request.seq.num_tokens + 1) / self.block_size)
+            request.blocks = list(range(next_block, next_block + needed))
+            request.slots = [
+                request.blocks[p // self.block_size] * self.block_size + p % self.block_size
+                for p in range(needed * self.block_size)
+            ]
+            next_block += needed
+        if next_block > self.num_blocks:
+            tokens = sum(r.seq.num_tokens for r in batch.requests)
+            raise OutOfBlocks(
+                f"Not enough memory to handle {tokens} prefill tokens. You need to decrease `--max-batch-prefill-tokens`"
+            )
+
+    @torch.inference_mode()
+    def generate_token(self, batch: ShardBatch) -> tuple[list[TokenResult], int]:
+        """One forward over `batch` (prefill of new requests, or one decode step); returns results and ns spent."""
+        if self.runner is None:
+            raise InvalidRequest("the KV pool does not exist yet: call Warmup before Prefill or Decode")
+        start = time.perf_counter_ns()
+        self.blocks.requests = {r.seq.seq_id: r for r in batch.requests}
+        scheduled = []
+        for request in batch.requests:
+            computed = request.num_computed_tokens
+            if request.seq.num_tokens > len(request.slots):
+                raise OutOfBlocks(f"request {request.id} has no slot left for token {request.seq.num_tokens}")
+            scheduled.append(ScheduledSequence(request.seq, computed, request.seq.num_tokens - computed))
+        ids, positions, metadata, sample_rows = self.runner.prepare(scheduled)
+        prompt_rows = self._prompt_rows(batch, metadata.query_start_loc.tolist())
+        keep = sorted(set(sample_rows) | {row for rows in prompt_rows.values() for row in rows})
+        output = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            past_key_values=StepCache(self.kv_cache, metadata),
+            use_cache=True,
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+        )
+        logits = output.logits[0].float()
+        row_index = {row: index for index, row in enumerate(keep)}
+        sample_logits = logits[[row_index[row] for row in sample_rows]]
+        tokens, logprobs = self.sampler(sample_logits, [r.seq for r in batch.requests])
+        results = []
+        for request, token_id, token_logprobs in zip(batch.requests, tokens, logprobs, strict=True):
+            prefill = None
+            if request.id in prompt_rows:
+                prefill = self._prompt_logprobs(request, logits, [row_index[r] for r in prompt_rows[request.id]])
+            request.num_computed_tokens = request.seq.num_tokens
+            request.seq.token_ids.append(token_id)
+            text = request.detokenizer.push(token_id)
+            reason = request.stopping(token_id, text)
+            top = sorted(token_logprobs.items(), key=lambda item: item[1], reverse=True)[: request.top_n_tokens]
+            results.append(TokenResult(request, token_id, text, token_logprobs[token_id], top, prefill, reason))
+        return results, time.perf_counter_ns() - start
+
+    @staticmethod
+    def _prompt_rows(batch: ShardBatch, query_start_loc: list[int]) -> dict[int, list[int]]:
+        """Packed rows whose logits give prompt logprobs: every new prompt row but the last, per asking request."""
+        rows = {}
+        for index, request in enumerate(batch.requests):
+            if request.prefill_logprobs and request.seq.num_output_tokens == 0:
+                rows[request.id] = list(range(query_start_loc[index], query_start_loc[index + 1] - 1))
+        return rows
+
+    @staticmethod
+    def _prompt_logprobs(request: ShardRequest, logits: torch.Tensor, indices: list[int]) -> list[float]:
+        """log p(prompt[p] | prompt[:p]); NaN where no logits were computed here (first token, cached prefix)."""
+        prompt = request.seq.token_ids
+        start = request.num_computed_tokens
+        known = [float("nan")] * (start + 1)
+        if indices:
+            rows = torch.log_softmax(logits[indices], dim=-1)
+            targets = torch.tensor(prompt[start + 1 :], device=rows.device)
+            known += rows.gather(1, targets[:, None])[:, 0].tolist()
+        return known

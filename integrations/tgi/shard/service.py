@@ -1,0 +1,183 @@
+"""`generate.v3.TextGenerationService` over `ShardModel`: batches are cached by id between calls."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+from paged_backend.tgi.generated import generate_pb2 as pb
+from paged_backend.tgi.generated import generate_pb2_grpc as pb_grpc
+from paged_backend.tgi.shard.batch import ShardBatch, request_from_pb
+from paged_backend.tgi.shard.model import ShardModel, TokenResult
+
+from paged_backend.errors import PagedBackendError
+
+logger = logging.getLogger(__name__)
+
+FINISH_REASONS = {
+    "length": pb.FINISH_REASON_LENGTH,
+    "eos_token": pb.FINISH_REASON_EOS_TOKEN,
+    "stop_sequence": pb.FINISH_REASON_STOP_SEQUENCE,
+}
+
+
+class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
+    def __init__(self, model: ShardModel, server_urls: list[str]) -> None:
+        self.model = model
+        self.server_urls = server_urls
+        self.cache: dict[int, ShardBatch] = {}
+        # The model and pool are used by one call at a time; the event loop stays free for Health.
+        self.lock = asyncio.Lock()
+        self.special_ids = set(model.tokenizer.all_special_ids)
+
+    async def Info(self, request, context):
+        return pb.InfoResponse(
+            requires_padding=False,
+            dtype=str(self.model.model.dtype),
+            device_type=self.model.device.type,
+            speculate=0,
+            support_chunking=False,
+            use_prefix_caching=False,
+            attention_impl="paged",
+            block_size=self.model.block_size,
+        )
+
+    async def Health(self, request, context):
+        return pb.HealthResponse()
+
+    async def ServiceDiscovery(self, request, context):
+        return pb.ServiceDiscoveryResponse(urls=self.server_urls)
+
+    async def ClearCache(self, request, context):
+        if request.HasField("id"):
+            self.cache.pop(request.id, None)
+        else:
+            self.cache.clear()
+        return pb.ClearCacheResponse()
+
+    async def FilterBatch(self, request, context):
+        batch = (await self._take(context, request.batch_id)).filter(list(request.request_ids))
+        self.cache[batch.id] = batch
+        return pb.FilterBatchResponse(batch=batch.to_pb(pb))
+
+    async def Warmup(self, request, context):
+        async with self.lock:
+            return await self._run(context, asyncio.to_thread(self._warmup, request))
+
+    async def Prefill(self, request, context):
+        if request.HasField("cached_batch"):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "Prefill with a cached batch needs support_chunking, which is off"
+            )
+        start = time.perf_counter_ns()
+        async with self.lock:
+            batch = await self._run(context, asyncio.to_thread(self._batch_from_pb, request.batch))
+            generations, cached, forward_ns = await self._run(context, asyncio.to_thread(self._step, batch))
+        return pb.PrefillResponse(
+            generations=generations,
+            batch=cached,
+            forward_ns=forward_ns,
+            decode_ns=0,
+            total_ns=time.perf_counter_ns() - start,
+        )
+
+    async def Decode(self, request, context):
+        start = time.perf_counter_ns()
+        if not request.batches:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Decode needs at least one cached batch")
+        async with self.lock:
+            batches = [await self._take(context, cached.id) for cached in request.batches]
+            batch = ShardBatch.concatenate(batches) if len(batches) > 1 else batches[0]
+            concat_ns = time.perf_counter_ns() - start
+            generations, cached, forward_ns = await self._run(context, asyncio.to_thread(self._step, batch))
+        return pb.DecodeResponse(
+            generations=generations,
+            batch=cached,
+            forward_ns=forward_ns,
+            decode_ns=0,
+            total_ns=time.perf_counter_ns() - start,
+            concat_ns=concat_ns,
+        )
+
+    # ---- helpers ---------------------------------------------------------------------------------------
+
+    async def _run(self, context, work):
+        try:
+            return await work
+        except PagedBackendError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except Exception as error:
+            logger.exception("shard call failed")
+            await context.abort(grpc.StatusCode.INTERNAL, str(error))
+
+    async def _take(self, context, batch_id: int) -> ShardBatch:
+        batch = self.cache.pop(batch_id, None)
+        if batch is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"batch {batch_id} not found in the shard cache")
+        return batch
+
+    def _batch_from_pb(self, batch) -> ShardBatch:
+        model = self.model
+        requests = [request_from_pb(r, model.tokenizer, model.eos_ids, model.block_size) for r in batch.requests]
+        return ShardBatch(batch.id, requests, model.block_size)
+
+    def _warmup(self, request) -> pb.WarmupResponse:
+        model = self.model
+        batch = self._batch_from_pb(request.batch)
+        num_blocks = model.allocate_pool()
+        model.assign_blocks(batch)
+        model.generate_token(batch)
+        max_supported = num_blocks * model.block_size
+        max_total = request.max_total_tokens if request.HasField("max_total_tokens") else None
+        if max_total is None:
+            max_total = min(max_supported, model.max_position_embeddings)
+        max_input = request.max_input_tokens if request.HasField("max_input_tokens") else max_total - 1
+        logger.info("warmup done: %d KV tokens, max_input %d, max_total %d", max_supported, max_input, max_total)
+        return pb.WarmupResponse(
+            max_supported_total_tokens=max_supported, max_input_tokens=max_input, max_total_tokens=max_total
+        )
+
+    def _step(self, batch: ShardBatch):
+        results, forward_ns = self.model.generate_token(batch)
+        generations = [self._generation(result) for result in results]
+        running = [result.request for result in results if result.finish_reason is None]
+        cached = None
+        if running:
+            batch = ShardBatch(batch.id, running, batch.block_size)
+            self.cache[batch.id] = batch
+            cached = batch.to_pb(pb)
+        return generations, cached, forward_ns
+
+    def _tokens(self, ids: list[int], logprobs: list[float], texts: list[str]) -> pb.Tokens:
+        return pb.Tokens(ids=ids, logprobs=logprobs, texts=texts, is_special=[i in self.special_ids for i in ids])
+
+    def _texts(self, ids: list[int]) -> list[str]:
+        return [self.model.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+
+    def _generation(self, result: TokenResult) -> pb.Generation:
+        request = result.request
+        generation = pb.Generation(
+            request_id=request.id,
+            tokens=self._tokens([result.token_id], [result.logprob], [result.text]),
+        )
+        if result.prefill_logprobs is not None:
+            prompt = request.seq.token_ids[: request.seq.num_prompt_tokens]
+            generation.prefill_tokens.CopyFrom(self._tokens(prompt, result.prefill_logprobs, self._texts(prompt)))
+        if result.top_tokens:
+            ids = [token_id for token_id, _ in result.top_tokens]
+            top = self._tokens(ids, [logprob for _, logprob in result.top_tokens], self._texts(ids))
+            generation.top_tokens.append(top)
+        if result.finish_reason is not None:
+            chooser = request.chooser
+            text = self.model.tokenizer.decode(request.generated_ids, skip_special_tokens=True)
+            generated = pb.GeneratedText(
+                text=text,
+                generated_tokens=len(request.generated_ids),
+                finish_reason=FINISH_REASONS[result.finish_reason],
+            )
+            if chooser.do_sample:
+                generated.seed = chooser.seed
+            generation.generated_text.CopyFrom(generated)
+        return generation
