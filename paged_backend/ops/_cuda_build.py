@@ -1,0 +1,99 @@
+"""Build csrc/ into libpaged_attention.so with nvcc: the one place that knows the compiler command.
+
+Cached at ``$PAGED_BACKEND_CUDA_CACHE`` (default ``~/.cache/paged_backend``) under a hash of the sources,
+flags and nvcc version, so a rebuild happens only when one of them changes. ``PAGED_BACKEND_CSRC`` points
+at a csrc/ directory when the package is installed without the repository around it.
+
+    python -m paged_backend.ops._cuda_build --arch 80 --arch 90 -o libpaged_attention.so
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+LIBRARY_NAME = "libpaged_attention.so"
+NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
+
+
+class CudaBuildError(RuntimeError):
+    """nvcc is missing or rejected the sources; the message carries the compiler's own words."""
+
+
+def csrc_dir() -> Path:
+    return Path(os.environ.get("PAGED_BACKEND_CSRC") or Path(__file__).resolve().parents[2] / "csrc")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PAGED_BACKEND_CUDA_CACHE") or Path.home() / ".cache" / "paged_backend")
+
+
+def find_nvcc() -> str | None:
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
+        return str(Path(cuda_home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def gencode_flags(archs: list[int]) -> list[str]:
+    return [flag for arch in archs for flag in ("-gencode", f"arch=compute_{arch},code=sm_{arch}")]
+
+
+def _sources() -> list[Path]:
+    sources = sorted(csrc_dir().glob("*.cu"))
+    if not sources:
+        raise CudaBuildError(f"no .cu sources in {csrc_dir()}; set PAGED_BACKEND_CSRC to the csrc/ directory")
+    return sources
+
+
+def build_library(output: Path, archs: list[int]) -> Path:
+    """Compile every csrc/*.cu into the shared library `output` for the given SM architectures."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise CudaBuildError("nvcc was not found on PATH or in $CUDA_HOME/bin; install the CUDA toolkit")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    command = [nvcc, *NVCC_FLAGS, *gencode_flags(archs), *map(str, _sources()), "-o", str(output)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise CudaBuildError(f"nvcc failed ({' '.join(command)}):\n{done.stderr[-4000:]}")
+    return output
+
+
+def _fingerprint(archs: list[int]) -> str:
+    digest = hashlib.sha256()
+    nvcc = find_nvcc() or ""
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout if nvcc else ""
+    digest.update(f"{NVCC_FLAGS}{archs}{version}".encode())
+    for path in sorted(csrc_dir().glob("*")):
+        if path.suffix in (".cu", ".cuh", ".h"):
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cached_library(archs: list[int]) -> Path:
+    """The library for `archs`, built on first use; concurrent builders race harmlessly via rename."""
+    target = cache_root() / _fingerprint(archs) / LIBRARY_NAME
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = build_library(Path(scratch) / LIBRARY_NAME, archs)
+        os.replace(built, target)
+    return target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, action="append", default=None, help="SM version, e.g. 80, 90")
+    parser.add_argument("-o", "--output", type=Path, default=Path(LIBRARY_NAME))
+    args = parser.parse_args()
+    print(build_library(args.output, args.arch or [80, 90]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Backend selection: auto picks by device and batch shape, explicit requests fail loudly when impossible."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_backend import ops
+from paged_backend.errors import BackendUnavailable
+from tests._ops_cases import CASES, build_case, naive_attention, tolerance
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_explicit_gpu_backend_on_cpu_tensors_says_why(backend: str):
+    built = build_case(CASES[0])
+    with pytest.raises(BackendUnavailable, match=backend) as raised:
+        ops.paged_attention(*built.attention_args(), backend=backend)
+    assert "torch" in str(raised.value) or "CUDA" in str(raised.value)
+
+
+def test_unknown_backend_lists_the_choices():
+    with pytest.raises(BackendUnavailable, match="torch, triton, cuda"):
+        ops.resolve_backend("flash", torch.device("cpu"))
+
+
+def test_env_var_selects_backend(monkeypatch):
+    monkeypatch.setenv(ops.ENV_VAR, "torch")
+    assert ops.resolve_backend(None, torch.device("cpu")) == "torch"
+    monkeypatch.setenv(ops.ENV_VAR, "cuda")
+    with pytest.raises(BackendUnavailable, match="'cuda'"):
+        ops.resolve_backend(None, torch.device("cpu"))
+
+
+def test_argument_overrides_env_var(monkeypatch):
+    monkeypatch.setenv(ops.ENV_VAR, "cuda")
+    assert ops.resolve_backend("torch", torch.device("cpu")) == "torch"
+
+
+def test_auto_uses_torch_on_cpu_and_matches_naive_attention():
+    case = CASES[4]
+    built = build_case(case)
+    assert ops.resolve_backend(None, built.query.device) == "torch"
+    out = ops.paged_attention(*built.attention_args())
+    torch.testing.assert_close(out, naive_attention(case, built), **tolerance(case))
+
+
+def test_cpu_only_machine_reports_cuda_unavailable_with_a_sentence():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    ops.unavailable_reason.cache_clear()
+    reason = ops.unavailable_reason("cuda")
+    assert reason and "CUDA device" in reason
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_auto_picks_cuda_for_decode_and_triton_for_prefill_on_gpu():
+    device = torch.device("cuda")
+    assert ops.resolve_backend(None, device, decode_only=True) == "cuda"
+    assert ops.resolve_backend(None, device, decode_only=False) == "triton"
