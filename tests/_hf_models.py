@@ -10,18 +10,17 @@ _COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden
                max_position_embeddings=256, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=1,
                initializer_range=0.2)
 _GQA = dict(num_key_value_heads=2)
-SLIDING_WINDOW = 6  # shorter than the test sequences, so windows really slide
+_SLIDING_GQA = dict(num_key_value_heads=2, sliding_window=6)  # shorter than the test sequences: windows slide
 
 ARCHITECTURES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, _GQA),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {**_GQA, "sliding_window": SLIDING_WINDOW}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, _SLIDING_GQA),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, _GQA),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {**_GQA, "head_dim": 16}),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
-               {**_GQA, "head_dim": 16, "sliding_window": SLIDING_WINDOW, "attn_logit_softcapping": 5.0}),
+               {**_SLIDING_GQA, "head_dim": 16, "attn_logit_softcapping": 5.0}),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
-               {**_GQA, "head_dim": 16, "sliding_window": SLIDING_WINDOW,
-                "layer_types": ["sliding_attention", "full_attention"]}),
+               {**_SLIDING_GQA, "head_dim": 16, "layer_types": ["sliding_attention", "full_attention"]}),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, _GQA),
     "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel, {"n_positions": 256}),
 }

@@ -62,10 +62,12 @@ def test_memory_budget_sizes_the_pool():
     assert cache.stats().pool_bytes == 10 * cache.kv_cache.bytes_per_block
 
 
-def test_a_budget_too_small_for_the_prompt_raises_out_of_blocks():
+def test_a_budget_too_small_for_the_prompt_raises_out_of_blocks_and_frees_everything():
     model = tiny_model("llama")
+    cache = PagedCache(model, max_tokens=12, block_size=4)  # the first 9-token row fits, the second does not
     with pytest.raises(OutOfBlocks, match="KV memory budget"):
-        model.generate(**prompts(padded=False), max_new_tokens=2, past_key_values=PagedCache(model, max_tokens=8))
+        model.generate(**prompts(padded=False), max_new_tokens=2, past_key_values=cache)
+    assert cache.stats().used_blocks == 0 and cache.get_seq_length() == 0
 
 
 @torch.no_grad()

@@ -155,7 +155,8 @@ def test_rows_that_diverge_after_layer_zero_get_their_own_blocks():
     want = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=DynamicCache())
     assert torch.equal(out.logits, want.logits)
     assert cache.stats().used_blocks == 2  # rows 0 and 1 share; row 2 was split off
-    step = dict(input_ids=torch.tensor([[7]] * 3), attention_mask=torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1),
-                position_ids=torch.tensor([[2]] * 3))
-    assert torch.equal(model(**step, past_key_values=cache).logits, model(**step, past_key_values=want.past_key_values).logits)
+    next_mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], dim=1)
+    step = dict(input_ids=torch.tensor([[7]] * 3), attention_mask=next_mask, position_ids=torch.tensor([[2]] * 3))
+    paged_logits = model(**step, past_key_values=cache).logits
+    assert torch.equal(paged_logits, model(**step, past_key_values=want.past_key_values).logits)
     assert_all_blocks_free_after_reset(cache)

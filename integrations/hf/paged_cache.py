@@ -15,7 +15,7 @@ from transformers import Cache
 
 from paged_backend.attention import ATTN_IMPLEMENTATION, PagedMetadata, attend_packed
 from paged_backend.block_manager import BlockManager
-from paged_backend.errors import InvalidRequest
+from paged_backend.errors import InvalidRequest, OutOfBlocks
 from paged_backend.kv_cache import PagedKVCache, num_blocks_for_budget
 from paged_backend.ops import reshape_and_cache
 
@@ -283,13 +283,11 @@ class PagedCache(Cache):
         new_columns = self._new_columns(attention_mask, batch, q_len) if paged else torch.ones(batch, q_len).bool()
         followers = identical_rows(key, value, new_columns) if fresh else {}
         stored_before = [self._num_stored(seq) for seq in self._rows]
-        copies: list[tuple[int, int]] = []
-        for row, (seq, count) in enumerate(zip(self._rows, new_columns.sum(dim=1).tolist(), strict=True)):
-            if row not in followers:
-                copies += self._grow(seq, count)
-        for row, leader in followers.items():
-            if self.block_manager.has(self._rows[leader]):
-                self.block_manager.fork(self._rows[leader], self._rows[row])
+        try:
+            copies = self._reserve(new_columns.sum(dim=1).tolist(), followers)
+        except OutOfBlocks as exc:
+            self.reset()  # some rows grew and others did not: nothing consistent is left to keep
+            raise OutOfBlocks(f"{exc} (the PagedCache was reset)") from exc
         self.kv_cache.copy_blocks(copies)
         self._columns = torch.cat([self._columns, new_columns], dim=1)
         self._seq_length += q_len
@@ -298,6 +296,17 @@ class PagedCache(Cache):
         self._build_metadata()
         used = self.block_manager.num_blocks - 1 - self.block_manager.num_free_blocks
         self._peak_used_blocks = max(self._peak_used_blocks, used)
+
+    def _reserve(self, counts: list[int], followers: dict[int, int]) -> list[tuple[int, int]]:
+        """Slots for each row's new tokens; followers share their leader's blocks instead."""
+        copies: list[tuple[int, int]] = []
+        for row, (seq, count) in enumerate(zip(self._rows, counts, strict=True)):
+            if row not in followers:
+                copies += self._grow(seq, count)
+        for row, leader in followers.items():
+            if self.block_manager.has(self._rows[leader]):
+                self.block_manager.fork(self._rows[leader], self._rows[row])
+        return copies
 
     def _expand_to(self, batch: int) -> None:
         """A filled cache meets generate's k-times expanded batch (beams / num_return_sequences): fork rows."""
@@ -320,7 +329,8 @@ class PagedCache(Cache):
         mask = attention_mask.bool().cpu()
         if tuple(mask.shape) != (batch, past + q_len):
             raise InvalidRequest(
-                f"attention_mask has shape {tuple(mask.shape)}, expected ({batch}, {past + q_len}): past plus new columns"
+                f"attention_mask has shape {tuple(mask.shape)}, expected ({batch}, {past + q_len}): "
+                f"past plus new columns"
             )
         if not torch.equal(mask[:, :past], self._columns):
             raise InvalidRequest(
