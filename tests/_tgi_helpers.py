@@ -14,10 +14,14 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+from huggingface_hub import InferenceClient
 from paged_backend.tgi.settings import EMBEDDED_MODEL_ID
+from text_generation import Client
 
 STARTUP_TIMEOUT = 240  # seconds; importing torch on a busy 2-core box is slow
 # Small pool and context so each server starts fast; greedy requests stay well inside both.
+PROMPTS = ["Hello world", "The quick brown fox"]
+MAX_NEW_TOKENS = 12
 SERVER_ARGS = ["--device", "cpu", "--max-total-tokens", "512", "--max-batch-total-tokens", "4096"]
 
 
@@ -133,3 +137,18 @@ def running(*processes: Process):
         for process in processes:
             process.wait_ready()
         yield processes
+
+
+def greedy_texts(url: str) -> dict[str, str]:
+    """Every client path's greedy text for each prompt, keyed by path."""
+    client = Client(url, timeout=120)
+    hub = InferenceClient(model=url, timeout=120)
+    texts = {}
+    for prompt in PROMPTS:
+        texts[f"generate:{prompt}"] = client.generate(prompt, max_new_tokens=MAX_NEW_TOKENS).generated_text
+        last = list(client.generate_stream(prompt, max_new_tokens=MAX_NEW_TOKENS))[-1]
+        texts[f"generate_stream:{prompt}"] = last.generated_text
+        texts[f"hub:{prompt}"] = hub.text_generation(prompt, max_new_tokens=MAX_NEW_TOKENS)
+        chat = hub.chat_completion([{"role": "user", "content": prompt}], max_tokens=MAX_NEW_TOKENS, temperature=0)
+        texts[f"chat:{prompt}"] = chat.choices[0].message.content
+    return texts

@@ -9,11 +9,9 @@ from huggingface_hub import InferenceClient
 from text_generation import AsyncClient, Client
 from text_generation.errors import OverloadedError, ValidationError
 
-from tests._tgi_helpers import TgiServer, running
+from tests._tgi_helpers import MAX_NEW_TOKENS, TgiServer, greedy_texts, running
 
 BACKENDS = ("paged", "reference")
-PROMPTS = ["Hello world", "The quick brown fox"]
-MAX_NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -21,21 +19,6 @@ def servers():
     processes = [TgiServer(backend) for backend in BACKENDS]
     with running(*processes):
         yield {server.backend: server for server in processes}
-
-
-def greedy_texts(url: str) -> dict[str, str]:
-    """Every client path's greedy text for each prompt, keyed by path."""
-    client = Client(url, timeout=120)
-    hub = InferenceClient(model=url, timeout=120)
-    texts = {}
-    for prompt in PROMPTS:
-        texts[f"generate:{prompt}"] = client.generate(prompt, max_new_tokens=MAX_NEW_TOKENS).generated_text
-        last = list(client.generate_stream(prompt, max_new_tokens=MAX_NEW_TOKENS))[-1]
-        texts[f"generate_stream:{prompt}"] = last.generated_text
-        texts[f"hub:{prompt}"] = hub.text_generation(prompt, max_new_tokens=MAX_NEW_TOKENS)
-        chat = hub.chat_completion([{"role": "user", "content": prompt}], max_tokens=MAX_NEW_TOKENS, temperature=0)
-        texts[f"chat:{prompt}"] = chat.choices[0].message.content
-    return texts
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
