@@ -15,6 +15,7 @@ from paged_backend.engine.request import SamplingParams
 
 MAX_N = 16  # choices per prompt; bounds the work one request can ask for
 MAX_STOP_STRINGS = 16
+GREEDY_BELOW = 1e-5  # vLLM's rule: a smaller temperature is greedy (dividing logits by it overflows)
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
@@ -53,7 +54,7 @@ class _SamplingRequest(_Strict):
     user: str | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=100)] | None = None  # tinier ones overflow the logits
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     ignore_eos: bool | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_STRINGS)] | None = None
@@ -85,6 +86,8 @@ class _SamplingRequest(_Strict):
             )  # fmt: skip
             if getattr(self, name) is not None
         }
+        if given.get("temperature", 1.0) < GREEDY_BELOW:
+            given["temperature"] = 0.0
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **given)
 
 

@@ -1,0 +1,168 @@
+"""Bad input gets a 4xx with an OpenAI error object, never a 500, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+
+from tests._server_helpers import API_KEY, MODEL, running_server
+
+MAX_BODY = 4096
+MAX_CONCURRENT = 3
+MAX_MODEL_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def server():
+    flags = ("--num-blocks", "64", "--max-model-len", str(MAX_MODEL_LEN), "--max-request-body-bytes", str(MAX_BODY),
+             "--max-concurrent-requests", str(MAX_CONCURRENT))  # fmt: skip
+    with running_server(*flags) as server:
+        yield server
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    return error
+
+
+def assert_still_serving(server) -> None:
+    completion = server.client().completions.create(model=MODEL, prompt="ok", max_tokens=2)
+    assert completion.choices[0].finish_reason in ("length", "stop")
+
+
+BAD_BODIES = {
+    "malformed json": b'{"prompt": "hi", ',
+    "not an object": b"[1, 2, 3]",
+    "empty body": b"",
+    "prompt missing": b"{}",
+    "prompt wrong type": json.dumps({"prompt": {"text": "hi"}}).encode(),
+    "max_tokens as string": json.dumps({"prompt": "hi", "max_tokens": "5"}).encode(),
+    "max_tokens negative": json.dumps({"prompt": "hi", "max_tokens": -1}).encode(),
+    "max_tokens zero": json.dumps({"prompt": "hi", "max_tokens": 0}).encode(),
+    "max_tokens huge": json.dumps({"prompt": "hi", "max_tokens": 10**30}).encode(),
+    "temperature negative": json.dumps({"prompt": "hi", "temperature": -0.5}).encode(),
+    "top_p zero": json.dumps({"prompt": "hi", "top_p": 0}).encode(),
+    "n zero": json.dumps({"prompt": "hi", "n": 0}).encode(),
+    "stream not bool": json.dumps({"prompt": "hi", "stream": "yes"}).encode(),
+    "empty stop string": json.dumps({"prompt": "hi", "stop": [""]}).encode(),
+    "empty prompt": json.dumps({"prompt": ""}).encode(),
+    "empty prompt list": json.dumps({"prompt": []}).encode(),
+    "token id out of vocab": json.dumps({"prompt": [1, 2, 10**6]}).encode(),
+    "min_tokens above max_tokens": json.dumps({"prompt": "hi", "min_tokens": 9, "max_tokens": 2}).encode(),
+    "unknown field": json.dumps({"prompt": "hi", "best_of_luck": 3}).encode(),
+}
+
+
+@pytest.mark.parametrize("body", BAD_BODIES.values(), ids=BAD_BODIES.keys())
+def test_bad_completion_bodies_get_400(server, body):
+    response = server.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert_openai_error(response, 400)
+
+
+def test_unknown_field_is_named_in_the_error(server):
+    error = assert_openai_error(server.post("/v1/completions", json={"prompt": "hi", "best_of_luck": 3}), 400)
+    assert error["param"] == "best_of_luck" and "best_of_luck" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"messages": []}, {"messages": [{"role": "robot", "content": "hi"}]}, {"messages": "hi"},
+     {"messages": [{"role": "user"}]}, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 99}],
+    ids=["no messages", "unknown role", "messages not a list", "content missing", "top_logprobs too high"],
+)  # fmt: skip
+def test_bad_chat_bodies_get_400(server, body):
+    assert_openai_error(server.post("/v1/chat/completions", json=body), 400)
+
+
+def test_prompt_longer_than_the_context_is_context_length_exceeded(server):
+    error = assert_openai_error(server.post("/v1/completions", json={"prompt": "x" * (MAX_MODEL_LEN + 5)}), 400)
+    assert error["code"] == "context_length_exceeded"
+    fits_alone = {"prompt": "x" * (MAX_MODEL_LEN - 10), "max_tokens": 20}
+    assert (
+        assert_openai_error(server.post("/v1/completions", json=fits_alone), 400)["code"] == "context_length_exceeded"
+    )
+
+
+def test_the_openai_client_sees_a_bad_request_error(server):
+    with pytest.raises(openai.BadRequestError):
+        server.client().completions.create(model=MODEL, prompt="hi", max_tokens=10**6)
+    with pytest.raises(openai.NotFoundError):
+        server.client().completions.create(model="not-this-one", prompt="hi")
+    assert_still_serving(server)
+
+
+def test_oversized_body_gets_413(server):
+    response = server.post("/v1/completions", json={"prompt": "x" * (MAX_BODY * 2)})
+    assert_openai_error(response, 413)
+    assert_still_serving(server)
+
+
+def test_missing_or_wrong_api_key_gets_401(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"}, headers=headers)
+        assert assert_openai_error(response, 401)["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.url}/health").status_code == 200  # probes need no key
+
+
+def test_unknown_route_and_wrong_method_get_openai_errors(server):
+    assert_openai_error(httpx.get(f"{server.url}/nowhere"), 404)
+    assert_openai_error(httpx.get(f"{server.url}/v1/engines", headers={"Authorization": f"Bearer {API_KEY}"}), 404)
+    assert_openai_error(server.post("/v1/models", json={}), 405)
+
+
+def test_requests_past_the_concurrency_limit_get_429(server):
+    """Hold MAX_CONCURRENT streams open, then one more is refused; once they finish, requests pass again."""
+    holding, release = threading.Barrier(MAX_CONCURRENT + 1), threading.Event()
+    body = {"prompt": "hold", "max_tokens": MAX_MODEL_LEN - 8, "stream": True, "ignore_eos": True}  # long-lived
+
+    def hold_a_stream():
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {API_KEY}"}) as response:  # fmt: skip
+            lines = response.iter_lines()
+            next(lines)
+            holding.wait()
+            release.wait()
+            list(lines)
+
+    threads = [threading.Thread(target=hold_a_stream) for _ in range(MAX_CONCURRENT)]
+    for thread in threads:
+        thread.start()
+    holding.wait()
+    try:
+        error = assert_openai_error(server.post("/v1/completions", json={"prompt": "one more"}), 429)
+        assert error["code"] == "rate_limit_exceeded"
+    finally:
+        release.set()
+        for thread in threads:
+            thread.join()
+    assert_still_serving(server)
+    server.wait_until_drained()
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@pytest.fixture(scope="module")
+def api_schema(server):
+    return schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+
+
+@schema.parametrize()
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+def test_schema_fuzzing_never_gets_a_server_error(case, server):
+    case.call_and_validate(headers={"Authorization": f"Bearer {API_KEY}"}, checks=[not_a_server_error], timeout=60)
+
+
+def test_server_is_healthy_and_drained_after_all_of_it(server):
+    assert_still_serving(server)
+    server.wait_until_drained()
