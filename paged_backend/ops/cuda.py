@@ -52,6 +52,14 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return _cuda_abi.DTYPE_CODES[dtype]
 
 
+def _check_pool(pool: torch.Tensor) -> None:
+    """The kernel reads 8 elements per lane with one vector load: rows must be 8-element aligned."""
+    aligned = pool.stride(-1) == 1 and all(s % 8 == 0 for s in pool.stride()[:-1]) and pool.data_ptr() % 16 == 0
+    if not aligned:
+        raise BackendUnavailable("the cuda backend needs KV pools with unit last stride, other strides a multiple "
+                                 "of 8 elements and 16-byte aligned storage; use backend='triton'")
+
+
 @torch.library.custom_op("paged_backend::paged_decode", mutates_args=(), device_types="cuda")
 def paged_decode(
     query: torch.Tensor,
@@ -68,6 +76,8 @@ def paged_decode(
     """Decode attention: `query [B, Hq, D]`, one token per sequence; sliding_window/softcap 0 means off."""
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
+    _check_pool(key_cache)
+    _check_pool(value_cache)
     out = torch.empty_like(query)
     # partitions cover the longest context the tables can address: known without reading seq_lens
     num_partitions = max(1, -(-(block_tables.shape[1] * block_size) // _cuda_abi.PARTITION_SIZE))
@@ -130,14 +140,6 @@ def _(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale):
     return None
 
 
-def _check_pool(pool: torch.Tensor) -> None:
-    """The kernel reads 8 elements per lane with one vector load: rows must be 8-element aligned."""
-    aligned = pool.stride(-1) == 1 and all(s % 8 == 0 for s in pool.stride()[:-1]) and pool.data_ptr() % 16 == 0
-    if not aligned:
-        raise BackendUnavailable("the cuda backend needs KV pools with unit last stride, other strides a multiple "
-                                 "of 8 elements and 16-byte aligned storage; use backend='triton'")
-
-
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -180,8 +182,6 @@ def paged_attention(
     head_dim = query.shape[-1]
     if head_dim % 8 or head_dim > MAX_HEAD_DIM:
         raise BackendUnavailable(f"the cuda backend needs head_dim a multiple of 8 and <= 256, got {head_dim}")
-    _check_pool(key_cache)
-    _check_pool(value_cache)
     query = query if query.stride(-1) == 1 else query.contiguous()
     return paged_decode(
         query, key_cache, value_cache, block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(), float(scale),

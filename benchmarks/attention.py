@@ -1,0 +1,212 @@
+"""Paged decode attention vs contiguous KV: time, achieved KV bandwidth, and ratios to the baselines.
+
+GPU (default when CUDA is visible): Llama-3-8B geometry (32 q heads, 8 kv heads, head dim 128, bf16),
+batch {1, 8, 64, 256} x context {512, 2k, 8k, 32k}. Rows: the cuda and triton backends on shuffled block
+tables, torch SDPA on the same tokens stored contiguously, and FlashInfer's paged decode when importable.
+Bandwidth = K+V bytes read / kernel time; % of peak uses the GPU's HBM bandwidth (H100 3.35 TB/s,
+H200 4.8 TB/s, detected by name; --peak-tbps overrides).
+
+CPU (--device cpu): the torch paged path (the oracle) against SDPA on contiguous KV, float32.
+
+    python benchmarks/attention.py                            # GPU grid
+    python benchmarks/attention.py --device cpu --output cpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from paged_backend import ops
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+PEAK_TBPS_BY_NAME = (("H200", 4.8), ("H100 PCIe", 2.0), ("H100", 3.35), ("A100", 2.0))
+
+
+@dataclass
+class DecodeBatch:
+    query: torch.Tensor  # [B, Hq, D]
+    key_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor  # [B, ctx // block_size], a random permutation of the non-null blocks
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    contiguous_key: torch.Tensor  # [B, Hkv, ctx, D], the same tokens in order
+    contiguous_value: torch.Tensor
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.contiguous_key.numel() * self.contiguous_key.element_size()
+
+
+def make_batch(batch: int, context: int, block_size: int, dtype: torch.dtype, device: str) -> DecodeBatch:
+    gen = torch.Generator(device=device).manual_seed(0)
+    blocks_per_seq = context // block_size
+    num_blocks = batch * blocks_per_seq + 1  # block 0 is the null block
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    key_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    value_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    perm = torch.randperm(num_blocks - 1, generator=gen, device=device) + 1
+    tables = perm.view(batch, blocks_per_seq).to(torch.int32)
+
+    def contiguous(pool: torch.Tensor) -> torch.Tensor:
+        tokens = pool[tables.long()].view(batch, context, NUM_KV_HEADS, HEAD_DIM)
+        return tokens.transpose(1, 2).contiguous()
+
+    return DecodeBatch(
+        query=torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, generator=gen, device=device, dtype=dtype),
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=tables,
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        contiguous_key=contiguous(key_cache),
+        contiguous_value=contiguous(value_cache),
+    )
+
+
+def time_ms(fn: Callable[[], object], device: str, iters: int) -> float:
+    """Median milliseconds per call after a warm-up (CUDA events on GPU, wall clock on CPU)."""
+    for _ in range(2):
+        fn()
+    samples = []
+    for _ in range(iters):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(samples)
+
+
+def paged(b: DecodeBatch, backend: str) -> Callable[[], torch.Tensor]:
+    scale = HEAD_DIM**-0.5
+    return lambda: ops.paged_attention(b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens,
+                                       b.query_start_loc, scale, backend=backend)
+
+
+def sdpa_contiguous(b: DecodeBatch) -> Callable[[], torch.Tensor]:
+    query = b.query[:, :, None, :]  # [B, Hq, 1, D]
+    return lambda: F.scaled_dot_product_attention(query, b.contiguous_key, b.contiguous_value, enable_gqa=True)
+
+
+def flashinfer_paged(b: DecodeBatch) -> Callable[[], torch.Tensor] | None:
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    batch, blocks_per_seq = b.block_tables.shape
+    block_size = b.key_cache.shape[1]
+    device = b.query.device
+    workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper.plan(
+        torch.arange(batch + 1, dtype=torch.int32, device=device) * blocks_per_seq,
+        b.block_tables.flatten(),
+        torch.full((batch,), block_size, dtype=torch.int32, device=device),
+        NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, block_size,
+        q_data_type=b.query.dtype, kv_data_type=b.key_cache.dtype,
+    )
+    return lambda: wrapper.run(b.query, (b.key_cache, b.value_cache))
+
+
+def peak_tbps(override: float | None) -> float | None:
+    if override:
+        return override
+    name = torch.cuda.get_device_name()
+    return next((tbps for key, tbps in PEAK_TBPS_BY_NAME if key in name), None)
+
+
+def fits_in_memory(batch: int, context: int, dtype: torch.dtype) -> bool:
+    # pools + the contiguous copy, each K and V; keep a quarter of free memory as headroom
+    needed = 4 * batch * context * NUM_KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
+    free, _ = torch.cuda.mem_get_info()
+    return needed < 0.75 * free
+
+
+def gpu_cells(b: DecodeBatch, args: argparse.Namespace, peak: float | None) -> list:
+    times = {name: time_ms(fn, "cuda", args.iters) for name, fn in
+             (("cuda", paged(b, "cuda")), ("triton", paged(b, "triton")), ("sdpa", sdpa_contiguous(b)))}
+    flashinfer = flashinfer_paged(b)
+    fi_ms = time_ms(flashinfer, "cuda", args.iters) if flashinfer else None
+    gbps = {name: b.kv_bytes / (ms * 1e-3) / 1e9 for name, ms in times.items()}
+    batch, context = b.block_tables.shape[0], int(b.seq_lens[0])
+    return [
+        batch, context, f"{b.kv_bytes / 2**20:.0f}",
+        f"{times['cuda']:.3f}", f"{gbps['cuda']:.0f}", f"{100 * gbps['cuda'] / (peak * 1e3):.0f}%" if peak else "n/a",
+        f"{times['triton']:.3f}", f"{gbps['triton']:.0f}",
+        f"{times['sdpa']:.3f}", f"{times['cuda'] / times['sdpa']:.2f}", f"{times['triton'] / times['sdpa']:.2f}",
+        f"{fi_ms:.3f}" if fi_ms else "not installed", f"{times['cuda'] / fi_ms:.2f}" if fi_ms else "n/a",
+    ]
+
+
+def gpu_table(args: argparse.Namespace) -> list[str]:
+    dtype = torch.bfloat16
+    peak = peak_tbps(args.peak_tbps)
+    header = ["batch", "context", "KV MiB", "cuda ms", "cuda GB/s", "cuda % peak", "triton ms", "triton GB/s",
+              "sdpa contiguous ms", "cuda / sdpa", "triton / sdpa", "flashinfer ms", "cuda / flashinfer"]
+    lines = [f"GPU: {torch.cuda.get_device_name()}, peak {peak or 'unknown'} TB/s; ratios are time / time "
+             "(below 1: the paged kernel is faster)", "", _row(header), _row(["---"] * len(header))]
+    for batch in args.batch:
+        for context in args.context:
+            if not fits_in_memory(batch, context, dtype):
+                lines.append(_row([batch, context, "skipped: does not fit in free GPU memory"]))
+                continue
+            lines.append(_row(gpu_cells(make_batch(batch, context, args.block_size, dtype, "cuda"), args, peak)))
+            torch.cuda.empty_cache()
+    return lines
+
+
+def cpu_table(args: argparse.Namespace) -> list[str]:
+    header = ["batch", "context", "torch paged ms", "sdpa contiguous ms", "paged / contiguous"]
+    lines = [f"CPU, float32, {torch.get_num_threads()} threads; shuffled block tables, block size "
+             f"{args.block_size}", "", _row(header), _row(["---"] * len(header))]
+    for batch in args.batch:
+        for context in args.context:
+            b = make_batch(batch, context, args.block_size, torch.float32, "cpu")
+            paged_ms = time_ms(paged(b, "torch"), "cpu", args.iters)
+            sdpa_ms = time_ms(sdpa_contiguous(b), "cpu", args.iters)
+            lines.append(_row([batch, context, f"{paged_ms:.2f}", f"{sdpa_ms:.2f}", f"{paged_ms / sdpa_ms:.2f}"]))
+    return lines
+
+
+def _row(cells: list) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, nargs="+", default=None)
+    parser.add_argument("--context", type=int, nargs="+", default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=None, help="timed calls per cell (median reported)")
+    parser.add_argument("--peak-tbps", type=float, default=None, help="HBM bandwidth in TB/s for %% of peak")
+    parser.add_argument("--output", default=None, help="also write the markdown table to this file")
+    args = parser.parse_args()
+    on_gpu = args.device == "cuda"
+    args.batch = args.batch or ([1, 8, 64, 256] if on_gpu else [1, 8])
+    args.context = args.context or ([512, 2048, 8192, 32768] if on_gpu else [512, 2048])
+    args.iters = args.iters or (20 if on_gpu else 5)
+
+    text = "\n".join(gpu_table(args) if on_gpu else cpu_table(args))
+    print(text)
+    if args.output:
+        with open(args.output, "w") as handle:
+            handle.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
