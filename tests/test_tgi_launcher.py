@@ -1,0 +1,136 @@
+"""Launcher flags (names, env vars, defaults, ignored flags), the shard CLI and the generate.v3 stubs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import typer
+from paged_backend.tgi.cli import register
+from paged_backend.tgi.generated import generate_pb2 as pb
+from paged_backend.tgi.launcher import LaunchError, engine_config, router_settings
+from paged_backend.tgi.launcher_flags import ignored_flags, parse_flags
+from paged_backend.tgi.shard.cli import app as shard_app
+from paged_backend.tgi.stubs import compile_stubs, proto_path
+from typer.testing import CliRunner
+
+
+def test_tgi_defaults():
+    args = parse_flags([])
+    assert (args.backend, args.port, args.hostname, args.max_concurrent_requests) == ("paged", 3000, "0.0.0.0", 128)
+    assert (args.max_best_of, args.max_stop_sequences, args.max_top_n_tokens) == (2, 4, 5)
+    assert (args.max_batch_prefill_tokens, args.max_waiting_tokens, args.waiting_served_ratio) == (4096, 20, 0.3)
+    assert ignored_flags(args) == []
+
+
+def test_env_vars_follow_tgi_names_and_flags_win(monkeypatch):
+    monkeypatch.setenv("MODEL_ID", "/models/x")
+    monkeypatch.setenv("PORT", "8080")
+    monkeypatch.setenv("TGI_BACKEND", "reference")
+    monkeypatch.setenv("MAX_INPUT_TOKENS", "100")
+    monkeypatch.setenv("TRUST_REMOTE_CODE", "true")
+    args = parse_flags(["--port", "9090"])
+    assert (args.model_id, args.port, args.backend, args.max_input_tokens) == ("/models/x", 9090, "reference", 100)
+    assert args.trust_remote_code is True
+
+
+def test_flags_without_meaning_are_reported_never_silent():
+    args = parse_flags(["--quantize", "awq", "--num-shard", "2", "--waiting-served-ratio", "1.2", "--sharded", "true"])
+    assert ignored_flags(args) == ["--waiting-served-ratio", "--sharded", "--num-shard", "--quantize"]
+    assert ignored_flags(parse_flags(["--backend", "grpc", "--waiting-served-ratio", "1.2"])) == []
+
+
+def test_legacy_max_input_length_and_startup_checks():
+    args = parse_flags(["--max-input-length", "300", "--max-total-tokens", "300"])
+    assert args.max_input_tokens == 300
+    with pytest.raises(LaunchError, match="`max_input_tokens` must be < `max_total_tokens`"):
+        router_settings(args, max_model_len=1024)
+    settings = router_settings(parse_flags(["--max-total-tokens", "512"]), max_model_len=1024)
+    assert (settings.max_input_tokens, settings.max_total_tokens) == (511, 512)
+
+
+def test_engine_config_from_tgi_flags():
+    args = parse_flags(
+        [
+            "--max-batch-total-tokens",
+            "1000",
+            "--max-batch-size",
+            "8",
+            "--max-batch-prefill-tokens",
+            "512",
+            "--kv-cache-dtype",
+            "fp8_e4m3fn",
+            "--cuda-memory-fraction",
+            "0.5",
+            "--max-total-tokens",
+            "256",
+        ]
+    )
+    config = engine_config(args)
+    assert config.cache.num_blocks == 63 + 1 and config.cache.cache_dtype == "fp8"
+    assert config.cache.gpu_memory_utilization == 0.5
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (8, 512)
+    assert config.scheduler.max_model_len == 256 and config.model is None
+
+
+def test_launch_help_lists_tgi_flags():
+    result = subprocess.run(
+        [sys.executable, "-m", "paged_backend.tgi", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0
+    for flag in ("--model-id", "--max-batch-prefill-tokens", "--backend", "--shard-uds-path", "--api-key"):
+        assert flag in result.stdout
+
+
+def test_register_adds_launch_to_a_typer_app():
+    app = typer.Typer()
+
+    @app.command()
+    def other() -> None:
+        """Another command, so typer keeps sub-command names."""
+
+    register(app)
+    result = CliRunner().invoke(app, ["launch", "--backend", "nope"])
+    assert result.exit_code == 2 and "invalid choice: 'nope'" in result.output
+
+
+def test_shard_cli_has_tgi_serve_flags_and_a_local_download():
+    runner = CliRunner()
+    help_text = runner.invoke(shard_app, ["serve", "--help"], terminal_width=200).output
+    for flag in ("--uds-path", "--sharded", "--quantize", "--dtype", "--kv-cache-dtype", "--max-input-tokens"):
+        assert flag in help_text
+    assert runner.invoke(shard_app, ["download-weights", "paged-backend/embedded-tiny"]).exit_code == 0
+
+
+def test_proto_keeps_tgi_field_numbers():
+    fields = {
+        "Request": {"id": 1, "inputs": 2, "truncate": 3, "blocks": 9, "slots": 10, "cache_len": 12, "chunk_len": 14},
+        "CachedBatch": {"id": 1, "request_ids": 2, "size": 3, "max_tokens": 4, "current_tokens": 5},
+        "InfoResponse": {"support_chunking": 6, "use_prefix_caching": 7, "attention_impl": 8, "block_size": 9},
+        "WarmupResponse": {"max_supported_total_tokens": 1, "max_input_tokens": 2, "max_total_tokens": 3},
+        "Generation": {"request_id": 1, "prefill_tokens": 2, "tokens": 3, "generated_text": 4, "top_tokens": 5},
+    }
+    assert pb.DESCRIPTOR.package == "generate.v3"
+    for message, numbers in fields.items():
+        descriptor = pb.DESCRIPTOR.message_types_by_name[message]
+        assert {name: descriptor.fields_by_name[name].number for name in numbers} == numbers
+    assert not pb.WarmupResponse().HasField("max_supported_total_tokens")
+    assert pb.Request(chunk_len=0).HasField("chunk_len")
+    service = pb.DESCRIPTOR.services_by_name["TextGenerationService"]
+    assert {m.name for m in service.methods} == {
+        "Info",
+        "Health",
+        "ServiceDiscovery",
+        "ClearCache",
+        "FilterBatch",
+        "Warmup",
+        "Prefill",
+        "Decode",
+    }
+
+
+def test_stubs_compile_into_any_directory(tmp_path):
+    compile_stubs(proto_path(), tmp_path)
+    grpc_module = (tmp_path / "generate_pb2_grpc.py").read_text()
+    assert "from . import generate_pb2" in grpc_module
