@@ -102,6 +102,8 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_kernel(const pb_deco
                     : 0.f;
 
   // pass 1: scores. The loop bound is uniform across the CTA so every lane reaches the shuffles.
+  // Unrolling lets the compiler issue several steps' K loads before the first one is consumed.
+#pragma unroll 4
   for (int step = begin; step < end; step += TOKENS_PER_STEP) {
     const int token = step + warp * TOKENS_PER_WARP + token_slot;
     const bool valid = token < end;
@@ -151,6 +153,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_kernel(const pb_deco
   for (int g = 0; g < MAX_GROUP; ++g)
 #pragma unroll
     for (int e = 0; e < DIMS_PER_LANE; ++e) acc[g][e] = 0.f;
+#pragma unroll 4
   for (int step = begin; step < end; step += TOKENS_PER_STEP) {
     const int token = step + warp * TOKENS_PER_WARP + token_slot;
     if (token >= end || !lane_active) continue;  // no shuffles in this loop: divergence is fine
