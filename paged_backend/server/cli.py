@@ -45,6 +45,7 @@ def serve(
 
     from paged_backend.engine import Engine
     from paged_backend.server.app import build_app
+    from paged_backend.server.draining_server import DrainingServer
     from paged_backend.server.state import ServerSettings
 
     args = EngineArgs(
@@ -64,7 +65,9 @@ def serve(
         served_model_name=served_model_name,
     )  # fmt: skip
     app = build_app(engine, settings)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout)
+    # The engine drains first; uvicorn's own timeout is only a backstop for connections that still hang.
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    DrainingServer(config, app.state.server.async_engine, drain_timeout).run()
 
 
 def register(app: typer.Typer) -> None:

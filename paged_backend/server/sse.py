@@ -26,7 +26,7 @@ async def event_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
             yield event(chunk)
     except Exception as error:
         status_code, body = engine_error(error)
-        if status_code >= 500:
+        if status_code == 500:  # a bug or a failed step; aborts and bad input are expected
             logger.exception("stream failed")
         yield event(body)
     yield DONE

@@ -1,0 +1,41 @@
+"""`serve` flags: vLLM names, each mapped onto the EngineConfig field of the same name."""
+
+from __future__ import annotations
+
+import typer
+from typer.testing import CliRunner
+
+from paged_backend.config import EngineConfig
+from paged_backend.server.cli import register
+from paged_backend.server.engine_args import EngineArgs
+
+ENGINE_FLAGS = ["--model", "--block-size", "--num-blocks", "--max-num-seqs", "--max-num-batched-tokens",
+                "--max-model-len", "--swap-space", "--enable-prefix-caching", "--no-enable-prefix-caching",
+                "--dtype", "--device", "--seed", "--gpu-memory-utilization"]  # fmt: skip
+SERVER_FLAGS = ["--host", "--port", "--api-key", "--max-concurrent-requests", "--max-request-body-bytes"]
+
+
+def test_every_flag_lands_on_its_config_field():
+    args = EngineArgs(model="/models/x", block_size=8, num_blocks=99, max_num_seqs=4, max_num_batched_tokens=512,
+                      max_model_len=256, swap_space=1.5, enable_prefix_caching=False, dtype="float32",
+                      device="cpu", seed=3, gpu_memory_utilization=0.5)  # fmt: skip
+    config = args.to_engine_config()
+    assert (config.model, config.dtype, config.device, config.seed) == ("/models/x", "float32", "cpu", 3)
+    assert (config.cache.block_size, config.cache.num_blocks, config.cache.swap_space) == (8, 99, 1.5)
+    assert (config.cache.enable_prefix_caching, config.cache.gpu_memory_utilization) == (False, 0.5)
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (4, 512)
+    assert config.scheduler.max_model_len == 256
+
+
+def test_flags_left_out_keep_the_config_defaults():
+    assert EngineArgs().to_engine_config() == EngineConfig()
+
+
+def test_register_adds_serve_with_every_flag():
+    app = typer.Typer()
+    register(app)
+    assert typer.main.get_command(app).name == "serve"
+    result = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0
+    for flag in ENGINE_FLAGS + SERVER_FLAGS:
+        assert flag in result.output
