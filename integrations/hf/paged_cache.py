@@ -192,10 +192,16 @@ class PagedCache(Cache):
                 "between real tokens; left-pad the batch, or use attn_implementation='sdpa'"
             )
         self._check_followers(handle.layer_idx, handle.key, handle.value)
-        return attend_packed(
-            self.kv_cache, handle.layer_idx, query, handle.key, handle.value, step.metadata,
+        # A follower with the leader's query, blocks and mask has the leader's output: attend once per prompt.
+        mirrors = {row: lead for row, lead in step.followers.items() if torch.equal(query[row], query[lead])}
+        metadata = self._metadata_for([r for r in range(len(self._rows)) if r not in mirrors]) if mirrors else None
+        out = attend_packed(
+            self.kv_cache, handle.layer_idx, query, handle.key, handle.value, metadata or step.metadata,
             scaling, sliding_window, softcap,
         )
+        for row, lead in mirrors.items():
+            out[row] = out[lead]
+        return out
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i continues row beam_idx[i]. Block tables are permuted; no KV is copied."""
@@ -340,20 +346,32 @@ class PagedCache(Cache):
         return mask[:, past:]
 
     def _build_metadata(self) -> None:
+        step = self._step
+        step.metadata = self._metadata_for(list(range(len(self._rows))))
+        if not self._paged and not step.fresh:
+            positions = torch.arange(self._seq_length, device=self.kv_cache.device)
+            bs = self.block_manager.block_size
+            step.gather_slots = step.metadata.block_tables.long()[:, positions // bs] * bs + positions % bs
+
+    def _metadata_for(self, rows: list[int]) -> PagedMetadata:
+        """Paged-attention metadata of this forward restricted to `rows` (the others get no query tokens)."""
         step, bm, device = self._step, self.block_manager, self.kv_cache.device
         counts = step.new_columns.sum(dim=1).tolist()
         slots: list[int] = []
-        for row, (seq, before, count) in enumerate(zip(self._rows, step.stored_before, counts, strict=True)):
+        for row in rows:
+            seq, before, count = self._rows[row], step.stored_before[row], counts[row]
             own = row not in step.followers and count
             slots += bm.slot_mapping(seq, before, before + count) if own else [-1] * count
-        tables = [bm.block_table(seq) if bm.has(seq) else [] for seq in self._rows]
+        tables = [bm.block_table(self._rows[row]) if bm.has(self._rows[row]) else [] for row in rows]
         block_tables = torch.zeros(len(tables), max(1, *map(len, tables)), dtype=torch.int32)
-        for row, table in enumerate(tables):
-            block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        seq_lens = [before + count for before, count in zip(step.stored_before, counts, strict=True)]
-        starts = torch.tensor([0, *counts]).cumsum(0)
-        row_index = None if bool(step.new_columns.all()) else step.new_columns.flatten().nonzero().squeeze(1)
-        step.metadata = PagedMetadata(
+        for i, table in enumerate(tables):
+            block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        seq_lens = [step.stored_before[row] + counts[row] for row in rows]
+        starts = torch.tensor([0, *(counts[row] for row in rows)]).cumsum(0)
+        queried = torch.zeros_like(step.new_columns)
+        queried[rows] = step.new_columns[rows]
+        row_index = None if bool(queried.all()) else queried.flatten().nonzero().squeeze(1)
+        return PagedMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             block_tables=block_tables.to(device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
@@ -361,10 +379,6 @@ class PagedCache(Cache):
             row_index=None if row_index is None else row_index.to(device),
             backend=self.backend,
         )
-        if not self._paged and not step.fresh:
-            positions = torch.arange(self._seq_length, device=device)
-            bs = bm.block_size
-            step.gather_slots = step.metadata.block_tables.long()[:, positions // bs] * bs + positions % bs
 
     def _check_followers(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Rows grouped on layer 0 must still match here; a row that differs gets its own copy of the blocks."""
