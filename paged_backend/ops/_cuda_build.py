@@ -18,7 +18,8 @@ import tempfile
 from pathlib import Path
 
 LIBRARY_NAME = "libpaged_attention.so"
-NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
+# --threads 0: compile the per-architecture targets in parallel
+NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", "--threads", "0")
 
 
 class CudaBuildError(RuntimeError):
