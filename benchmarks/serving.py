@@ -175,9 +175,10 @@ def plot(summaries: list[RateSummary], path: str) -> None:
 
     achieved = [s.request_throughput for s in summaries]
     figure, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for metric, axis in (("ttft", axes[0]), ("e2e", axes[0]), ("tpot", axes[1]), ("itl", axes[1])):
+    panels = (("ttft", axes[0], "C0"), ("e2e", axes[0], "C1"), ("tpot", axes[1], "C2"), ("itl", axes[1], "C3"))
+    for metric, axis, color in panels:
         for quantile, style in (("p50", "-o"), ("p99", "--x")):
-            axis.plot(achieved, [s.latency_ms[metric][quantile] for s in summaries], style,
+            axis.plot(achieved, [s.latency_ms[metric][quantile] for s in summaries], style, color=color,
                       label=f"{metric.upper()} {quantile}")  # fmt: skip
     for axis, title in zip(axes, ("time to first token / end to end", "per output token"), strict=True):
         axis.set(xlabel="achieved request throughput (req/s)", ylabel="latency (ms)", title=title, yscale="log")

@@ -16,7 +16,7 @@ from tests._server_helpers import API_KEY, MODEL, running_server
 
 MAX_BODY = 4096
 MAX_CONCURRENT = 3
-MAX_MODEL_LEN = 96
+MAX_MODEL_LEN = 64
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from paged_backend.engine.request import RequestOutput, SamplingParams
 from paged_backend.errors import PagedBackendError
 
 if TYPE_CHECKING:
-    from paged_backend.engine import Engine
+    from paged_backend.engine import Engine, EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class AsyncEngine:
         """Abort a request (idempotent); its blocks are freed at the next turn of the engine thread."""
         self._commands.put(lambda: self._abort(request_id))
 
-    def stats(self) -> Any:
+    def stats(self) -> EngineStats:
         """The engine's EngineStats as of the end of the latest engine-thread iteration."""
         return self._stats
 
