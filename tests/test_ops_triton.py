@@ -1,17 +1,21 @@
 """Every Triton kernel against the torch oracle on the shared case grid.
 
-Without a GPU the kernels run under Triton's CPU interpreter. TRITON_INTERPRET is read when a kernel is
-decorated, and `paged_backend.ops.triton` imports its kernel modules only on first use, so setting it
-here (before any kernel runs) works whatever other test modules imported first.
+Without a GPU the kernels run under Triton's CPU interpreter. TRITON_INTERPRET must be set before the
+first `import triton` of the process (triton decorates its own library functions at import), which
+tests/conftest.py does; `paged_backend.ops.triton` imports its kernels only on first use.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
 if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set, so its interpreter cannot run; "
+                           "set the variable in tests/conftest.py before anything imports triton")
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
