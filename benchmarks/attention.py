@@ -99,8 +99,10 @@ def paged(b: DecodeBatch, backend: str) -> Callable[[], torch.Tensor]:
 
 
 def sdpa_contiguous(b: DecodeBatch) -> Callable[[], torch.Tensor]:
-    query = b.query[:, :, None, :]  # [B, Hq, 1, D]
-    return lambda: F.scaled_dot_product_attention(query, b.contiguous_key, b.contiguous_value, enable_gqa=True)
+    # the q heads of one kv head become its query rows: exact for decode (no mask) and no K/V head repeat
+    batch = b.query.shape[0]
+    query = b.query.view(batch, NUM_KV_HEADS, NUM_Q_HEADS // NUM_KV_HEADS, HEAD_DIM)
+    return lambda: F.scaled_dot_product_attention(query, b.contiguous_key, b.contiguous_value)
 
 
 def flashinfer_paged(b: DecodeBatch) -> Callable[[], torch.Tensor] | None:
@@ -131,8 +133,8 @@ def peak_tbps(override: float | None) -> float | None:
 
 
 def fits_in_memory(batch: int, context: int, dtype: torch.dtype) -> bool:
-    # pools + the contiguous copy, each K and V; keep a quarter of free memory as headroom
-    needed = 4 * batch * context * NUM_KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
+    # pools + the contiguous copy of K and V, plus one gather temporary; a quarter of free memory as headroom
+    needed = 5 * batch * context * NUM_KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
     free, _ = torch.cuda.mem_get_info()
     return needed < 0.75 * free
 
