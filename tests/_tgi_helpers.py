@@ -8,12 +8,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import IO
 
 import httpx
+import uvicorn
 from huggingface_hub import InferenceClient
 from paged_backend.tgi.settings import EMBEDDED_MODEL_ID
 from text_generation import Client
@@ -152,3 +154,25 @@ def greedy_texts(url: str) -> dict[str, str]:
         chat = hub.chat_completion([{"role": "user", "content": prompt}], max_tokens=MAX_NEW_TOKENS, temperature=0)
         texts[f"chat:{prompt}"] = chat.choices[0].message.content
     return texts
+
+
+@contextmanager
+def serving_in_thread(app):
+    """Serve an ASGI app with uvicorn on a loopback port in this process (real HTTP streaming, no start-up cost).
+
+    Yields the base URL; the server and its lifespan stop on exit.
+    """
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("in-thread server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -1,24 +1,40 @@
-"""The real TGI clients, unchanged, against `python -m paged_backend.tgi` in paged and reference modes."""
+"""The real TGI clients, unchanged, against `python -m paged_backend.tgi` in paged, reference and grpc modes.
+
+`--backend grpc` is our Python v3 router driving our own shard subprocess over a unix socket.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import shutil
+import tempfile
 
+import httpx
 import pytest
 from huggingface_hub import InferenceClient
 from text_generation import AsyncClient, Client
-from text_generation.errors import OverloadedError, ValidationError
+from text_generation.errors import ValidationError
+from text_generation.types import Message
 
-from tests._tgi_helpers import MAX_NEW_TOKENS, TgiServer, greedy_texts, running
+from tests._tgi_helpers import MAX_NEW_TOKENS, Shard, TgiServer, greedy_texts, running
 
-BACKENDS = ("paged", "reference")
+BACKENDS = ("paged", "reference", "grpc")
+ROUTER_ARGS = ["--max-batch-prefill-tokens", "512", "--waiting-served-ratio", "1.2", "--max-waiting-tokens", "3"]
+SHARD_BLOCKS = 257
 
 
 @pytest.fixture(scope="module")
 def servers():
-    processes = [TgiServer(backend) for backend in BACKENDS]
-    with running(*processes):
-        yield {server.backend: server for server in processes}
+    directory = tempfile.mkdtemp(prefix="tgi-", dir="/tmp")  # unix socket paths must stay short
+    uds_path = f"{directory}/shard"
+    shard = Shard(uds_path, ["--num-blocks", str(SHARD_BLOCKS), "--device", "cpu"])
+    in_process = [TgiServer("paged"), TgiServer("reference")]
+    with running(shard, *in_process):
+        # The router warms the shard up at start, so it starts once the shard's socket exists.
+        with running(TgiServer("grpc", ["--shard-uds-path", uds_path, *ROUTER_ARGS])) as (grpc_server,):
+            yield {server.backend: server for server in [*in_process, grpc_server]}
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -70,6 +86,17 @@ def test_hub_client_details_and_stream(servers, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_text_generation_client_chat(servers, backend):
+    client = Client(servers[backend].url, timeout=120)
+    hub = InferenceClient(model=servers[backend].url, timeout=120)
+    messages = [Message(role="user", content="hi")]
+    response = client.chat(messages, max_tokens=6, temperature=0)
+    expected = hub.chat_completion([{"role": "user", "content": "hi"}], max_tokens=6, temperature=0)
+    assert response.choices[0].message.content == expected.choices[0].message.content
+    assert response.usage["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_errors_map_to_client_exceptions(servers, backend):
     client = Client(servers[backend].url, timeout=120)
     with pytest.raises(ValidationError, match="`inputs` tokens \\+ `max_new_tokens` must be <= 512"):
@@ -81,22 +108,45 @@ def test_errors_map_to_client_exceptions(servers, backend):
 
 
 def test_greedy_text_is_identical_across_backends(servers):
-    paged, reference = (greedy_texts(servers[backend].url) for backend in BACKENDS)
+    paged, reference, grpc = (greedy_texts(servers[backend].url) for backend in BACKENDS)
     assert paged == reference
+    assert grpc == paged
 
 
-def test_no_kv_block_is_held_after_requests(servers):
-    metrics = servers["paged"].wait_until_drained()
-    assert metrics["tgi_request_success"] > 0
-    assert metrics["tgi_batch_max_total_tokens"] > 0
+@pytest.mark.parametrize("backend", ["paged", "grpc"])
+def test_concurrent_requests_and_disconnects_free_every_block(servers, backend):
+    client = Client(servers[backend].url, timeout=120)
+    expected = client.generate("Hello world", max_new_tokens=MAX_NEW_TOKENS).generated_text
+
+    def run(index: int) -> str:
+        if index % 3 == 2:  # a client that goes away mid-stream
+            stream = client.generate_stream("Hello world", max_new_tokens=50)
+            next(stream)
+            stream.close()
+            return expected
+        return client.generate("Hello world", max_new_tokens=MAX_NEW_TOKENS).generated_text
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        assert list(pool.map(run, range(6))) == [expected] * 6
+    metrics = servers[backend].wait_until_drained()
+    assert metrics["tgi_request_success"] > 0 and metrics["tgi_batch_max_total_tokens"] > 0
 
 
-def test_overload_is_429_with_overloaded_error():
-    with running(TgiServer("paged", ["--max-concurrent-requests", "1"])) as (server,):
-        client = Client(server.url, timeout=120)
-        stream = client.generate_stream("Hello", max_new_tokens=200)
-        next(stream)  # holds the only permit while streaming
-        with pytest.raises(OverloadedError, match="Model is overloaded"):
-            client.generate("Hello", max_new_tokens=2)
-        stream.close()
-        server.wait_until_drained()
+@pytest.mark.parametrize("backend", ["reference", "grpc"])
+def test_prefill_details_and_top_tokens(servers, backend):
+    response = Client(servers[backend].url, timeout=120).generate(
+        "Hello world", max_new_tokens=4, decoder_input_details=True, top_n_tokens=3
+    )
+    prefill = response.details.prefill
+    assert prefill[0].logprob is None and all(token.logprob <= 0 for token in prefill[1:])
+    assert len(response.details.top_tokens) == 4 and all(len(tops) == 3 for tops in response.details.top_tokens)
+
+
+def test_grpc_router_sizes_its_pool_from_the_shard_warmup(servers):
+    metrics = servers["grpc"].metrics()
+    assert metrics["tgi_batch_max_total_tokens"] == (SHARD_BLOCKS - 1) * 16
+
+
+def test_grpc_health_runs_the_liveness_prefill_on_block_0(servers):
+    # The router starts unhealthy, so its first /health (at start-up) already ran the liveness prefill.
+    assert httpx.get(f"{servers['grpc'].url}/health", timeout=30).status_code == 200

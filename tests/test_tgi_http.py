@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from paged_backend.tgi.http_app import create_app
@@ -13,19 +14,21 @@ from paged_backend.tgi.settings import RouterSettings
 
 from paged_backend.config import CacheConfig, EngineConfig, SchedulerConfig
 from paged_backend.engine import Engine
+from tests._tgi_helpers import serving_in_thread
 
 NUM_BLOCKS = 96
 
 
+def make_engine() -> Engine:
+    config = EngineConfig(
+        device="cpu", cache=CacheConfig(num_blocks=NUM_BLOCKS), scheduler=SchedulerConfig(max_model_len=512)
+    )
+    return Engine(config)
+
+
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(
-        EngineConfig(
-            device="cpu",
-            cache=CacheConfig(num_blocks=NUM_BLOCKS),
-            scheduler=SchedulerConfig(max_model_len=512),
-        )
-    )
+    return make_engine()
 
 
 @pytest.fixture(scope="module")
@@ -216,18 +219,8 @@ def test_payload_limit_is_413(client):
     assert client.post("/generate", json={"inputs": "x" * 20_000}).status_code == 413
 
 
-def test_disconnect_mid_stream_frees_blocks(client, engine):
-    with client.stream(
-        "POST", "/generate_stream", json={"inputs": "Hello", "parameters": {"max_new_tokens": 200}}
-    ) as response:
-        next(response.iter_lines())
-    deadline = time.monotonic() + 10
-    while engine.block_manager.num_free_blocks != NUM_BLOCKS - 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert engine.block_manager.num_free_blocks == NUM_BLOCKS - 1
-
-
-def test_api_key_is_required_when_set(engine):
+def test_api_key_is_required_when_set():
+    engine = make_engine()  # an engine is stepped by one AsyncEngine only
     settings = RouterSettings(max_input_tokens=255, max_total_tokens=256, api_key="secret")
     with TestClient(create_app(PagedBackend(engine), settings, drain_timeout=5)) as guarded:
         denied = guarded.post("/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 1}})
@@ -236,3 +229,22 @@ def test_api_key_is_required_when_set(engine):
         allowed = guarded.post("/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 1}}, headers=headers)
         assert allowed.status_code == 200
         assert guarded.get("/health").status_code == 200
+
+
+def test_overload_is_429_and_a_disconnect_frees_blocks_at_once():
+    engine = make_engine()  # an engine is stepped by one AsyncEngine only
+    settings = RouterSettings(max_input_tokens=255, max_total_tokens=256, max_concurrent_requests=1)
+    with serving_in_thread(create_app(PagedBackend(engine), settings, drain_timeout=5)) as url:
+        body = {"inputs": "Hello", "parameters": {"max_new_tokens": 200}}
+        with httpx.stream("POST", f"{url}/generate_stream", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()  # kept referenced: a collected iterator would close the connection
+            next(lines)  # the stream holds the only permit
+            response = httpx.post(f"{url}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 1}})
+            assert response.status_code == 429
+            assert response.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
+            assert engine.block_manager.num_free_blocks < NUM_BLOCKS - 1
+        deadline = time.monotonic() + 10  # the client is gone: the request is aborted, long before 200 tokens
+        while engine.block_manager.num_free_blocks != NUM_BLOCKS - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.block_manager.num_free_blocks == NUM_BLOCKS - 1
+        assert engine.stats().generation_tokens < 200

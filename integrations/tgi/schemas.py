@@ -76,7 +76,7 @@ class ChatRequest(_Body):
     model: str | None = None
     messages: list[ChatMessage]
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Any = None  # accepted, unused (as in TGI)
     logprobs: bool | None = None
     top_logprobs: int | None = None
     max_tokens: int | None = None
