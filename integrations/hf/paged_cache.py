@@ -56,7 +56,9 @@ def _model_facts(model_or_config) -> tuple[object, torch.dtype, torch.device]:
 class PagedCache(Cache):
     """Paged KV storage for `model.generate`, with prompt sharing across repeated rows and beams.
 
-    Give exactly one budget: `max_tokens` (KV slots), `num_blocks`, or `memory_bytes`.
+    `model_or_config` is the model (the pool takes its dtype and device, and each forward reads its current
+    attn_implementation) or its config. Give exactly one budget: `max_tokens` (KV slots), `num_blocks`, or
+    `memory_bytes`. `backend` picks the paged-attention op backend (default: auto).
 
     >>> cache = PagedCache(model, max_tokens=32_768)                             # doctest: +SKIP
     >>> out = model.generate(**inputs, past_key_values=cache, num_beams=4)       # doctest: +SKIP
@@ -88,7 +90,6 @@ class PagedCache(Cache):
         )
         self.backend = backend
         self._next_seq_id = 0
-        self._peak_used_blocks = 0
         self._clear()
 
     def _resolve_num_blocks(self, max_tokens, num_blocks, memory_bytes, block_size, dtype) -> int:
@@ -110,6 +111,7 @@ class PagedCache(Cache):
         self._seq_length = 0  # columns per row, padding included (what transformers calls the cache length)
         self._paged: bool | None = None  # attention mode the current contents were written under
         self._step: ForwardStep | None = None
+        self._peak_used_blocks = 0
 
     # ------------------------------------------------------------ Cache contract
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -234,7 +236,7 @@ class PagedCache(Cache):
         self._seq_length = keep
 
     def reset(self) -> None:
-        """Free every row's blocks; the cache is empty and reusable for a new generate."""
+        """Free every row's blocks (and the peak counter); the cache is empty and reusable for a new generate."""
         self._free_rows()
         self._clear()
 
