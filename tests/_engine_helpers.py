@@ -29,19 +29,27 @@ def ragged_prompts(count: int = 32, *, seed: int = 0, longest: int = 40, prefix:
     return [(prefix or []) + [rng.randrange(253) for _ in range(rng.randint(1, longest))] for _ in range(count)]
 
 
-@torch.no_grad()
 def hf_greedy(arch: str, prompt: list[int], max_new_tokens: int = MAX_TOKENS) -> list[int]:
     """HF generate, one prompt at a time, no padding, DynamicCache + sdpa: the tokens after the prompt."""
-    model = reference_model(arch)
+    return list(_hf_greedy(arch, tuple(prompt), max_new_tokens))
+
+
+@cache
+@torch.no_grad()
+def _hf_greedy(arch: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(prompt) :].tolist()
+    out = reference_model(arch).generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+    )
+    return tuple(out[0, len(prompt) :].tolist())
 
 
 @pytest.fixture(name="make_llm")
 def make_llm_fixture():
     """Builds LLMs over copies of the tiny models; after the test every block must be free again."""
     built: list[LLM] = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls gain nothing from threads, and lose a lot on a shared busy CPU
 
     def build(arch: str = "llama", **engine_kwargs) -> LLM:
         engine_kwargs.setdefault("num_blocks", 256)
@@ -51,6 +59,7 @@ def make_llm_fixture():
         return llm
 
     yield build
+    torch.set_num_threads(threads)
     for llm in built:
         manager = llm.engine.block_manager
         assert not llm.engine.has_unfinished_requests()

@@ -105,3 +105,10 @@ def test_abort_frees_blocks_at_once_and_others_continue(make_llm):
     while engine.has_unfinished_requests():
         finished += [o.request_id for o in engine.step() if o.finished]
     assert finished == ["other"]
+
+
+def test_more_samples_than_max_num_seqs_is_rejected(make_llm):
+    llm = make_llm(max_num_seqs=2)
+    with pytest.raises(InvalidRequest, match="max_num_seqs"):
+        llm.generate([[1, 2]], SamplingParams(n=3))
+    still_serves(llm)

@@ -149,6 +149,9 @@ class Engine:
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use; give each request a unique id")
         params = sampling_params or SamplingParams()
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise InvalidRequest(f"n={params.n} exceeds max_num_seqs={self.config.scheduler.max_num_seqs}; "
+                                 f"lower n or raise max_num_seqs")
         if prompt_token_ids is None:
             if prompt is None:
                 raise InvalidRequest("give a prompt or prompt_token_ids")
