@@ -74,6 +74,11 @@ def test_unknown_field_is_named_in_the_error(server):
     assert error["param"] == "best_of_luck" and "best_of_luck" in error["message"]
 
 
+def test_a_value_of_no_accepted_form_names_its_field_once(server):
+    error = assert_openai_error(server.post("/v1/completions", json={"prompt": {"text": "hi"}}), 400)
+    assert error["param"] == "prompt" and "list[str]" in error["message"]
+
+
 @pytest.mark.parametrize(
     "body",
     [{"messages": []}, {"messages": [{"role": "robot", "content": "hi"}]}, {"messages": "hi"},

@@ -35,7 +35,7 @@ def read_stream(url: str, body: dict, first_chunk: threading.Event, result: dict
 
 
 def test_sigterm_drains_short_streams_cuts_endless_ones_and_exits_cleanly():
-    flags = ("--num-blocks", "256", "--max-model-len", "2048", "--drain-timeout", "3", "--log-level", "info")
+    flags = ("--num-blocks", "256", "--max-model-len", "2048", "--drain-timeout", "5", "--log-level", "info")
     with running_server(*flags) as server:
         short = {"prompt": "Short", "max_tokens": 24, "stream": True, "ignore_eos": True,
                  "stream_options": {"include_usage": True}}  # fmt: skip

@@ -139,6 +139,11 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def accepting(self) -> bool:
+        """True between start() and the beginning of shutdown()."""
+        return self._accepting
+
     # ---- event-loop side -------------------------------------------------------------------------------
 
     def _call_on_engine_thread(self, function: Callable[[], Any]) -> asyncio.Future:

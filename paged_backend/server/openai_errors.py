@@ -52,25 +52,54 @@ def engine_error(error: Exception) -> tuple[int, dict]:
     return 500, error_body("internal server error", "internal_error", None, None)
 
 
-def describe_validation_error(error: dict) -> tuple[str, str | None]:
-    """A sentence naming the offending field, and that field's dotted path (OpenAI's `param`)."""
-    location = [str(part) for part in error.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
-    kind = error.get("type", "")
+def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
+    """A sentence naming the offending field, and that field's dotted path (OpenAI's `param`).
+
+    A value that fits none of a union's forms yields one error per form, their locations sharing the field's
+    path and then naming the form; those are reported once, at the field.
+    """
+    first = errors[0]
+    kind = first.get("type", "")
     if kind == "json_invalid":
-        return f"the request body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}", None
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    location = _field_path(first)
+    if not location:
+        return f"the request body is invalid: {first.get('msg')}", None
+    siblings = [_field_path(error) for error in errors if _field_path(error)[:1] == location[:1]]
+    common = _common_prefix(siblings)
+    if len(siblings) > 1 and len(common) < len(location):
+        forms = ", ".join(dict.fromkeys(str(path[len(common)]) for path in siblings if len(path) > len(common)))
+        return f"invalid value for '{_dotted(common)}': it fits none of the accepted forms ({forms})", _dotted(common)
+    param = _dotted(location)
     if kind == "extra_forbidden":
         return f"unknown field '{param}'; remove it (see GET /openapi.json for the accepted fields)", param
     if kind == "missing":
         return f"'{param}' is required", param
-    if not location:
-        return f"the request body is invalid: {error.get('msg')}", None
-    return f"invalid value for '{param}': {error.get('msg')}", param
+    return f"invalid value for '{param}': {first.get('msg')}", param
+
+
+def _field_path(error: dict) -> tuple:
+    location = tuple(error.get("loc", ()))
+    return location[1:] if location[:1] == ("body",) else location
+
+
+def _common_prefix(paths: list[tuple]) -> tuple:
+    prefix = paths[0]
+    for path in paths[1:]:
+        length = 0
+        while length < min(len(prefix), len(path)) and prefix[length] == path[length]:
+            length += 1
+        prefix = prefix[:length]
+    return prefix
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(str(part) for part in path)
 
 
 async def _validation_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    message, param = describe_validation_error(errors[0]) if errors else ("the request is invalid", None)
+    errors = list(exc.errors())
+    message, param = describe_validation_error(errors) if errors else ("the request is invalid", None)
     return error_response(400, message, "invalid_request_error", param)
 
 

@@ -2,7 +2,9 @@
 
 Besides OpenAI's fields, the vLLM sampling extensions (top_k, min_p, repetition_penalty, min_tokens,
 ignore_eos, stop_token_ids, skip_special_tokens) are accepted. `user` is accepted and ignored, as OpenAI
-only uses it for abuse monitoring.
+only uses it for abuse monitoring. OpenAI fields this server does not implement (echo, suffix, best_of,
+logit_bias, response_format, tools, ...) are rejected like unknown ones, so no client silently gets
+behaviour other than what it asked for.
 """
 
 from __future__ import annotations

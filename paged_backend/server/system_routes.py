@@ -17,9 +17,11 @@ STARTED = int(time.time())
 
 @router.get("/health")
 async def health(server: ServerState = Depends(server_state)) -> JSONResponse:
-    """200 while the engine loop serves; the body carries the engine's counters for debugging."""
-    return JSONResponse({"status": "ok", "requests_in_flight": server.async_engine.num_in_flight,
-                         "engine": asdict(server.async_engine.stats())})  # fmt: skip
+    """200 while requests are accepted, 503 while draining; the body carries the engine's counters."""
+    async_engine = server.async_engine
+    body = {"status": "ok" if async_engine.accepting else "draining", "requests_in_flight": async_engine.num_in_flight,
+            "engine": asdict(async_engine.stats())}  # fmt: skip
+    return JSONResponse(body, status_code=200 if async_engine.accepting else 503)
 
 
 @router.get("/metrics")
