@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from paged_backend.engine.request import RequestOutput, SamplingParams
-from paged_backend.errors import PagedBackendError
+from paged_backend.errors import InvalidRequest, PagedBackendError
 
 if TYPE_CHECKING:
     from paged_backend.engine import Engine, EngineStats
@@ -98,7 +98,7 @@ class AsyncEngine:
         if not self._accepting:
             raise EngineNotRunning("the engine is not accepting requests (starting or shutting down); retry later")
         if request_id in self._streams:
-            raise PagedBackendError(f"request id {request_id!r} is already running; use a unique id")
+            raise InvalidRequest(f"request id {request_id!r} is already running; use a unique id")
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = outputs
         self._idle.clear()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from paged_backend.engine.request import CompletionOutput, RequestOutput, SamplingParams
 from paged_backend.errors import PromptTooLong
@@ -68,23 +68,18 @@ class Usage:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
 
 
-@dataclass
 class Generation:
     """Runs the engine requests of one API call and turns their outputs into choice deltas."""
 
-    async_engine: AsyncEngine
-    metrics: ServerMetrics
-    id_prefix: str
-    id: str = field(init=False)
-    _streams: list[AsyncIterator[RequestOutput]] = field(default_factory=list, init=False)
-    _first_outputs: list[RequestOutput] = field(default_factory=list, init=False)
-    _progress: dict[int, _ChoiceProgress] = field(default_factory=dict, init=False)
-    _final: dict[int, RequestOutput] = field(default_factory=dict, init=False)
-    _n: int = field(default=1, init=False)
-    _holdback: int = field(default=0, init=False)
-
-    def __post_init__(self) -> None:
-        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+    def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, id_prefix: str) -> None:
+        self.async_engine, self.metrics = async_engine, metrics
+        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self._streams: list[AsyncIterator[RequestOutput]] = []
+        self._first_outputs: list[RequestOutput] = []
+        self._progress: dict[int, _ChoiceProgress] = {}
+        self._final: dict[int, RequestOutput] = {}
+        self._n = 1
+        self._holdback = 0
 
     async def start(self, prompts: list[str | list[int]], params: SamplingParams) -> None:
         """Add every prompt and wait for its first output, so bad input fails before any response byte."""
