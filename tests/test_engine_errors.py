@@ -112,3 +112,13 @@ def test_more_samples_than_max_num_seqs_is_rejected(make_llm):
     with pytest.raises(InvalidRequest, match="max_num_seqs"):
         llm.generate([[1, 2]], SamplingParams(n=3))
     still_serves(llm)
+
+
+def test_without_chunked_prefill_prompts_must_fit_one_step(make_llm):
+    llm = make_llm(enable_chunked_prefill=False, max_num_batched_tokens=16)
+    assert llm.engine.max_model_len == 16
+    with pytest.raises(PromptTooLong, match="max_num_batched_tokens"):
+        llm.generate([list(range(20))], GREEDY)
+    outputs = llm.generate([list(range(10)), list(range(12))], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    assert llm.engine.stats().num_split_prefills == 0

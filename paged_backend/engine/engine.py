@@ -103,8 +103,11 @@ class Engine:
             num_layers, kv_heads, head_dim, num_blocks, cache.block_size,
             dtype=kv_dtype, device=device, num_cpu_blocks=num_cpu_blocks,
         )
-        # A sequence must fit the pool on its own, or it could never be scheduled again after a preemption.
+        # A sequence must fit the pool on its own (and, unchunked, one step's budget), or it could never be
+        # scheduled again after a preemption.
         capacity = (num_blocks - 1 - self.block_manager.watermark_blocks) * cache.block_size
+        if not config.scheduler.enable_chunked_prefill:
+            capacity = min(capacity, config.scheduler.max_num_batched_tokens)
         self.max_model_len = min(config.scheduler.max_model_len or max_positions, capacity)
         mode = config.scheduler.preemption_mode or ("swap" if num_cpu_blocks else "recompute")
         self.scheduler = Scheduler(config.scheduler, self.block_manager, mode)
@@ -165,7 +168,8 @@ class Engine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise PromptTooLong(
                 f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.max_model_len} "
-                f"(prompt plus at least one generated token): shorten the prompt or raise max_model_len / the KV pool"
+                f"(prompt plus at least one generated token): shorten the prompt or raise max_model_len, the KV "
+                f"pool, or (without chunked prefill) max_num_batched_tokens"
             )
         request = Request(request_id, prompt, prompt_token_ids, params, priority, next(self._arrivals))
         request.seqs.append(Sequence(request, 0))
