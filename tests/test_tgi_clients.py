@@ -145,6 +145,8 @@ def test_prefill_details_and_top_tokens(servers, backend):
 def test_grpc_router_sizes_its_pool_from_the_shard_warmup(servers):
     metrics = servers["grpc"].metrics()
     assert metrics["tgi_batch_max_total_tokens"] == (SHARD_BLOCKS - 1) * 16
+    assert metrics['tgi_batch_inference_success{method="prefill"}'] > 0
+    assert metrics['tgi_batch_inference_success{method="decode"}'] > 0
 
 
 def test_grpc_health_runs_the_liveness_prefill_on_block_0(servers):

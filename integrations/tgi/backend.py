@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from paged_backend.tgi.metrics import TgiMetrics
 from paged_backend.tgi.validation import ValidRequest
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
@@ -50,7 +51,8 @@ class Backend(Protocol):
     # Whether `decoder_input_details` (prompt logprobs) can be served.
     supports_prefill_logprobs: bool
 
-    async def start(self) -> None: ...
+    async def start(self, metrics: TgiMetrics) -> None:
+        """Begin serving; backends that batch for themselves (grpc) record the `tgi_batch_*` metrics."""
 
     async def shutdown(self, drain_timeout: float) -> None: ...
 

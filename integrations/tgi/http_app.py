@@ -34,7 +34,7 @@ def create_app(backend: Backend, settings: RouterSettings, drain_timeout: float 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await backend.start()
+        await backend.start(metrics)
         yield
         await backend.shutdown(drain_timeout)
 

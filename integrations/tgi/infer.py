@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 
 from paged_backend.tgi.backend import Backend, FinishReason, GeneratedToken, PrefillTokens
-from paged_backend.tgi.errors import GenerationError, OverloadedError, TgiError, ValidationError
+from paged_backend.tgi.errors import IncompleteGenerationError, OverloadedError, TgiError, ValidationError
 from paged_backend.tgi.metrics import TgiMetrics
 from paged_backend.tgi.schemas import GenerateParameters
 from paged_backend.tgi.settings import RouterSettings
@@ -141,7 +141,7 @@ class Infer:
             self.metrics.request_failure.inc(err="dropped")
             raise
         self.metrics.request_failure.inc(err="incomplete")
-        raise GenerationError("the backend ended the stream before the last token")
+        raise IncompleteGenerationError("the backend ended the stream before the last token")
 
     def _finish(self, request, finish_reason, prefill, tokens, top_tokens, start) -> Generation:
         generated_ids = [token.id for token in tokens]

@@ -28,9 +28,6 @@ class PlainCounter:
     def inc(self, amount: float = 1.0, **labels: str) -> None:
         self.values[tuple(labels[name] for name in self.labelnames)] += amount
 
-    def value(self, **labels: str) -> float:
-        return self.values.get(tuple(labels[name] for name in self.labelnames), 0.0)
-
     def collect(self) -> list[Metric]:
         metric = Metric(self.name, self.documentation, "unknown")
         for key, value in sorted(self.values.items()):

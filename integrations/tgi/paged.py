@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from paged_backend.tgi.backend import BackendEvent, BackendLoad, GeneratedToken
 from paged_backend.tgi.errors import GenerationError, OverloadedError, ValidationError
+from paged_backend.tgi.metrics import TgiMetrics
 from paged_backend.tgi.sampling import finish_reason, sampling_params, top_tokens
 from paged_backend.tgi.validation import ValidRequest
 
@@ -26,7 +27,7 @@ class PagedBackend:
         self._request_ids = itertools.count()
         self._running = False
 
-    async def start(self) -> None:
+    async def start(self, metrics: TgiMetrics) -> None:
         await self.async_engine.start()
         self._running = True
 

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 import torch
 from paged_backend.tgi.backend import BackendEvent, BackendLoad, GeneratedToken, PrefillTokens
 from paged_backend.tgi.errors import GenerationError
+from paged_backend.tgi.metrics import TgiMetrics
 from paged_backend.tgi.tokens import IncrementalDetokenizer, StoppingCriteria, eos_token_ids
 from paged_backend.tgi.validation import ChooserParameters, ValidRequest
 from transformers import (
@@ -125,7 +126,7 @@ class ReferenceBackend:
         self._lock = asyncio.Lock()
         self._waiting = 0
 
-    async def start(self) -> None:
+    async def start(self, metrics: TgiMetrics) -> None:
         return None
 
     async def shutdown(self, drain_timeout: float) -> None:

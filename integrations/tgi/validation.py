@@ -50,7 +50,6 @@ class ValidRequest:
     add_special_tokens: bool = True
     top_n_tokens: int = 0
     decoder_input_details: bool = False
-    details: bool = False
     # Best-of requests sample several candidates; the face keeps the most likely one.
     best_of: int = 1
 
@@ -162,6 +161,5 @@ def validate(
         add_special_tokens=add_special_tokens,
         top_n_tokens=params.top_n_tokens or 0,
         decoder_input_details=params.decoder_input_details,
-        details=params.details,
         best_of=params.best_of or 1,
     )

@@ -19,6 +19,7 @@ from paged_backend.tgi.backend import BackendEvent, BackendLoad, GeneratedToken
 from paged_backend.tgi.errors import TgiError
 from paged_backend.tgi.generated import generate_pb2 as pb
 from paged_backend.tgi.generated import generate_pb2_grpc as pb_grpc
+from paged_backend.tgi.metrics import TgiMetrics
 from paged_backend.tgi.router.batching import BatchingLoop, BatchingSettings
 from paged_backend.tgi.router.client import ShardClient
 from paged_backend.tgi.router.queue import Entry, Queue
@@ -150,10 +151,10 @@ class GrpcBackend:
         )
         return cls(urls[0], tokenizer, info, warmup, settings)
 
-    async def start(self) -> None:
+    async def start(self, metrics: TgiMetrics) -> None:
         self.client = ShardClient(self.shard_url)
         self.queue = Queue(self.block_manager)
-        self.loop = BatchingLoop(self.client, self.queue, self.block_manager, self.settings)
+        self.loop = BatchingLoop(self.client, self.queue, self.block_manager, self.settings, metrics)
         self._task = asyncio.create_task(self.loop.run())
 
     async def shutdown(self, drain_timeout: float) -> None:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import grpc
 from paged_backend.tgi.backend import GeneratedToken, PrefillTokens
 from paged_backend.tgi.errors import GenerationError
 from paged_backend.tgi.generated import generate_pb2 as pb
+from paged_backend.tgi.metrics import TgiMetrics
 from paged_backend.tgi.router.client import ShardClient
 from paged_backend.tgi.router.queue import Entry, Queue
 
@@ -43,11 +45,19 @@ def _logprob(value: float) -> float | None:
 
 
 class BatchingLoop:
-    def __init__(self, client: ShardClient, queue: Queue, block_manager: BlockManager, settings: BatchingSettings):
+    def __init__(
+        self,
+        client: ShardClient,
+        queue: Queue,
+        block_manager: BlockManager,
+        settings: BatchingSettings,
+        metrics: TgiMetrics,
+    ):
         self.client = client
         self.queue = queue
         self.block_manager = block_manager
         self.settings = settings
+        self.metrics = metrics
         self.running: dict[int, Entry] = {}
         self.healthy = False  # TGI starts unhealthy: the first /health runs a liveness prefill
 
@@ -67,6 +77,8 @@ class BatchingLoop:
                     if max_size is None or max_size > 0:
                         cut = self.queue.next_batch(min_size or None, max_size, settings.max_batch_prefill_tokens)
                         if cut is not None:
+                            reason = "backpressure" if min_size else "wait_exceeded"
+                            self.metrics.batch_concat.inc(reason=reason)
                             added = await self._prefill(*cut)
                             if added is not None:
                                 batches.append(added)
@@ -76,24 +88,37 @@ class BatchingLoop:
 
     async def _prefill(self, batch: pb.Batch, entries: dict[int, Entry]) -> pb.CachedBatch | None:
         self.running.update(entries)
-        try:
-            response = await self.client.prefill(batch)
-        except grpc.RpcError as error:
-            await self._fail([batch.id], list(entries), error)
-            return None
-        self.healthy = True
-        self._dispatch(response.generations)
-        return await self._filter(response.batch if response.HasField("batch") else None)
+        self.metrics.batch_next_size.observe(batch.size)
+        call = self.client.prefill(batch)
+        return await self._step("prefill", call, [batch.id], list(entries))
 
     async def _decode(self, batches: list[pb.CachedBatch]) -> pb.CachedBatch | None:
+        call = self.client.decode(batches)
+        return await self._step("decode", call, [b.id for b in batches], [i for b in batches for i in b.request_ids])
+
+    async def _step(self, method: str, call, batch_ids: list[int], request_ids: list[int]) -> pb.CachedBatch | None:
+        """Await one Prefill/Decode, stream its tokens, filter what ended; count it as TGI's router does."""
+        metrics = self.metrics
+        metrics.batch_inference_count.inc(method=method)
+        start = time.monotonic()
         try:
-            response = await self.client.decode(batches)
+            response = await call
         except grpc.RpcError as error:
-            await self._fail([b.id for b in batches], [i for b in batches for i in b.request_ids], error)
+            metrics.batch_inference_failure.inc(method=method)
+            await self._fail(batch_ids, request_ids, error)
             return None
         self.healthy = True
+        metrics.batch_inference_success.inc(method=method)
+        metrics.batch_forward_duration.labels(method=method).observe(response.forward_ns / 1e9)
+        metrics.batch_decode_duration.labels(method=method).observe(response.decode_ns / 1e9)
+        if response.HasField("concat_ns"):
+            metrics.batch_concat_duration.labels(method=method).observe(response.concat_ns / 1e9)
+        metrics.batch_inference_duration.labels(method=method).observe(time.monotonic() - start)
         self._dispatch(response.generations)
-        return await self._filter(response.batch if response.HasField("batch") else None)
+        filter_start = time.monotonic()
+        cached = await self._filter(response.batch if response.HasField("batch") else None)
+        metrics.batch_filter_duration.labels(method=method).observe(time.monotonic() - filter_start)
+        return cached
 
     def _dispatch(self, generations) -> None:
         for generation in generations:
