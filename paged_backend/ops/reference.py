@@ -1,13 +1,15 @@
 """Pure-PyTorch paged attention: the oracle every other backend is tested against.
 
-Runs on CPU and GPU. Sequences are computed one by one: gather the sequence's blocks, then one
-strided matmul per sequence for all its query rows and q heads (GQA rows packed per kv head).
-Math is fp32 throughout.
+Runs on CPU and GPU. Sequences are computed one by one: all scores of a sequence (its query rows and
+the q heads of each kv head packed as rows), one softmax, then probabilities x V. K and V are gathered
+from their blocks a chunk at a time into a reused buffer. Math is fp32 throughout.
 """
 
 from __future__ import annotations
 
 import torch
+
+CHUNK_TOKENS = 256  # tokens gathered per step: small enough for the copy to stay in cache
 
 FP8_DTYPES = tuple(
     getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
@@ -43,11 +45,19 @@ def reshape_and_cache(
             flat[slots] = src.to(cache.dtype)
 
 
-def _context(cache: torch.Tensor, blocks: torch.Tensor, buffer: torch.Tensor, length: int, scale: float):
-    """fp32 `[length, Hkv, D]` of the first `length` tokens stored in `blocks` (gathered into `buffer`)."""
-    torch.index_select(cache, 0, blocks, out=buffer)  # reusing one buffer avoids page faults per sequence
-    tokens = buffer.view(-1, cache.shape[2], cache.shape[3])[:length].float()
-    return tokens * scale if scale != 1.0 else tokens
+def _chunks(cache: torch.Tensor, table: torch.Tensor, length: int, buffer: torch.Tensor):
+    """(first token, fp32 `[n, Hkv, D]`) pieces of the first `length` tokens behind `table`, in order.
+
+    Gathering a cache-sized chunk at a time into one reused buffer keeps the copy out of DRAM.
+    """
+    block_size, blocks_per_chunk = cache.shape[1], buffer.shape[0]
+    num_blocks = -(-length // block_size)
+    for first in range(0, num_blocks, blocks_per_chunk):
+        blocks = table[first : min(first + blocks_per_chunk, num_blocks)]
+        chunk = buffer[: blocks.shape[0]]
+        torch.index_select(cache, 0, blocks, out=chunk)
+        start = first * block_size
+        yield start, chunk.view(-1, cache.shape[2], cache.shape[3])[: length - start].float()
 
 
 def paged_attention(
@@ -71,22 +81,20 @@ def paged_attention(
     out = torch.zeros_like(query)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     tables = block_tables.to(device=query.device, dtype=torch.long)
-    max_blocks = max((-(-length // block_size) for length in lens), default=0)
-    key_buffer = key_cache.new_empty((max_blocks, *key_cache.shape[1:]))
-    value_buffer = value_cache.new_empty((max_blocks, *value_cache.shape[1:]))
+    blocks_per_chunk = max(1, CHUNK_TOKENS // block_size)
+    key_buffer = key_cache.new_empty((blocks_per_chunk, *key_cache.shape[1:]))
+    value_buffer = value_cache.new_empty((blocks_per_chunk, *value_cache.shape[1:]))
 
     for b, length in enumerate(lens):
         q_len = starts[b + 1] - starts[b]
         if q_len == 0:
             continue
-        num_blocks = -(-length // block_size)
-        blocks = tables[b, :num_blocks]
-        keys = _context(key_cache, blocks, key_buffer[:num_blocks], length, k_scale)  # [L, Hkv, D]
-        values = _context(value_cache, blocks, value_buffer[:num_blocks], length, v_scale)
-        # rows of one kv head are (query token, q head of its group): one strided matmul per sequence
+        # rows of one kv head are (query token, q head of its group): one strided matmul per chunk
         q = query[starts[b] : starts[b + 1]].float().view(q_len, num_kv_heads, group, head_dim)
-        q = q.transpose(0, 1).reshape(num_kv_heads, q_len * group, head_dim)
-        scores = torch.matmul(q, keys.permute(1, 2, 0)) * scale  # [Hkv, q_len * G, L]
+        q = q.transpose(0, 1).reshape(num_kv_heads, q_len * group, head_dim) * (scale * k_scale)
+        scores = torch.empty(num_kv_heads, q_len * group, length, device=query.device)
+        for start, keys in _chunks(key_cache, tables[b], length, key_buffer):
+            scores[:, :, start : start + keys.shape[0]] = torch.matmul(q, keys.permute(1, 2, 0))
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(length - q_len, length, device=query.device)[:, None]
@@ -95,8 +103,10 @@ def paged_attention(
         if sliding_window is not None:
             visible &= k_pos > q_pos - sliding_window
         visible = visible[:, None, :].expand(q_len, group, length).reshape(q_len * group, length)
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-        o = torch.matmul(probs, values.transpose(0, 1))  # [Hkv, q_len * G, D]
+        probs = torch.softmax(scores.masked_fill_(~visible, float("-inf")), dim=-1)
+        o = torch.zeros(num_kv_heads, q_len * group, head_dim, device=query.device)
+        for start, values in _chunks(value_cache, tables[b], length, value_buffer):
+            o.baddbmm_(probs[:, :, start : start + values.shape[0]], values.transpose(0, 1))
         o = o.view(num_kv_heads, q_len, group, head_dim).transpose(0, 1).reshape(q_len, num_q_heads, head_dim)
-        out[starts[b] : starts[b + 1]] = o.to(query.dtype)
+        out[starts[b] : starts[b + 1]] = (o * v_scale if v_scale != 1.0 else o).to(query.dtype)
     return out
