@@ -1,5 +1,6 @@
 """Build hook: compile the generate.v3 gRPC stubs into the wheel (metadata lives in pyproject.toml)."""
 
+import importlib.util
 import shutil
 from pathlib import Path
 
@@ -18,14 +19,15 @@ class BuildPyWithStubs(build_py):
             return  # editable installs compile the stubs on first import instead
         target = Path(self.build_lib) / "paged_backend" / "tgi" / "generated"
         target.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(PROTO, target / PROTO.name)
+        shutil.copyfile(PROTO, target / PROTO.name)  # the first-import fallback compiles from this copy
+        if importlib.util.find_spec("grpc_tools") is None:
+            self.warn("grpcio-tools not installed at build time: generate.v3 stubs will be compiled on first import")
+            return
         _load_compiler()(target / PROTO.name, target)
 
 
 def _load_compiler():
     # The package is not importable while it is being built; load the compiler module by path.
-    import importlib.util
-
     path = Path(__file__).parent / "integrations" / "tgi" / "stubs.py"
     spec = importlib.util.spec_from_file_location("paged_backend_tgi_stubs", path)
     module = importlib.util.module_from_spec(spec)
