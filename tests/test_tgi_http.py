@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -11,6 +12,7 @@ from fastapi.testclient import TestClient
 from paged_backend.tgi.http_app import create_app
 from paged_backend.tgi.paged import PagedBackend
 from paged_backend.tgi.settings import RouterSettings
+from paged_backend.tgi.sse import with_keep_alive
 
 from paged_backend.config import CacheConfig, EngineConfig, SchedulerConfig
 from paged_backend.engine import Engine
@@ -248,3 +250,15 @@ def test_overload_is_429_and_a_disconnect_frees_blocks_at_once():
             time.sleep(0.05)
         assert engine.block_manager.num_free_blocks == NUM_BLOCKS - 1
         assert engine.stats().generation_tokens < 200
+
+
+def test_keep_alive_comments_fill_long_silences():
+    async def slow_frames():
+        await asyncio.sleep(0.2)
+        yield "data: {}\n\n"
+
+    async def collect() -> list[str]:
+        return [frame async for frame in with_keep_alive(slow_frames(), interval=0.05)]
+
+    frames = asyncio.run(collect())
+    assert frames[0] == ":\n\n" and frames[-1] == "data: {}\n\n" and len(frames) >= 3

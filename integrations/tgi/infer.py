@@ -130,7 +130,9 @@ class Infer:
                     step = StreamStep(len(tokens), token, tops)
                     if event.finish_reason is not None:
                         step.generation = self._finish(request, event.finish_reason, prefill, tokens, top_tokens, start)
-                        step.generation.queue_time = (first_token_time or start) - start
+                        # Backends do not report queueing separately: time to the first token stands in.
+                        step.generation.queue_time = first_token_time - start
+                        self.metrics.request_queue_duration.observe(step.generation.queue_time)
                     yield step
                     if step.generation is not None:
                         return
