@@ -27,6 +27,7 @@ class Flag:
     help: str
     used_by: frozenset[str] = ALL  # backends for which the flag changes anything
     env: str | None = None  # default: the name in upper snake case
+    short: str | None = None
 
     @property
     def dest(self) -> str:
@@ -57,7 +58,7 @@ FLAGS: list[Flag] = [
         frozenset({"paged", "reference"}),
     ),
     Flag("--hostname", str, "0.0.0.0", "address to listen on"),
-    Flag("--port", int, 3000, "HTTP port"),
+    Flag("--port", int, 3000, "HTTP port", short="-p"),
     Flag("--max-concurrent-requests", int, 128, "requests in flight before 429 overloaded"),
     Flag("--max-best-of", int, 2, "largest best_of accepted"),
     Flag("--max-stop-sequences", int, 4, "most stop sequences per request"),
@@ -120,14 +121,16 @@ def build_parser(prog: str = "paged-backend launch") -> argparse.ArgumentParser:
     )
     for flag in FLAGS:
         raw_env = os.environ.get(flag.env_var)
+        names = [flag.short, flag.name] if flag.short else [flag.name]
+        help_text = f"{flag.help} [env {flag.env_var}]"
         if flag.type is None:
             default = _truthy(raw_env) if raw_env is not None else flag.default
-            parser.add_argument(flag.name, dest=flag.dest, action="store_true", default=default, help=flag.help)
+            parser.add_argument(*names, dest=flag.dest, action="store_true", default=default, help=help_text)
         else:
             default = flag.type(raw_env) if raw_env is not None else flag.default
             choices = BACKENDS if flag.dest == "backend" else None
             parser.add_argument(
-                flag.name, dest=flag.dest, type=flag.type, default=default, choices=choices, help=flag.help
+                *names, dest=flag.dest, type=flag.type, default=default, choices=choices, help=help_text, metavar="X"
             )
     return parser
 
