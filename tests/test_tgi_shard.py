@@ -92,10 +92,10 @@ def liveness() -> pb.PrefillRequest:
     return pb.PrefillRequest(batch=pb.Batch(id=U64_MAX, requests=[probe], size=1, max_tokens=2, max_blocks=1))
 
 
-def engine_tokens() -> dict[int, list[int]]:
+def engine_tokens(prompts: dict[int, tuple[str, int]] = PROMPTS) -> dict[int, list[int]]:
     """The in-process engine's greedy tokens for each prompt (the shard must match them)."""
     engine = Engine(EngineConfig(device="cpu", cache=CacheConfig(num_blocks=64)))
-    for request_id, (text, max_new_tokens) in PROMPTS.items():
+    for request_id, (text, max_new_tokens) in prompts.items():
         params = SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True)
         engine.add_request(str(request_id), text, params)
     outputs = {}
@@ -235,3 +235,40 @@ def test_unknown_batch_is_not_found(stub):
     with pytest.raises(grpc.RpcError) as error:
         stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=999, request_ids=[1], size=1)]))
     assert error.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_cache_len_reuses_prefix_blocks_the_router_shares(stub):
+    """With prefix caching the router hands a new request the blocks of an earlier one and sets cache_len."""
+    text = "a prompt that is long enough to fill two whole blocks"
+    length = len(byte_tokenizer()(text).input_ids)
+    expected = engine_tokens({1: (text, 5)})[1]
+
+    def prefill_request(request_id, blocks, cache_len, max_new_tokens):
+        slots = [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(length + max_new_tokens - 1)]
+        params = greedy(max_new_tokens)
+        return pb.Request(
+            id=request_id,
+            inputs=text,
+            input_chunks=pb.Input(chunks=[pb.InputChunk(text=text)]),
+            add_special_tokens=True,
+            blocks=blocks,
+            slots=slots,
+            cache_len=cache_len,
+            **params,
+        )
+
+    first = stub.Prefill(pb.PrefillRequest(batch=batch(40, [prefill_request(40, [1, 2, 3, 4], 0, 1)])))
+    assert list(first.generations[0].tokens.ids) == expected[:1]
+    # First two full blocks shared; then the whole prompt, whose tail block 5 the first pass filled.
+    for cache_len in (2 * BLOCK_SIZE, length):
+        reused = prefill_request(41, [1, 2, 5, 6], cache_len, 5)
+        response = stub.Prefill(pb.PrefillRequest(batch=batch(41, [reused])))
+        tokens = list(response.generations[0].tokens.ids)
+        cached = response.batch
+        while cached.request_ids:
+            decoded = stub.Decode(pb.DecodeRequest(batches=[cached]))
+            tokens += [g.tokens.ids[0] for g in decoded.generations]
+            if not decoded.HasField("batch"):
+                break
+            cached = decoded.batch
+        assert tokens == expected

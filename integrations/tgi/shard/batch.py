@@ -122,5 +122,6 @@ def request_from_pb(request, tokenizer, eos_ids: set[int], block_size: int) -> S
         chooser=chooser,
         prefill_logprobs=request.prefill_logprobs,
         top_n_tokens=request.top_n_tokens,
-        num_computed_tokens=request.cache_len,
+        # A fully cached prompt still recomputes its last token: its logits give the first new token.
+        num_computed_tokens=min(request.cache_len, len(input_ids) - 1),
     )

@@ -74,7 +74,10 @@ def serve(
         num_blocks=num_blocks,
         memory_fraction=float(os.environ.get("CUDA_MEMORY_FRACTION", "1.0")),
     )
-    asyncio.run(serve_shard(model, uds_path, rank=int(os.environ.get("RANK", "0")), world_size=world_size))
+    # TGI's launcher exports PREFIX_CACHING; with it the router's radix allocator sends cache_len > 0.
+    prefix_caching = os.environ.get("PREFIX_CACHING", "0").lower() in {"1", "true"}
+    rank = int(os.environ.get("RANK", "0"))
+    asyncio.run(serve_shard(model, uds_path, rank=rank, world_size=world_size, use_prefix_caching=prefix_caching))
 
 
 def _kv_cache_dtype(name: str | None) -> str:

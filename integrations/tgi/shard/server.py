@@ -22,7 +22,9 @@ def socket_path(uds_path: str, rank: int) -> str:
     return f"{uds_path}-{rank}"
 
 
-async def serve(model: ShardModel, uds_path: str, rank: int = 0, world_size: int = 1) -> None:
+async def serve(
+    model: ShardModel, uds_path: str, rank: int = 0, world_size: int = 1, use_prefix_caching: bool = False
+) -> None:
     local = socket_path(uds_path, rank)
     urls = [f"unix://{socket_path(uds_path, r)}" for r in range(world_size)]
     with contextlib.suppress(FileNotFoundError):
@@ -32,7 +34,7 @@ async def serve(model: ShardModel, uds_path: str, rank: int = 0, world_size: int
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ]
     server = grpc.aio.server(options=options)
-    pb_grpc.add_TextGenerationServiceServicer_to_server(TextGenerationService(model, urls), server)
+    pb_grpc.add_TextGenerationServiceServicer_to_server(TextGenerationService(model, urls, use_prefix_caching), server)
     server.add_insecure_port(f"unix://{local}")
     await server.start()
     logger.info("shard %d serving generate.v3 on unix://%s", rank, local)

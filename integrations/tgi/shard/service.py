@@ -24,8 +24,9 @@ FINISH_REASONS = {
 
 
 class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
-    def __init__(self, model: ShardModel, server_urls: list[str]) -> None:
+    def __init__(self, model: ShardModel, server_urls: list[str], use_prefix_caching: bool = False) -> None:
         self.model = model
+        self.use_prefix_caching = use_prefix_caching
         self.server_urls = server_urls
         self.cache: dict[int, ShardBatch] = {}
         # The model and pool are used by one call at a time; the event loop stays free for Health.
@@ -40,7 +41,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             device_type=self.model.device.type,
             speculate=0,
             support_chunking=False,
-            use_prefix_caching=False,
+            use_prefix_caching=self.use_prefix_caching,
             attention_impl="paged",
             block_size=self.model.block_size,
         )
