@@ -138,6 +138,13 @@ class GrpcBackend:
             if args.max_total_tokens is not None:
                 request.max_total_tokens = args.max_total_tokens
             warmup = stub.Warmup(request)
+        # Block 0 is the health check's, so one request may use every other block (TGI: NotEnoughMemory).
+        capacity = warmup.max_supported_total_tokens - info.block_size
+        if warmup.max_total_tokens - 1 > capacity:
+            raise SystemExit(
+                f"paged-backend launch: `max_total_tokens` {warmup.max_total_tokens} does not fit the shard's "
+                f"KV pool ({capacity} usable tokens): lower --max-total-tokens or give the shard more blocks"
+            )
         if args.max_batch_total_tokens is not None:
             logger.warning("--max-batch-total-tokens is ignored: the shard reported its KV capacity at warmup")
         logger.info(
