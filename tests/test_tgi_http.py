@@ -262,3 +262,18 @@ def test_keep_alive_comments_fill_long_silences():
 
     frames = asyncio.run(collect())
     assert frames[0] == ":\n\n" and frames[-1] == "data: {}\n\n" and len(frames) >= 3
+
+
+def test_sagemaker_invocations_route_dispatches_on_the_body(client):
+    generate_body = {"inputs": "Hello world", "parameters": {"max_new_tokens": 3, "return_full_text": False}}
+    assert client.post("/invocations", json=generate_body).json() == client.post("/", json=generate_body).json()
+    chat_body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    assert client.post("/invocations", json=chat_body).json()["object"] == "chat.completion"
+    assert client.post("/invocations", json={"parameters": {}}).status_code == 422
+
+
+def test_chat_tokenize_returns_the_templated_prompt(client):
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    response = client.post("/chat_tokenize", json=body).json()
+    assert response["templated_text"].endswith("assistant\n") and "hi" in response["templated_text"]
+    assert len(response["tokenize_response"]) > 3

@@ -18,10 +18,11 @@ from paged_backend.tgi.errors import TgiError, UnhealthyError
 from paged_backend.tgi.infer import Infer
 from paged_backend.tgi.metrics import TgiMetrics
 from paged_backend.tgi.responses import generate_json, stream_json, timing_headers
-from paged_backend.tgi.schemas import CompatGenerateRequest, GenerateRequest
+from paged_backend.tgi.schemas import ChatRequest, CompatGenerateRequest, GenerateRequest
 from paged_backend.tgi.settings import RouterSettings
 from paged_backend.tgi.sse import event, sse_response
 from paged_backend.tgi.validation import validate_stream
+from pydantic import ValidationError as PydanticValidationError
 
 from paged_backend import __version__
 
@@ -120,7 +121,20 @@ def create_app(backend: Backend, settings: RouterSettings, drain_timeout: float 
         ]
         return JSONResponse(pieces)
 
-    openai_routes.register(app, infer, settings, guarded)
+    chat_completions = openai_routes.register(app, infer, settings, guarded)
+
+    @app.post("/invocations", dependencies=guarded)
+    async def invocations(request: Request) -> Response:
+        """SageMaker's one route: chat bodies (with "messages") go to chat completions, the rest to `/`."""
+        payload = await request.json()
+        model = ChatRequest if isinstance(payload, dict) and "messages" in payload else CompatGenerateRequest
+        try:
+            body = model.model_validate(payload)
+        except PydanticValidationError as error:
+            raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from error
+        if isinstance(body, ChatRequest):
+            return await chat_completions(body)
+        return await compat_generate(body)
 
     @app.get("/info")
     async def info() -> JSONResponse:

@@ -95,7 +95,9 @@ def _usage(generation: Generation) -> dict:
     }
 
 
-def register(app: FastAPI, infer: Infer, settings: RouterSettings, guarded: list) -> None:
+def register(app: FastAPI, infer: Infer, settings: RouterSettings, guarded: list):
+    """Add the OpenAI-shaped routes; returns the chat handler (SageMaker's /invocations reuses it)."""
+
     def envelope(obj: str) -> dict:
         return {
             "object": obj,
@@ -215,3 +217,15 @@ def register(app: FastAPI, infer: Infer, settings: RouterSettings, guarded: list
         }
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return JSONResponse({**envelope("text_completion"), "choices": choices, "usage": usage})
+
+    @app.post("/chat_tokenize")
+    async def chat_tokenize(body: ChatRequest) -> JSONResponse:
+        prompt = chat_prompt(infer.tokenizer, body.messages)
+        encoding = infer.tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+        pieces = [
+            {"id": token_id, "text": prompt[start:stop], "start": start, "stop": stop}
+            for token_id, (start, stop) in zip(encoding.input_ids, encoding.offset_mapping, strict=True)
+        ]
+        return JSONResponse({"tokenize_response": pieces, "templated_text": prompt})
+
+    return chat_completions
