@@ -17,13 +17,16 @@ from paged_backend.ops import _triton_attention, _triton_cache
 
 ARCHS = (80, 90)
 POINTER_TYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32", "fp8": "*u8"}
-# (query dtype, pool dtype, group, BLOCK_M, segments): decode split-KV, mixed batches, fp8 pools, fp32
+# (query dtype, pool dtype, head dim, group, BLOCK_M, segments), as paged_attention_split_kv picks them:
+# decode split-KV, mixed batches (BLOCK_M 64 for 16-bit queries), fp8 pools, fp32, head dim 256
 ATTENTION_CONFIGS = [
-    ("bf16", "bf16", 4, 16, 16),
-    ("fp16", "fp16", 8, 64, 1),
-    ("bf16", "fp8", 4, 64, 1),
-    ("fp16", "fp8", 8, 16, 16),
-    ("fp32", "fp32", 4, 64, 1),
+    ("bf16", "bf16", 128, 4, 16, 16),
+    ("fp16", "fp16", 128, 8, 64, 1),
+    ("bf16", "fp8", 128, 4, 64, 1),
+    ("fp16", "fp8", 128, 8, 16, 16),
+    ("bf16", "bf16", 256, 2, 64, 1),
+    ("fp32", "fp32", 128, 4, 16, 1),
+    ("fp32", "fp32", 256, 1, 16, 4),
 ]
 
 
@@ -36,7 +39,7 @@ def _compile(fn, arg_types: dict[str, str], constexprs: dict, arch: int) -> int:
 
 
 def _attention(config: tuple, arch: int) -> int:
-    dtype, kv, group, block_m, segments = config
+    dtype, kv, head_dim, group, block_m, segments = config
     arg_types = {
         "out_ptr": POINTER_TYPES[dtype], "query_ptr": POINTER_TYPES[dtype],
         "key_cache_ptr": POINTER_TYPES[kv], "value_cache_ptr": POINTER_TYPES[kv],
@@ -45,7 +48,7 @@ def _attention(config: tuple, arch: int) -> int:
         "qk_scale": "fp32", "softcap": "fp32", "v_scale": "fp32",
     }
     constexprs = dict(
-        GROUP=group, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, TILE=32, BLOCK_M=block_m,
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16, TILE=32, BLOCK_M=block_m,
         BLOCK_Q=block_m // group, NUM_SEGMENTS=segments, USE_SOFTCAP=True, USE_WINDOW=True,
         KV_FP8=kv == "fp8", DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", UPCAST_DOT=False,
     )

@@ -143,7 +143,9 @@ def paged_attention_split_kv(
     block_tables = block_tables.contiguous()
     head_dim_pad = max(16, _next_pow2(head_dim))
     # M tile = query tokens x the q heads of one kv head; dot needs M >= 16, prefill wants taller tiles
-    prefill_rows = 64 if query.is_cuda and num_tokens > num_seqs else 16
+    # (16-bit inputs only: an fp32 64 x 256 Q tile alone would take 64 KiB of shared memory)
+    tall = query.is_cuda and num_tokens > num_seqs and query.element_size() <= 2
+    prefill_rows = 64 if tall else 16
     block_m = max(prefill_rows, _next_pow2(group))
     block_q = block_m // group
     if num_segments > 1:
