@@ -87,3 +87,19 @@ def test_switching_attention_on_a_filled_cache_is_refused():
     model.set_attn_implementation("paged_backend")
     with pytest.raises(InvalidRequest, match="cache.reset"):
         model(input_ids=torch.tensor([[5], [6]]), past_key_values=cache)
+
+
+@torch.no_grad()
+def test_paged_attention_needs_the_padding_mask_of_earlier_calls():
+    model = tiny_model("llama", "paged_backend")
+    cache = PagedCache(model, max_tokens=256)
+    inputs = prompts(padded=True)  # 2 and 4 padding columns
+    model(**inputs, past_key_values=cache)
+    step = dict(input_ids=torch.tensor([[5], [6]]), position_ids=torch.tensor([[7], [5]]), past_key_values=cache)
+    with pytest.raises(InvalidRequest, match="full 2D attention_mask"):
+        model(**step)
+    wrong_past = torch.cat([inputs["attention_mask"], torch.ones(2, 1, dtype=torch.long)], dim=1)
+    wrong_past[0, 1] = 1
+    with pytest.raises(InvalidRequest, match="past columns"):
+        model(**step, attention_mask=wrong_past)
+    assert cache.get_seq_length() == 9  # refused calls leave the cache as it was

@@ -8,7 +8,7 @@ and reads the pool directly; pads are never stored there, so per-row lengths exc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import Cache
@@ -35,7 +35,7 @@ class ForwardStep:
     followers: dict[int, int]  # row -> leader row whose blocks it shares (identical prompts)
     metadata: PagedMetadata | None = None
     gather_slots: torch.Tensor | None = None  # [B, past + q] pool slots, for sdpa / eager reads
-    has_holes: bool = field(default=False)  # a padding column sits after a stored one in some row
+    has_holes: bool = False  # a padding column sits after a stored one in some row
 
 
 def _placeholder_tokens(n: int) -> list[int]:
@@ -277,18 +277,18 @@ class PagedCache(Cache):
     def _begin_step(self, key: torch.Tensor, value: torch.Tensor, attention_mask, *, paged: bool) -> None:
         batch, _, q_len, _ = key.shape
         fresh = not self._rows
-        if fresh:
-            self._paged = paged
-            self._rows = [self._new_seq_id() for _ in range(batch)]
-            self._columns = torch.zeros(batch, 0, dtype=torch.bool)
-        elif self._paged != paged:
+        if not fresh and self._paged != paged:
             raise InvalidRequest(
                 "this PagedCache was filled under another attention implementation; call cache.reset() "
                 "before generating with a different attn_implementation"
             )
-        elif batch != len(self._rows):
+        if not fresh and batch != len(self._rows):
             self._expand_to(batch)
         new_columns = self._new_columns(attention_mask, batch, q_len) if paged else torch.ones(batch, q_len).bool()
+        if fresh:  # only now: a refused mask must leave the cache empty
+            self._paged = paged
+            self._rows = [self._new_seq_id() for _ in range(batch)]
+            self._columns = torch.zeros(batch, 0, dtype=torch.bool)
         followers = identical_rows(key, value, new_columns) if fresh else {}
         stored_before = [self._num_stored(seq) for seq in self._rows]
         try:
@@ -340,7 +340,7 @@ class PagedCache(Cache):
                 f"attention_mask has shape {tuple(mask.shape)}, expected ({batch}, {past + q_len}): "
                 f"past plus new columns"
             )
-        if not torch.equal(mask[:, :past], self._columns):
+        if past and not torch.equal(mask[:, :past], self._columns):
             raise InvalidRequest(
                 "the attention_mask's past columns differ from the padding the cache stored; keep the mask of "
                 "earlier calls and append to it"
