@@ -37,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--static-batch-sizes", default=None, help="comma list; default 4,8,16,32 (quick) / 8,16,32,64")
     parser.add_argument("--cb-max-batch-tokens", default="64,128,256,default", help="comma list for HF CB")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="paged-backend token budget")
-    parser.add_argument("--skip", default="", help="comma list of systems to skip: static,hf-cb")
+    parser.add_argument("--skip", default="", help="comma list of systems to skip: engine,static,hf-cb")
     return parser.parse_args()
 
 
@@ -129,11 +129,12 @@ def main() -> None:
               flush=True)
 
     # The engine runs first so a long baseline sweep that gets cut short still leaves its number.
-    elapsed, forward, steps, preemptions = run_engine(copy.deepcopy(base), prompts, outputs,
-                                                      args.max_num_batched_tokens)
-    report(f"paged-backend engine mbt={args.max_num_batched_tokens}", elapsed)
-    print(f"  engine: {steps} steps, {preemptions} preemptions, {100 * (1 - forward / elapsed):.1f}% of wall time "
-          f"outside the model forward ({forward:.2f} s forward of {elapsed:.2f} s)", flush=True)
+    if "engine" not in skip:
+        elapsed, forward, steps, preemptions = run_engine(copy.deepcopy(base), prompts, outputs,
+                                                          args.max_num_batched_tokens)
+        report(f"paged-backend engine mbt={args.max_num_batched_tokens}", elapsed)
+        print(f"  engine: {steps} steps, {preemptions} preemptions, {100 * (1 - forward / elapsed):.1f}% of wall "
+              f"time outside the model forward ({forward:.2f} s forward of {elapsed:.2f} s)", flush=True)
     run_static(base, prompts[:2], [2, 2], 2)  # warm up kernels once
     if "static" not in skip:
         for size in map(int, sizes.split(",")):
@@ -142,6 +143,8 @@ def main() -> None:
         for value in args.cb_max_batch_tokens.split(","):
             mbt = None if value == "default" else int(value)
             report(f"HF generate_batch CB max_batch_tokens={value}", run_hf_cb(copy.deepcopy(base), prompts, outputs, mbt))
+    if "engine" in skip:
+        return
     ours = useful / elapsed
     best_static = max((useful / s for n, s in rows if n.startswith("HF generate static")), default=None)
     best_cb = max((useful / s for n, s in rows if "CB" in n), default=None)
