@@ -71,25 +71,29 @@ def make_batch(batch: int, context: int, block_size: int, dtype: torch.dtype, de
     )
 
 
-def time_ms(fn: Callable[[], object], device: str, iters: int) -> float:
-    """Milliseconds per call after a warm-up: median of CUDA-event timings on GPU; on CPU the best wall
-    clock of `iters` calls, since other processes sharing the cores only ever add time."""
-    for _ in range(2):
+def time_all(fns: dict[str, Callable[[], object]], device: str, iters: int) -> dict[str, float]:
+    """Milliseconds per call of each function, calls interleaved so load changes hit all of them alike.
+
+    GPU: median of CUDA-event timings. CPU: best wall clock, since other processes only ever add time.
+    """
+    for fn in fns.values():
         fn()
-    samples = []
+    samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(iters):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(samples) if device == "cuda" else min(samples)
+        for name, fn in fns.items():
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples[name].append(start.elapsed_time(end))
+            else:
+                begin = time.perf_counter()
+                fn()
+                samples[name].append((time.perf_counter() - begin) * 1e3)
+    pick = statistics.median if device == "cuda" else min
+    return {name: pick(values) for name, values in samples.items()}
 
 
 def paged(b: DecodeBatch, backend: str) -> Callable[[], torch.Tensor]:
@@ -140,10 +144,12 @@ def fits_in_memory(batch: int, context: int, dtype: torch.dtype) -> bool:
 
 
 def gpu_cells(b: DecodeBatch, args: argparse.Namespace, peak: float | None) -> list:
-    times = {name: time_ms(fn, "cuda", args.iters) for name, fn in
-             (("cuda", paged(b, "cuda")), ("triton", paged(b, "triton")), ("sdpa", sdpa_contiguous(b)))}
+    fns = {"cuda": paged(b, "cuda"), "triton": paged(b, "triton"), "sdpa": sdpa_contiguous(b)}
     flashinfer = flashinfer_paged(b)
-    fi_ms = time_ms(flashinfer, "cuda", args.iters) if flashinfer else None
+    if flashinfer:
+        fns["flashinfer"] = flashinfer
+    times = time_all(fns, "cuda", args.iters)
+    fi_ms = times.pop("flashinfer", None)
     gbps = {name: b.kv_bytes / (ms * 1e-3) / 1e9 for name, ms in times.items()}
     batch, context = b.block_tables.shape[0], int(b.seq_lens[0])
     return [
@@ -179,8 +185,8 @@ def cpu_table(args: argparse.Namespace) -> list[str]:
     for batch in args.batch:
         for context in args.context:
             b = make_batch(batch, context, args.block_size, torch.float32, "cpu")
-            paged_ms = time_ms(paged(b, "torch"), "cpu", args.iters)
-            sdpa_ms = time_ms(sdpa_contiguous(b), "cpu", args.iters)
+            times = time_all({"paged": paged(b, "torch"), "sdpa": sdpa_contiguous(b)}, "cpu", args.iters)
+            paged_ms, sdpa_ms = times["paged"], times["sdpa"]
             lines.append(_row([batch, context, f"{paged_ms:.2f}", f"{sdpa_ms:.2f}", f"{paged_ms / sdpa_ms:.2f}"]))
     return lines
 
