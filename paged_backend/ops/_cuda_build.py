@@ -27,7 +27,10 @@ class CudaBuildError(RuntimeError):
 
 
 def csrc_dir() -> Path:
-    return Path(os.environ.get("PAGED_BACKEND_CSRC") or Path(__file__).resolve().parents[2] / "csrc")
+    if os.environ.get("PAGED_BACKEND_CSRC"):
+        return Path(os.environ["PAGED_BACKEND_CSRC"])
+    repo = Path(__file__).resolve().parents[2] / "csrc"  # editable install / source checkout
+    return repo if repo.is_dir() else Path(__file__).resolve().parents[1] / "_csrc"  # wheel
 
 
 def cache_root() -> Path:
