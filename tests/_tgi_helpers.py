@@ -17,8 +17,9 @@ from typing import IO
 import httpx
 import uvicorn
 from huggingface_hub import InferenceClient
-from paged_backend.tgi.settings import EMBEDDED_MODEL_ID
 from text_generation import Client
+
+from paged_backend.tgi.settings import EMBEDDED_MODEL_ID
 
 STARTUP_TIMEOUT = 240  # seconds; importing torch on a busy 2-core box is slow
 # Small pool and context so each server starts fast; greedy requests stay well inside both.

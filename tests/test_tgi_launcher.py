@@ -7,13 +7,14 @@ import sys
 
 import pytest
 import typer
+from typer.testing import CliRunner
+
 from paged_backend.tgi.cli import register
 from paged_backend.tgi.generated import generate_pb2 as pb
 from paged_backend.tgi.launcher import LaunchError, engine_config, router_settings
 from paged_backend.tgi.launcher_flags import ignored_flags, parse_flags
 from paged_backend.tgi.shard.cli import app as shard_app
 from paged_backend.tgi.stubs import compile_stubs, proto_path
-from typer.testing import CliRunner
 
 
 def test_tgi_defaults():

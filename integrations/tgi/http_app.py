@@ -12,6 +12,9 @@ from collections.abc import AsyncIterator
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError as PydanticValidationError
+
+from paged_backend import __version__
 from paged_backend.tgi import openai_routes
 from paged_backend.tgi.backend import Backend
 from paged_backend.tgi.errors import TgiError, UnhealthyError
@@ -22,9 +25,6 @@ from paged_backend.tgi.schemas import ChatRequest, CompatGenerateRequest, Genera
 from paged_backend.tgi.settings import RouterSettings
 from paged_backend.tgi.sse import event, sse_response
 from paged_backend.tgi.validation import validate_stream
-from pydantic import ValidationError as PydanticValidationError
-
-from paged_backend import __version__
 
 DRAIN_TIMEOUT_SECONDS = 90.0  # TGI's --graceful-termination-timeout default
 

@@ -62,15 +62,13 @@ def _kv_cache_dtype(name: str) -> str:
 def build_backend(args: argparse.Namespace):
     """The backend object the HTTP face drives."""
     if args.backend == "paged":
-        from paged_backend.tgi.paged import PagedBackend
-
         from paged_backend.engine import Engine
+        from paged_backend.tgi.paged import PagedBackend
 
         return PagedBackend(Engine(engine_config(args)))
     if args.backend == "reference":
-        from paged_backend.tgi.reference import ReferenceBackend
-
         from paged_backend.models import load_model
+        from paged_backend.tgi.reference import ReferenceBackend
 
         model, tokenizer = load_model(
             model_to_load(args.model_id), tokenizer=args.tokenizer_name, dtype=args.dtype or "auto", device=args.device
@@ -108,6 +106,7 @@ def router_settings(args: argparse.Namespace, max_model_len: int) -> RouterSetti
 def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> None:
     """Parse TGI flags, build the backend, serve until interrupted."""
     import uvicorn
+
     from paged_backend.tgi.http_app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -13,13 +13,13 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
+
+from paged_backend import __version__
 from paged_backend.tgi.errors import TemplateError, TgiError, ValidationError
 from paged_backend.tgi.infer import Generation, Infer, StreamStep
 from paged_backend.tgi.schemas import ChatMessage, ChatRequest, CompletionRequest, GenerateParameters
 from paged_backend.tgi.settings import RouterSettings
 from paged_backend.tgi.sse import DONE, event, sse_response
-
-from paged_backend import __version__
 
 SYSTEM_FINGERPRINT = f"{__version__}-paged-backend"
 FINISH_REASONS = {"eos_token": "stop", "length": "length", "stop_sequence": "stop_sequence"}

@@ -5,15 +5,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import AsyncIterator
 
+from paged_backend.engine import Engine
+from paged_backend.errors import InvalidRequest, PromptTooLong
+from paged_backend.server.async_engine import AsyncEngine, EngineNotRunning, EngineStepFailed, RequestAborted
 from paged_backend.tgi.backend import BackendEvent, BackendLoad, GeneratedToken
 from paged_backend.tgi.errors import GenerationError, OverloadedError, ValidationError
 from paged_backend.tgi.metrics import TgiMetrics
 from paged_backend.tgi.sampling import finish_reason, sampling_params, top_tokens
 from paged_backend.tgi.validation import ValidRequest
-
-from paged_backend.engine import Engine
-from paged_backend.errors import InvalidRequest, PromptTooLong
-from paged_backend.server.async_engine import AsyncEngine, EngineNotRunning, EngineStepFailed, RequestAborted
 
 
 class PagedBackend:

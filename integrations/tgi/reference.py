@@ -12,11 +12,6 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 import torch
-from paged_backend.tgi.backend import BackendEvent, BackendLoad, GeneratedToken, PrefillTokens
-from paged_backend.tgi.errors import GenerationError
-from paged_backend.tgi.metrics import TgiMetrics
-from paged_backend.tgi.tokens import IncrementalDetokenizer, StoppingCriteria, eos_token_ids
-from paged_backend.tgi.validation import ChooserParameters, ValidRequest
 from transformers import (
     GenerationConfig,
     LogitsProcessor,
@@ -28,6 +23,12 @@ from transformers import (
 )
 from transformers import StoppingCriteria as HfStoppingCriteria
 from transformers.generation.streamers import BaseStreamer
+
+from paged_backend.tgi.backend import BackendEvent, BackendLoad, GeneratedToken, PrefillTokens
+from paged_backend.tgi.errors import GenerationError
+from paged_backend.tgi.metrics import TgiMetrics
+from paged_backend.tgi.tokens import IncrementalDetokenizer, StoppingCriteria, eos_token_ids
+from paged_backend.tgi.validation import ChooserParameters, ValidRequest
 
 _END = object()
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from paged_backend.engine.request import SamplingParams
 from paged_backend.tgi.backend import FinishReason
 from paged_backend.tgi.validation import ChooserParameters, StoppingParameters
-
-from paged_backend.engine.request import SamplingParams
 
 
 def sampling_params(

@@ -15,6 +15,8 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+
+from paged_backend.block_manager import BlockManager
 from paged_backend.tgi.backend import BackendEvent, BackendLoad, GeneratedToken
 from paged_backend.tgi.errors import TgiError
 from paged_backend.tgi.generated import generate_pb2 as pb
@@ -25,8 +27,6 @@ from paged_backend.tgi.router.client import ShardClient
 from paged_backend.tgi.router.queue import Entry, Queue
 from paged_backend.tgi.settings import model_to_load
 from paged_backend.tgi.validation import ValidRequest
-
-from paged_backend.block_manager import BlockManager
 
 logger = logging.getLogger(__name__)
 U64_MAX = 2**64 - 1

@@ -14,14 +14,14 @@ import time
 from dataclasses import dataclass
 
 import grpc
+
+from paged_backend.block_manager import BlockManager
 from paged_backend.tgi.backend import GeneratedToken, PrefillTokens
 from paged_backend.tgi.errors import GenerationError
 from paged_backend.tgi.generated import generate_pb2 as pb
 from paged_backend.tgi.metrics import TgiMetrics
 from paged_backend.tgi.router.client import ShardClient
 from paged_backend.tgi.router.queue import Entry, Queue
-
-from paged_backend.block_manager import BlockManager
 
 logger = logging.getLogger(__name__)
 

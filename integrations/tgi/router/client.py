@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+
 from paged_backend.tgi.generated import generate_pb2 as pb
 from paged_backend.tgi.generated import generate_pb2_grpc as pb_grpc
 

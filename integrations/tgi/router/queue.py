@@ -7,10 +7,9 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from paged_backend.block_manager import BlockManager
 from paged_backend.tgi.generated import generate_pb2 as pb
 from paged_backend.tgi.validation import ValidRequest
-
-from paged_backend.block_manager import BlockManager
 
 
 @dataclass(eq=False)

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from paged_backend.engine.request import Request, Sequence
+from paged_backend.errors import InvalidRequest
 from paged_backend.tgi.sampling import sampling_params
 from paged_backend.tgi.tokens import IncrementalDetokenizer, StoppingCriteria
 from paged_backend.tgi.validation import ChooserParameters, StoppingParameters
-
-from paged_backend.engine.request import Request, Sequence
-from paged_backend.errors import InvalidRequest
 
 
 @dataclass

@@ -15,6 +15,7 @@ import os
 from typing import Annotated
 
 import typer
+
 from paged_backend.tgi.settings import model_to_load
 
 app = typer.Typer(help="generate.v3 gRPC shard (text-generation-server compatible) on paged-backend.")

@@ -12,8 +12,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-from paged_backend.tgi.shard.batch import ShardBatch, ShardRequest
-from paged_backend.tgi.tokens import eos_token_ids
 
 from paged_backend.attention import register_paged_attention
 from paged_backend.engine.engine import CPU_DEFAULT_KV_BYTES
@@ -29,6 +27,8 @@ from paged_backend.kv_cache import (
     resolve_kv_dtype,
 )
 from paged_backend.models import load_model
+from paged_backend.tgi.shard.batch import ShardBatch, ShardRequest
+from paged_backend.tgi.tokens import eos_token_ids
 
 logger = logging.getLogger(__name__)
 

@@ -7,12 +7,12 @@ import logging
 import time
 
 import grpc
+
+from paged_backend.errors import PagedBackendError
 from paged_backend.tgi.generated import generate_pb2 as pb
 from paged_backend.tgi.generated import generate_pb2_grpc as pb_grpc
 from paged_backend.tgi.shard.batch import ShardBatch, request_from_pb
 from paged_backend.tgi.shard.model import ShardModel, TokenResult
-
-from paged_backend.errors import PagedBackendError
 
 logger = logging.getLogger(__name__)
 
