@@ -14,8 +14,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-from paged_backend.hf import PagedCache
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from paged_backend.hf import PagedCache
 
 BLOCK_SIZE = 16
 VARIANTS = ("dynamic", "paged+sdpa", "paged+paged_backend")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from _hf_models import prompts, tiny_model
-from paged_backend.hf import PagedCache
-from paged_backend.hf.layer_handle import PagedLayerKV
 from transformers import AttentionInterface, BartConfig, LlamaConfig
 
 from paged_backend import InvalidRequest, OutOfBlocks, UnsupportedModel
+from paged_backend.hf import PagedCache
+from paged_backend.hf.layer_handle import PagedLayerKV
 
 
 def llama_config(**overrides) -> LlamaConfig:

@@ -13,6 +13,7 @@ from functools import cache
 import pytest
 import torch
 from _hf_models import ARCHITECTURES, prompts, tiny_model
+
 from paged_backend.hf import PagedCache
 
 NEW_TOKENS = 8
@@ -24,6 +25,7 @@ MODES = {
     "beam": dict(num_beams=3, do_sample=False, **BEAM_SCORES),
     "beam_n2": dict(num_beams=3, num_return_sequences=2, do_sample=False, **BEAM_SCORES),
     "beam_sample": dict(num_beams=3, do_sample=True, **BEAM_SCORES),
+    "chunked_prefill": dict(do_sample=False, prefill_chunk_size=4),
     "prompt_lookup": dict(do_sample=False, prompt_lookup_num_tokens=3),
     "assisted": dict(do_sample=False),  # the assistant model is added by the test
 }

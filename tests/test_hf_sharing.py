@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from _hf_models import prompts, tiny_model
-from paged_backend.hf import PagedCache
 from transformers import DynamicCache
+
+from paged_backend.hf import PagedCache
 
 PROMPT_LEN, BLOCK = 512, 16
 PROMPT_BLOCKS = PROMPT_LEN // BLOCK
@@ -53,10 +54,12 @@ def test_sampled_sequences_store_the_prompt_once(llama, attn):
     assert_all_blocks_free_after_reset(cache)
 
 
-def test_beams_store_the_prompt_once(llama):
+@pytest.mark.parametrize("prefill_chunk_size", [None, 128], ids=["one_prefill", "chunked_prefill"])
+def test_beams_store_the_prompt_once(llama, prefill_chunk_size):
     llama.set_attn_implementation("sdpa")
     cache = PagedCache(llama, max_tokens=4 * PROMPT_LEN, block_size=BLOCK)
-    kwargs = dict(**long_prompt(), num_beams=8, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    kwargs = dict(**long_prompt(), num_beams=8, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                  prefill_chunk_size=prefill_chunk_size)
     llama.generate(**kwargs, max_new_tokens=1, past_key_values=cache)
     assert cache.stats().used_blocks == PROMPT_BLOCKS
     assert cache.stats().shared_blocks == PROMPT_BLOCKS

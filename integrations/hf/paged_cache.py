@@ -289,7 +289,8 @@ class PagedCache(Cache):
             self._paged = paged
             self._rows = [self._new_seq_id() for _ in range(batch)]
             self._columns = torch.zeros(batch, 0, dtype=torch.bool)
-        followers = identical_rows(key, value, new_columns) if fresh else {}
+        # Prompts (also chunked or continued ones) can repeat across rows; single decode tokens rarely do.
+        followers = identical_rows(key, value, new_columns, self._block_tables()) if q_len > 1 or fresh else {}
         stored_before = [self._num_stored(seq) for seq in self._rows]
         try:
             copies = self._reserve(new_columns.sum(dim=1).tolist(), followers)
@@ -312,9 +313,15 @@ class PagedCache(Cache):
             if row not in followers:
                 copies += self._grow(seq, count)
         for row, leader in followers.items():
+            if self.block_manager.has(self._rows[row]):
+                self.block_manager.free(self._rows[row])  # it held the leader's blocks; it now follows its growth
             if self.block_manager.has(self._rows[leader]):
                 self.block_manager.fork(self._rows[leader], self._rows[row])
         return copies
+
+    def _block_tables(self) -> list[tuple[int, ...]]:
+        bm = self.block_manager
+        return [tuple(bm.block_table(seq)) if bm.has(seq) else () for seq in self._rows]
 
     def _expand_to(self, batch: int) -> None:
         """A filled cache meets generate's k-times expanded batch (beams / num_return_sequences): fork rows."""
