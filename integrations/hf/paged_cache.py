@@ -420,7 +420,9 @@ class PagedCache(Cache):
     def _gather(self, pool: torch.Tensor, dtype: torch.dtype, columns: int) -> torch.Tensor:
         """[B, Hkv, columns, D] contiguous K or V of the last `columns` columns, read through the block tables."""
         flat = pool.view(-1, pool.shape[-2], pool.shape[-1])
-        return flat[self._step.gather_slots[:, -columns:]].transpose(1, 2).contiguous().to(dtype)
+        slots = self._step.gather_slots[:, -columns:]
+        rows = torch.index_select(flat, 0, slots.flatten())  # several times faster than advanced indexing on CPU
+        return rows.view(*slots.shape, *flat.shape[1:]).transpose(1, 2).contiguous().to(dtype)
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
