@@ -130,6 +130,9 @@ class PagedCache(Cache):
     def __len__(self) -> int:
         return self.geometry.num_layers
 
+    def __repr__(self) -> str:
+        return f"PagedCache({len(self._rows)} rows x {self._seq_length} columns; {self.stats()})"
+
     @property
     def is_compileable(self) -> bool:
         return False  # shapes change every step; True would make generate pre-build 4D masks and compile
