@@ -8,8 +8,6 @@ and reads the pool directly; pads are never stored there, so per-row lengths exc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers import Cache
 
@@ -20,22 +18,10 @@ from paged_backend.kv_cache import PagedKVCache, num_blocks_for_budget
 from paged_backend.ops import reshape_and_cache
 
 from .cache_stats import CacheStats
+from .forward_step import ForwardStep, gather_slots, paged_metadata
 from .identical_rows import identical_rows
 from .layer_handle import PagedLayerKV
 from .model_support import check_update_shapes, kv_geometry
-
-
-@dataclass
-class ForwardStep:
-    """What one forward adds, decided on layer 0 and reused by every layer."""
-
-    fresh: bool  # first forward into an empty cache: K/V can be returned as computed
-    new_columns: torch.Tensor  # [B, q] bool, which new columns get stored (False: padding)
-    stored_before: list[int]  # tokens each row held before this forward
-    followers: dict[int, int]  # row -> leader row whose blocks it shares (identical prompts)
-    metadata: PagedMetadata | None = None
-    gather_slots: torch.Tensor | None = None  # [B, past + q] pool slots, for sdpa / eager reads
-    has_holes: bool = False  # a padding column sits after a stored one in some row
 
 
 def _placeholder_tokens(n: int) -> list[int]:
@@ -358,39 +344,13 @@ class PagedCache(Cache):
         return mask[:, past:]
 
     def _build_metadata(self) -> None:
-        step = self._step
+        step, bm = self._step, self.block_manager
         step.metadata = self._metadata_for(list(range(len(self._rows))))
         if not self._paged and not step.fresh:
-            positions = torch.arange(self._seq_length, device=self.kv_cache.device)
-            bs = self.block_manager.block_size
-            step.gather_slots = step.metadata.block_tables.long()[:, positions // bs] * bs + positions % bs
+            step.gather_slots = gather_slots(step.metadata.block_tables, self._seq_length, bm.block_size)
 
     def _metadata_for(self, rows: list[int]) -> PagedMetadata:
-        """Paged-attention metadata of this forward restricted to `rows` (the others get no query tokens)."""
-        step, bm, device = self._step, self.block_manager, self.kv_cache.device
-        counts = step.new_columns.sum(dim=1).tolist()
-        slots: list[int] = []
-        for row in rows:
-            seq, before, count = self._rows[row], step.stored_before[row], counts[row]
-            own = row not in step.followers and count
-            slots += bm.slot_mapping(seq, before, before + count) if own else [-1] * count
-        tables = [bm.block_table(self._rows[row]) if bm.has(self._rows[row]) else [] for row in rows]
-        block_tables = torch.zeros(len(tables), max(1, *map(len, tables)), dtype=torch.int32)
-        for i, table in enumerate(tables):
-            block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        seq_lens = [step.stored_before[row] + counts[row] for row in rows]
-        starts = torch.tensor([0, *(counts[row] for row in rows)]).cumsum(0)
-        queried = torch.zeros_like(step.new_columns)
-        queried[rows] = step.new_columns[rows]
-        row_index = None if bool(queried.all()) else queried.flatten().nonzero().squeeze(1)
-        return PagedMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            block_tables=block_tables.to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            query_start_loc=starts.to(device=device, dtype=torch.int32),
-            row_index=None if row_index is None else row_index.to(device),
-            backend=self.backend,
-        )
+        return paged_metadata(self._step, self.block_manager, self._rows, rows, self.kv_cache.device, self.backend)
 
     def _check_followers(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Rows grouped on layer 0 must still match here; a row that differs gets its own copy of the blocks."""

@@ -1,0 +1,66 @@
+"""One forward's plan: which rows store which new tokens, and the metadata every layer reuses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from paged_backend.attention import PagedMetadata
+from paged_backend.block_manager import BlockManager
+
+
+@dataclass
+class ForwardStep:
+    """What one forward adds, decided on layer 0 and reused by every layer."""
+
+    fresh: bool  # first forward into an empty cache: K/V can be returned as computed
+    new_columns: torch.Tensor  # [B, q] bool, which new columns get stored (False: padding)
+    stored_before: list[int]  # tokens each row held before this forward
+    followers: dict[int, int]  # row -> leader row whose blocks it shares (identical prompts)
+    metadata: PagedMetadata | None = None
+    gather_slots: torch.Tensor | None = None  # [B, past + q] pool slots, for sdpa / eager reads
+    has_holes: bool = False  # a padding column sits after a stored one in some row
+
+
+def paged_metadata(
+    step: ForwardStep, block_manager: BlockManager, seqs: list[int], rows: list[int], device, backend: str | None
+) -> PagedMetadata:
+    """Paged-attention metadata of `step` restricted to batch `rows` (the other rows get no query tokens).
+
+    `seqs[row]` is the BlockManager sequence of each batch row; followers write nothing (slot -1).
+    """
+    bm = block_manager
+    counts = step.new_columns.sum(dim=1).tolist()
+    slots: list[int] = []
+    for row in rows:
+        seq, before, count = seqs[row], step.stored_before[row], counts[row]
+        own = row not in step.followers and count
+        slots += bm.slot_mapping(seq, before, before + count) if own else [-1] * count
+    tables = [bm.block_table(seqs[row]) if bm.has(seqs[row]) else [] for row in rows]
+    block_tables = torch.zeros(len(tables), max(1, *map(len, tables)), dtype=torch.int32)
+    for i, table in enumerate(tables):
+        block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    seq_lens = [step.stored_before[row] + counts[row] for row in rows]
+    starts = torch.tensor([0, *(counts[row] for row in rows)]).cumsum(0)
+    queried = torch.zeros_like(step.new_columns)
+    queried[rows] = step.new_columns[rows]
+    row_index = None if bool(queried.all()) else queried.flatten().nonzero().squeeze(1)
+    return PagedMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=starts.to(device=device, dtype=torch.int32),
+        row_index=None if row_index is None else row_index.to(device),
+        backend=backend,
+    )
+
+
+def gather_slots(block_tables: torch.Tensor, num_columns: int, block_size: int) -> torch.Tensor:
+    """[B, num_columns] pool slot of every column of every row (rows that store every column).
+
+    >>> gather_slots(torch.tensor([[3, 1]], dtype=torch.int32), 6, 4)
+    tensor([[12, 13, 14, 15,  4,  5]])
+    """
+    positions = torch.arange(num_columns, device=block_tables.device)
+    return block_tables.long()[:, positions // block_size] * block_size + positions % block_size
