@@ -156,6 +156,11 @@ class BlockManager:
         """Blocks that can be handed out now (empty or evictable cached)."""
         return len(self.free_queue)
 
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by at least one sequence (O(1): everything not in the free queue)."""
+        return self.num_blocks - 1 - len(self.free_queue)
+
     def has(self, seq_id: Hashable) -> bool:
         return seq_id in self.seqs
 
@@ -446,7 +451,7 @@ class BlockManager:
             table_entries += len(seq.block_table)
             for i, block_id in enumerate(seq.block_table):
                 fill[block_id] = max(fill.get(block_id, 0), min(bs, n - i * bs))
-        used = sum(1 for b in self.blocks[1:] if b.ref_count > 0)
+        used = self.num_used_blocks
         cached = sum(1 for b in self.blocks[1:] if b.ref_count == 0 and b.hash is not None)
         return BlockStats(
             total_blocks=self.num_blocks - 1,

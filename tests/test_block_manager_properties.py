@@ -123,6 +123,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert block.ref_count == holders.get(block.block_id, 0)
             assert (block.ref_count == 0) == (block in self.bm.free_queue)  # never free and held
         assert self.bm.blocks[0].ref_count == 0 and self.bm.blocks[0] not in self.bm.free_queue
+        assert self.bm.num_used_blocks == sum(1 for b in self.bm.blocks[1:] if b.ref_count > 0)
         cpu_holders = Counter(b for s in self._live(on_cpu=True) for b in self.bm.block_table(s))
         for cpu_block, count in enumerate(self.bm.cpu_ref_counts):
             assert count == cpu_holders.get(cpu_block, 0)
