@@ -139,3 +139,22 @@ def test_incremental_detokenization_waits_for_whole_characters(make_llm):
         pieces.append(engine._detokenize(seq))
     assert "".join(pieces) == seq.text == "héllo wörld ✓"
     assert all("\ufffd" not in piece for piece in pieces)
+
+
+def test_vanishing_temperature_samples_as_greedy(make_llm):
+    llm = make_llm()
+    prompts = ragged_prompts(4)
+    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
+    tiny = llm.generate(prompts, SamplingParams(temperature=1e-300, max_tokens=8, seed=3))
+    assert [o.outputs[0].token_ids for o in tiny] == [o.outputs[0].token_ids for o in greedy]
+
+
+def test_extreme_penalties_keep_the_whole_batch_alive(make_llm):
+    llm = make_llm()
+    params = [
+        SamplingParams(temperature=0.7, repetition_penalty=5e-324, max_tokens=8, seed=1),
+        SamplingParams(temperature=0.7, repetition_penalty=1e300, frequency_penalty=2.0, max_tokens=8, seed=2),
+        SamplingParams(temperature=0, max_tokens=8),
+    ]
+    outputs = llm.generate(ragged_prompts(3), params)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8, 8]

@@ -11,6 +11,8 @@ import torch
 
 from paged_backend.errors import InvalidRequest
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample as argmax (as vLLM does)
+
 
 @dataclass
 class SamplingParams:
@@ -64,7 +66,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below this, dividing logits by the temperature overflows; the limit of sampling is argmax anyway.
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def uses_penalties(self) -> bool:

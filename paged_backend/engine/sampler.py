@@ -92,7 +92,8 @@ class Sampler:
         """Temperature, then top-k, top-p and min-p masks, applied row-wise in one sort."""
         device, vocab = logits.device, logits.shape[-1]
         temperature = torch.tensor([p.temperature for p in params], device=device)
-        logits = logits / temperature[:, None]
+        # Extreme penalties can overflow to +inf; keep every row finite so softmax never yields NaN.
+        logits = (logits / temperature[:, None]).clamp(max=torch.finfo(logits.dtype).max / 2)
         if all(p.top_k <= 0 and p.top_p == 1 and p.min_p == 0 for p in params):
             return torch.softmax(logits, dim=-1)
         ordered, order = logits.sort(dim=-1, descending=True)

@@ -86,7 +86,7 @@ class ShardModel:
         self.requested_num_blocks = num_blocks
         self.memory_fraction = memory_fraction
         self.eos_ids = eos_token_ids(self.tokenizer, getattr(model, "generation_config", None))
-        self.sampler = Sampler(self.eos_ids)
+        self.sampler = Sampler(self.eos_ids, device=self.device)
         self.blocks = RouterBlocks(block_size)
         self.kv_cache: PagedKVCache | None = None
         self.runner: ModelRunner | None = None
