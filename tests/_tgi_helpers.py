@@ -20,6 +20,7 @@ from huggingface_hub import InferenceClient
 from text_generation import Client
 
 from paged_backend.tgi.settings import EMBEDDED_MODEL_ID
+from tests._server_helpers import parse_metrics
 
 STARTUP_TIMEOUT = 240  # seconds; importing torch on a busy 2-core box is slow
 # Small pool and context so each server starts fast; greedy requests stay well inside both.
@@ -120,15 +121,6 @@ class Shard(Process):
                 raise TimeoutError(f"shard socket {self.socket_path} missing after {timeout}s:\n{self.output()}")
             time.sleep(0.2)
         return self
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
 
 
 @contextmanager
