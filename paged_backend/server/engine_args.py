@@ -14,7 +14,6 @@ from typing import Annotated
 import typer
 
 from paged_backend.config import EngineConfig
-from paged_backend.engine import engine_config
 
 Model = Annotated[
     str | None, typer.Option("--model", help="local directory or hub id; omit for the embedded tiny model")
@@ -58,4 +57,6 @@ class EngineArgs:
 
     def to_engine_config(self) -> EngineConfig:
         """The config with every given flag set on the field of the same name."""
+        from paged_backend.engine import engine_config  # the engine (transformers models) loads only when used
+
         return engine_config(**{name: value for name, value in asdict(self).items() if value is not None})
