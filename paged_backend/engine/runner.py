@@ -83,16 +83,19 @@ class ModelRunner:
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)
         return ids, pos, metadata, sample_rows
 
-    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
         """One packed forward. Returns float32 logits `[num_sampling_sequences, vocab]`."""
         ids, positions, metadata, sample_rows = self.prepare(scheduled)
-        keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        return self.forward(ids, positions, metadata, sample_rows)
+
+    @torch.inference_mode()
+    def forward(self, ids, positions, metadata: PagedMetadata, rows: list[int]) -> torch.Tensor:
+        """Run the packed batch; float32 logits of the packed `rows` only (`logits_to_keep`), in that order."""
         out = self.model(
             input_ids=ids,
             position_ids=positions,
             past_key_values=StepCache(self.kv_cache, metadata),
             use_cache=True,
-            logits_to_keep=keep,
+            logits_to_keep=torch.tensor(rows, dtype=torch.long, device=self.device),
         )
         return out.logits[0].float()

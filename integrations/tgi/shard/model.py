@@ -1,7 +1,7 @@
 """The shard's model: HF weights with paged attention, a KV pool sized at warmup, and one generate_token.
 
 The forward reuses the engine's `ModelRunner.prepare` (packing into `[1, T]` with slot mapping and block
-tables) and `StepCache` (the `PackedKV` handles); tokens come from the engine's `Sampler`.
+tables) and `ModelRunner.forward` (the packed forward); tokens come from the engine's `Sampler`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from paged_backend.attention import register_paged_attention
 from paged_backend.engine.engine import CPU_DEFAULT_KV_BYTES
-from paged_backend.engine.runner import ModelRunner, StepCache
+from paged_backend.engine.runner import ModelRunner
 from paged_backend.engine.sampler import Sampler
 from paged_backend.engine.scheduler import ScheduledSequence
 from paged_backend.errors import InvalidRequest, OutOfBlocks
@@ -160,14 +160,7 @@ class ShardModel:
         ids, positions, metadata, sample_rows = self.runner.prepare(scheduled)
         prompt_rows = self._prompt_rows(batch, metadata.query_start_loc.tolist())
         keep = sorted(set(sample_rows) | {row for rows in prompt_rows.values() for row in rows})
-        output = self.model(
-            input_ids=ids,
-            position_ids=positions,
-            past_key_values=StepCache(self.kv_cache, metadata),
-            use_cache=True,
-            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
-        )
-        logits = output.logits[0].float()
+        logits = self.runner.forward(ids, positions, metadata, keep)
         row_index = {row: index for index, row in enumerate(keep)}
         sample_logits = logits[[row_index[row] for row in sample_rows]]
         tokens, logprobs = self.sampler(sample_logits, [r.seq for r in batch.requests])
