@@ -34,6 +34,12 @@ class PagedMetadata:
     backend: str | None = None
 
 
+def block_table_tensor(tables: list[list[int]], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Ragged block tables as one `[B, M]` int32 tensor, padded with the null block 0 (at least one column)."""
+    width = max(1, *map(len, tables)) if tables else 1
+    return torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32, device=device)
+
+
 class PagedHandle(Protocol):
     def attend(
         self,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_backend.attention import PagedMetadata
+from paged_backend.attention import PagedMetadata, block_table_tensor
 from paged_backend.block_manager import BlockManager
 
 
@@ -38,9 +38,6 @@ def paged_metadata(
         own = row not in step.followers and count
         slots += bm.slot_mapping(seq, before, before + count) if own else [-1] * count
     tables = [bm.block_table(seqs[row]) if bm.has(seqs[row]) else [] for row in rows]
-    block_tables = torch.zeros(len(tables), max(1, *map(len, tables)), dtype=torch.int32)
-    for i, table in enumerate(tables):
-        block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
     seq_lens = [step.stored_before[row] + counts[row] for row in rows]
     starts = torch.tensor([0, *(counts[row] for row in rows)]).cumsum(0)
     queried = torch.zeros_like(step.new_columns)
@@ -48,7 +45,7 @@ def paged_metadata(
     row_index = None if bool(queried.all()) else queried.flatten().nonzero().squeeze(1)
     return PagedMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        block_tables=block_tables.to(device),
+        block_tables=block_table_tensor(tables, device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         query_start_loc=starts.to(device=device, dtype=torch.int32),
         row_index=None if row_index is None else row_index.to(device),

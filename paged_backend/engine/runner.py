@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import Cache, PreTrainedModel
 
-from paged_backend.attention import PackedKV, PagedMetadata
+from paged_backend.attention import PackedKV, PagedMetadata, block_table_tensor
 from paged_backend.block_manager import BlockManager
 from paged_backend.engine.scheduler import ScheduledSequence
 from paged_backend.kv_cache import PagedKVCache
@@ -69,12 +69,10 @@ class ModelRunner:
             tables.append(table)
             if item.samples:
                 sample_rows.append(query_start_loc[-1] - 1)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
         int32 = dict(dtype=torch.int32, device=self.device)
         metadata = PagedMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            block_tables=torch.tensor(padded, **int32),
+            block_tables=block_table_tensor(tables, self.device),
             seq_lens=torch.tensor(seq_lens, **int32),
             query_start_loc=torch.tensor(query_start_loc, **int32),
             backend=self.attention_backend,
