@@ -158,3 +158,17 @@ def test_extreme_penalties_keep_the_whole_batch_alive(make_llm):
     ]
     outputs = llm.generate(ragged_prompts(3), params)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8, 8]
+
+
+def test_streamed_text_only_grows_when_a_stop_string_matches(make_llm):
+    llm = make_llm()
+    greedy = first_output(llm, SamplingParams(temperature=0, max_tokens=12))
+    stop = greedy.text[3:6]
+    engine = llm.engine
+    engine.add_request("r", prompt_token_ids=PROMPT, sampling_params=SamplingParams(temperature=0, max_tokens=12,
+                                                                                  stop=[stop]))  # fmt: skip
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [out.outputs[0].text for out in engine.step() if out.request_id == "r"]
+    assert texts[-1] == greedy.text[: greedy.text.find(stop)]
+    assert all(texts[-1].startswith(text) for text in texts)  # never shows text a match later cuts

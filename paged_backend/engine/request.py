@@ -179,9 +179,15 @@ class Sequence:
         return child
 
     def completion(self) -> CompletionOutput:
+        text = self.text
+        stops = self.request.params.stop
+        if stops and not self.is_finished:
+            # A stop string may be starting: withhold its possible prefix, which a match would cut, so the
+            # cumulative text a caller sees only ever grows.
+            text = text[: max(0, len(text) - max(map(len, stops)) + 1)]
         return CompletionOutput(
             index=self.index,
-            text=self.text,
+            text=text,
             token_ids=self.output_token_ids,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             finish_reason=self.finish_reason,

@@ -79,13 +79,10 @@ class Generation:
         self._progress: dict[int, _ChoiceProgress] = {}
         self._final: dict[int, RequestOutput] = {}
         self._n = 1
-        self._holdback = 0
 
     async def start(self, prompts: list[str | list[int]], params: SamplingParams) -> None:
         """Add every prompt and wait for its first output, so bad input fails before any response byte."""
         self._n = params.n
-        # The engine cuts a matched stop string out of text it already reported: hold back its possible start.
-        self._holdback = max((len(stop) for stop in params.stop), default=1) - 1
         for index, prompt in enumerate(prompts):
             text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
             stream = self.async_engine.generate(f"{self.id}-{index}", text, params, prompt_token_ids=token_ids)
@@ -149,8 +146,7 @@ class Generation:
         if progress.finished:
             return None
         finished = completion.finish_reason is not None
-        safe_end = len(completion.text) if finished else len(completion.text) - self._holdback
-        text = completion.text[progress.text_sent : safe_end]
+        text = completion.text[progress.text_sent :]
         token_ids = completion.token_ids[progress.tokens_sent :]
         logprobs = None if completion.logprobs is None else completion.logprobs[progress.tokens_sent :]
         if not text and not token_ids and not finished:
