@@ -6,11 +6,7 @@ installs), on first import of `paged_backend.tgi.generated` into a cache directo
 
 from __future__ import annotations
 
-import hashlib
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 PROTO_NAME = "generate.proto"
@@ -41,32 +37,13 @@ def compile_stubs(proto: Path, out_dir: Path) -> None:
     grpc_module.write_text(text)
 
 
-def _cache_root() -> Path:
-    base = os.environ.get("PAGED_BACKEND_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "paged_backend"
-    )
-    return Path(base) / "tgi-stubs"
-
-
 def cached_stubs_dir() -> Path:
     """A directory holding stubs compiled from the current proto, compiling them once if needed."""
     import grpc_tools
 
+    # imported here: setup.py loads this file by path, before the package is importable
+    from paged_backend.build_cache import build_once, cache_root, fingerprint
+
     proto = proto_path()
-    key = hashlib.sha256(proto.read_bytes() + getattr(grpc_tools, "__version__", "").encode()).hexdigest()[:16]
-    target = _cache_root() / key
-    if (target / "generate_pb2_grpc.py").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Compile aside and rename: concurrent first imports (test workers, shards) never see half-written files.
-    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
-    try:
-        compile_stubs(proto, scratch)
-        try:
-            os.rename(scratch, target)
-        except OSError:
-            if not (target / "generate_pb2_grpc.py").exists():
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return target
+    key = fingerprint([proto.read_bytes(), getattr(grpc_tools, "__version__", "")])
+    return build_once(cache_root() / "tgi-stubs" / key, lambda scratch: compile_stubs(proto, scratch))

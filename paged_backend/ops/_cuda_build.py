@@ -1,7 +1,7 @@
 """Build csrc/ into libpaged_attention.so with nvcc: the one place that knows the compiler command.
 
-Cached at ``$PAGED_BACKEND_CUDA_CACHE`` (default ``~/.cache/paged_backend``) under a hash of the sources,
-flags and nvcc version, so a rebuild happens only when one of them changes. ``PAGED_BACKEND_CSRC`` points
+Cached in the build cache (:mod:`paged_backend.build_cache`) under a hash of the sources, flags and nvcc
+version, so a rebuild happens only when one of them changes. ``PAGED_BACKEND_CSRC`` points
 at a csrc/ directory when the package is installed without the repository around it.
 
     python -m paged_backend.ops._cuda_build --arch 80 --arch 90 -o libpaged_attention.so
@@ -10,12 +10,12 @@ at a csrc/ directory when the package is installed without the repository around
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
+
+from paged_backend.build_cache import build_once, cache_root, fingerprint
 
 LIBRARY_NAME = "libpaged_attention.so"
 # --threads 0: compile the per-architecture targets in parallel
@@ -31,10 +31,6 @@ def csrc_dir() -> Path:
         return Path(os.environ["PAGED_BACKEND_CSRC"])
     repo = Path(__file__).resolve().parents[2] / "csrc"  # editable install / source checkout
     return repo if repo.is_dir() else Path(__file__).resolve().parents[1] / "_csrc"  # wheel
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PAGED_BACKEND_CUDA_CACHE") or Path.home() / ".cache" / "paged_backend")
 
 
 def find_nvcc() -> str | None:
@@ -68,27 +64,13 @@ def build_library(output: Path, archs: list[int]) -> Path:
     return output
 
 
-def _fingerprint(archs: list[int]) -> str:
-    digest = hashlib.sha256()
+def cached_library(archs: list[int]) -> Path:
+    """The library for `archs`, built on first use."""
     nvcc = find_nvcc() or ""
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout if nvcc else ""
-    digest.update(f"{NVCC_FLAGS}{archs}{version}".encode())
-    for path in sorted(csrc_dir().glob("*")):
-        if path.suffix in (".cu", ".cuh", ".h"):
-            digest.update(path.name.encode() + path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def cached_library(archs: list[int]) -> Path:
-    """The library for `archs`, built on first use; concurrent builders race harmlessly via rename."""
-    target = cache_root() / _fingerprint(archs) / LIBRARY_NAME
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = build_library(Path(scratch) / LIBRARY_NAME, archs)
-        os.replace(built, target)
-    return target
+    sources = [p for p in sorted(csrc_dir().glob("*")) if p.suffix in (".cu", ".cuh", ".h")]
+    key = fingerprint([str(NVCC_FLAGS), str(archs), version, *(p.name.encode() + p.read_bytes() for p in sources)])
+    return build_once(cache_root() / "cuda" / key / LIBRARY_NAME, lambda path: build_library(path, archs))
 
 
 def main() -> None:
