@@ -19,7 +19,7 @@ def test_explicit_gpu_backend_on_cpu_tensors_says_why(backend: str):
 
 
 def test_unknown_backend_lists_the_choices():
-    with pytest.raises(BackendUnavailable, match="torch, triton, cuda"):
+    with pytest.raises(BackendUnavailable, match="torch, cpu, triton, cuda"):
         ops.resolve_backend("flash", torch.device("cpu"))
 
 
@@ -36,11 +36,12 @@ def test_argument_overrides_env_var(monkeypatch):
     assert ops.resolve_backend("torch", torch.device("cpu")) == "torch"
 
 
-def test_auto_uses_torch_on_cpu_and_matches_naive_attention():
+@pytest.mark.parametrize("backend", [None, "torch", "cpu"])
+def test_cpu_backends_match_naive_attention(backend: str | None, monkeypatch):
+    monkeypatch.delenv(ops.ENV_VAR, raising=False)
     case = CASES[4]
     built = build_case(case)
-    assert ops.resolve_backend(None, built.query.device) == "torch"
-    out = ops.paged_attention(*built.attention_args())
+    out = ops.paged_attention(*built.attention_args(), backend=backend)
     torch.testing.assert_close(out, naive_attention(case, built), **tolerance(case))
 
 

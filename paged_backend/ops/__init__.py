@@ -1,8 +1,8 @@
 """Paged attention and cache-write ops: one dispatcher over three backends.
 
-Backends: ``torch`` (the oracle, CPU default), ``triton`` and ``cuda``. Choose one with the
-``backend=`` argument, the ``PAGED_BACKEND_ATTENTION`` environment variable, or let auto-selection
-pick (cuda for pure decode, triton otherwise, torch on CPU). Every backend module exposes
+Backends: ``torch`` (the oracle), ``cpu`` (the fused csrc/cpu kernel), ``triton`` and ``cuda``. Choose one
+with the ``backend=`` argument, the ``PAGED_BACKEND_ATTENTION`` environment variable, or let auto-selection
+pick (cuda for pure decode, triton otherwise; cpu on CPU, torch where the CPU kernel cannot be built). Every backend module exposes
 ``unavailable_reason() -> str | None``, ``paged_attention`` and ``reshape_and_cache`` with the
 signatures of :mod:`paged_backend.ops.reference`.
 """
@@ -18,9 +18,9 @@ import torch
 
 from paged_backend.errors import BackendUnavailable
 
-BACKENDS = ("torch", "triton", "cuda")
+BACKENDS = ("torch", "cpu", "triton", "cuda")
 ENV_VAR = "PAGED_BACKEND_ATTENTION"
-_MODULES = {"torch": "reference", "triton": "triton", "cuda": "cuda"}
+_MODULES = {"torch": "reference", "cpu": "cpu", "triton": "triton", "cuda": "cuda"}
 
 
 @cache
@@ -49,12 +49,17 @@ def resolve_backend(name: str | None, device: torch.device, *, decode_only: bool
         reason = unavailable_reason(name)
         if reason:
             raise BackendUnavailable(f"attention backend {name!r} is unavailable: {reason}")
-        if name != "torch" and device.type != "cuda":
+        if name in ("triton", "cuda") and device.type != "cuda":
             raise BackendUnavailable(
                 f"attention backend {name!r} needs CUDA tensors, got {device.type}; "
-                f"use backend='torch' or move the model to a GPU"
+                f"use backend='cpu' or 'torch', or move the model to a GPU"
             )
+        if name == "cpu" and device.type != "cpu":
+            raise BackendUnavailable(f"attention backend 'cpu' needs CPU tensors, got {device.type}; "
+                                     f"use backend='triton' or 'cuda'")
         return name
+    if device.type == "cpu":
+        return "cpu" if unavailable_reason("cpu") is None else "torch"
     if device.type != "cuda":
         return "torch"
     preferred = ("cuda", "triton") if decode_only else ("triton",)

@@ -1,0 +1,77 @@
+"""Build csrc/cpu/ into libpaged_attention_cpu.so with the host C++ compiler (g++/clang++, OpenMP).
+
+A plain C ABI and no torch headers keep the build to about a second, so it happens on first use and is
+cached in the build cache under a hash of the source, the flags, the compiler and this CPU: the library is
+compiled with ``-march=native`` for the machine that runs it.
+
+    python -m paged_backend.ops._cpu_build -o libpaged_attention_cpu.so
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+from paged_backend.build_cache import build_once, cache_root, fingerprint
+from paged_backend.ops._cuda_build import csrc_dir
+
+LIBRARY_NAME = "libpaged_attention_cpu.so"
+CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+
+
+class CpuBuildError(RuntimeError):
+    """No C++ compiler, or it rejected the source; the message carries the compiler's own words."""
+
+
+def find_compiler() -> str | None:
+    for candidate in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    return None
+
+
+def source() -> Path:
+    path = csrc_dir() / "cpu" / "paged_attention_cpu.cpp"
+    if not path.exists():
+        raise CpuBuildError(f"{path} is missing; set PAGED_BACKEND_CSRC to the csrc/ directory")
+    return path
+
+
+def build_library(output: Path) -> Path:
+    compiler = find_compiler()
+    if compiler is None:
+        raise CpuBuildError("no C++ compiler found (tried $CXX, g++, c++, clang++); install g++ or set CXX")
+    command = [compiler, *CXX_FLAGS, str(source()), "-o", str(output)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise CpuBuildError(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")
+    return output
+
+
+def _cpu_signature() -> str:
+    try:  # -march=native code is only valid on CPUs with the same features
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def cached_library() -> Path:
+    """The library for this machine, built on first use."""
+    compiler = find_compiler() or ""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout if compiler else ""
+    key = fingerprint([str(CXX_FLAGS), version, _cpu_signature(), source().read_bytes()])
+    return build_once(cache_root() / "cpu" / key / LIBRARY_NAME, build_library)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-o", "--output", type=Path, default=Path(LIBRARY_NAME))
+    print(build_library(parser.parse_args().output))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The fused CPU kernel (csrc/cpu) against the torch oracle on the shared case grid, and its selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_backend import ops
+from paged_backend.errors import BackendUnavailable
+from paged_backend.ops import _cpu_build, cpu, reference
+from tests._ops_cases import CASES, FP8, SPLIT_KV_CASES, AttentionCase, build_case, tolerance
+
+LONG_CASES = [
+    # many query tiles per sequence, a window that cuts blocks in the middle, and one long decode
+    AttentionCase("long-prefill-window", q_lens=(200, 1), seq_lens=(260, 300), group=4, sliding_window=50),
+    AttentionCase("long-chunk-bf16-bs32", q_lens=(70,), seq_lens=(333,), block_size=32, group=2,
+                  dtype=torch.bfloat16, head_dim=64),
+]
+
+
+def _kwargs(case: AttentionCase) -> dict:
+    return dict(sliding_window=case.sliding_window, softcap=case.softcap, k_scale=case.k_scale,
+                v_scale=case.v_scale)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel_builds():
+    assert cpu.unavailable_reason() is None  # g++ is on every machine this project supports
+
+
+@pytest.mark.parametrize("case", CASES + SPLIT_KV_CASES + LONG_CASES, ids=lambda c: c.name)
+def test_kernel_matches_oracle(case: AttentionCase):
+    built = build_case(case)
+    out = cpu.paged_attention(*built.attention_args(), **_kwargs(case))
+    expected = reference.paged_attention(*built.attention_args(), **_kwargs(case))
+    assert out.dtype == case.dtype and out.shape == built.query.shape
+    torch.testing.assert_close(out.float(), expected.float(), **tolerance(case))
+
+
+def test_result_does_not_depend_on_thread_count():
+    case = LONG_CASES[0]
+    built = build_case(case)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = cpu.paged_attention(*built.attention_args(), **_kwargs(case))
+        torch.set_num_threads(4)
+        threaded = cpu.paged_attention(*built.attention_args(), **_kwargs(case))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, threaded)
+
+
+def test_strided_query_rows_are_read_through_their_strides():
+    case = CASES[4]
+    built = build_case(case)
+    wide = torch.randn(built.query.shape[0], built.query.shape[1], 3 * built.query.shape[2])
+    wide[..., : built.query.shape[2]] = built.query
+    strided = wide[..., : built.query.shape[2]]
+    args = list(built.attention_args())
+    args[0] = strided
+    torch.testing.assert_close(cpu.paged_attention(*args), cpu.paged_attention(*built.attention_args()))
+
+
+@pytest.mark.parametrize(("query_dtype", "kv_dtype"), [(torch.float64, torch.float64), (FP8, FP8)], ids=str)
+def test_unsupported_dtypes_are_refused_with_the_supported_list(query_dtype, kv_dtype):
+    built = build_case(CASES[4])
+    args = list(built.attention_args())
+    args[0] = args[0].to(query_dtype)
+    args[1], args[2] = args[1].to(kv_dtype), args[2].to(kv_dtype)
+    with pytest.raises(BackendUnavailable, match="cpu backend supports"):
+        cpu.paged_attention(*args)
+
+
+def test_missing_compiler_is_a_sentence_not_a_crash(monkeypatch, tmp_path):
+    monkeypatch.setattr(_cpu_build, "find_compiler", lambda: None)
+    with pytest.raises(_cpu_build.CpuBuildError, match="no C\\+\\+ compiler"):
+        _cpu_build.build_library(tmp_path / "lib.so")
+
+
+def test_auto_selection_prefers_the_kernel_on_cpu_and_torch_is_still_selectable(monkeypatch):
+    monkeypatch.delenv(ops.ENV_VAR, raising=False)
+    assert ops.resolve_backend(None, torch.device("cpu")) == "cpu"
+    assert ops.resolve_backend("torch", torch.device("cpu")) == "torch"
+    monkeypatch.setenv(ops.ENV_VAR, "torch")
+    assert ops.resolve_backend(None, torch.device("cpu")) == "torch"
+
+
+def test_build_is_cached_per_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGED_BACKEND_CACHE", str(tmp_path))
+    first = _cpu_build.cached_library()
+    assert first.is_relative_to(tmp_path) and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert _cpu_build.cached_library() == first and first.stat().st_mtime_ns == mtime  # no rebuild
