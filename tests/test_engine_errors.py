@@ -122,3 +122,28 @@ def test_without_chunked_prefill_prompts_must_fit_one_step(make_llm):
     outputs = llm.generate([list(range(10)), list(range(12))], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
     assert llm.engine.stats().num_split_prefills == 0
+
+
+def test_a_failing_step_fails_its_batch_and_the_next_generate_still_works(make_llm):
+    llm = make_llm()
+    runner, calls = llm.engine.runner, []
+    execute = runner.execute
+
+    def fail_on_third_step(scheduled):
+        calls.append(len(scheduled))
+        if len(calls) == 3:
+            raise RuntimeError("simulated kernel failure")
+        return execute(scheduled)
+
+    runner.execute = fail_on_third_step
+    prompts = [list(range(3, 12)), list(range(20, 26))]
+    with pytest.raises(RuntimeError, match="simulated kernel failure"):
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert not llm.engine.has_unfinished_requests()  # the failed batch is aborted, its blocks are free
+    manager = llm.engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks - 1
+    again = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in again] == [8, 8]
+    runner.execute = execute
+    fresh = make_llm().generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in fresh]

@@ -382,17 +382,25 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         progress = _progress(len(ids)) if use_tqdm else None
         generated, started = 0, time.perf_counter()
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                generated += 1
-                if output.finished:
-                    finished[output.request_id] = output
-                    if progress is not None:
-                        progress.update(1)
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    generated += 1
+                    if output.finished:
+                        finished[output.request_id] = output
+                        if progress is not None:
+                            progress.update(1)
+                if progress is not None:
+                    progress.set_postfix_str(f"{generated / (time.perf_counter() - started):.1f} tok/s")
+        except BaseException:
+            # A failed step (or Ctrl-C) fails this batch: abort what is left so its blocks are free and the
+            # next generate() starts clean instead of resuming half-stepped requests.
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        finally:
             if progress is not None:
-                progress.set_postfix_str(f"{generated / (time.perf_counter() - started):.1f} tok/s")
-        if progress is not None:
-            progress.close()
+                progress.close()
         return [finished[request_id] for request_id in ids]
 
 
