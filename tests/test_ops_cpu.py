@@ -15,6 +15,9 @@ LONG_CASES = [
     AttentionCase("long-prefill-window", q_lens=(200, 1), seq_lens=(260, 300), group=4, sliding_window=50),
     AttentionCase("long-chunk-bf16-bs32", q_lens=(70,), seq_lens=(333,), block_size=32, group=2,
                   dtype=torch.bfloat16, head_dim=64),
+    # head_dim not a multiple of 16 (the vector tail), blocks narrower than a 16-key panel, softcap
+    AttentionCase("odd-dim-bs8-softcap", q_lens=(37, 1), seq_lens=(50, 23), block_size=8, group=3, head_dim=40,
+                  softcap=4.0),
 ]
 
 

@@ -1,11 +1,13 @@
 // Fused paged attention for CPUs: varlen causal prefill and decode read straight from the block pool.
 //
 // One task is (sequence, tile of query tokens) over all heads, so every key and value row loaded from the
-// pool serves its whole GQA group and each block is read front to back. Keys are
-// visited block by block with an online softmax (one rescale per block), so nothing is gathered or padded:
-// each task reads its context once, which is what bounds decode on a CPU. Math is fp32.
+// pool serves its whole GQA group. Keys are visited block by block with an online softmax (one rescale per
+// block), so nothing is gathered or padded: each task reads its context once, which is what bounds decode.
+// Scores come from per-row dot products when a kv head has few rows (decode), else from transposed 16-key
+// panels against four rows at a time (prefill); values are accumulated four rows at a time with the
+// accumulators in registers. Math is fp32.
 //
-// Plain C ABI (no torch headers) so it builds in about a second; paged_backend/ops/_cpu_abi.py mirrors it.
+// Plain C ABI (no torch headers) so it builds in about a second; paged_backend/ops/cpu.py mirrors it.
 
 #include <algorithm>
 #include <cmath>
@@ -56,6 +58,8 @@ const char* pb_cpu_error_string(int code) {
 namespace {
 
 constexpr int kMaxRowsPerTask = 128;  // query rows (tokens x q heads) sharing one pass over the context
+constexpr int kPanel = 16;            // keys per transposed panel in the many-rows score path
+constexpr int kPanelMinRows = 4;      // rows per kv head from which the panel path beats per-row dot products
 
 float fp8_e4m3_to_float(uint8_t bits) {
   const int sign = bits >> 7, exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;
@@ -134,6 +138,26 @@ inline void store_row(const float* src, int32_t code, int n, void* dst) {
   }
 }
 
+// e^x for x <= 0 (a score minus the running max), exactly 0 below -87 (so -inf, a masked key, gives 0).
+// glibc's vector expf is only declared under -ffast-math, which would also break the -inf masking, so
+// this is the Cephes polynomial: ~1 ulp, branch-free, and it vectorizes inside the softmax loop.
+inline float exp_nonpositive(float x) {
+  const float clamped = std::max(x, -87.0f);
+  const float n = std::nearbyint(clamped * 1.44269504088896341f);  // round(x / ln 2)
+  const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln 2, in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n; n >= -126 after the clamp
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
 inline size_t element_size(int32_t code) { return code == PB_F32 ? 4 : code == PB_FP8_E4M3 ? 1 : 2; }
 
 inline float dot(const float* a, const float* b, int n) {
@@ -143,27 +167,134 @@ inline float dot(const float* a, const float* b, int n) {
   return sum;
 }
 
-inline void axpy(float alpha, const float* x, float* y, int n) {
-#pragma omp simd
-  for (int i = 0; i < n; ++i) y[i] += alpha * x[i];
-}
-
 struct Task {
   int32_t seq, first_token, num_tokens;  // a tile of the sequence's query tokens, all heads
 };
 
 // Per-thread scratch: query rows, accumulators, running max/sum, one block of scores, converted K/V rows.
 struct Scratch {
-  std::vector<float> q, acc, max, sum, scores, key, value;
+  std::vector<float> q, acc, max, sum, scores, key, values, panel;
+  std::vector<int> head_rows;
+  std::vector<const float*> value_rows;  // one block's value rows of one kv head, as fp32
   Scratch(int rows, int dim, int block_size)
-      : q(rows * dim), acc(rows * dim), max(rows), sum(rows), scores(rows * block_size), key(dim), value(dim) {}
+      : q(rows * dim), acc(rows * dim), max(rows), sum(rows), scores(rows * block_size), key(dim),
+        values(block_size * dim), panel(dim * kPanel), head_rows(rows), value_rows(block_size) {}
 };
+
+// 16 floats as one GCC/Clang vector: a zmm register with AVX-512, two ymm without; the hot loops below use it so
+// their accumulators stay in registers (arrays under `omp simd` were spilled to the stack).
+typedef float v16f __attribute__((vector_size(64)));
+static_assert(kPanel == 16, "the panel is one v16f wide");
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Raw scores of four query rows against a transposed panel of 16 keys (`panel[d * 16 + j]`): per d, one
+// broadcast FMA per row into a 16-wide accumulator, so there is no horizontal sum, and the four independent
+// accumulators keep the FMA units busy. This is what makes prefill (many rows per key) fast.
+inline void panel_scores4(const float* panel, const float* q0, const float* q1, const float* q2, const float* q3,
+                          int dim, float* s0, float* s1, float* s2, float* s3) {
+  v16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  for (int d = 0; d < dim; ++d) {
+    const v16f k = load16(panel + d * kPanel);
+    a0 += q0[d] * k;
+    a1 += q1[d] * k;
+    a2 += q2[d] * k;
+    a3 += q3[d] * k;
+  }
+  store16(s0, a0);
+  store16(s1, a1);
+  store16(s2, a2);
+  store16(s3, a3);
+}
+
+// acc[rows[k]] += sum_j p[rows[k]][j] * values[j] for COUNT rows: 16 columns of every accumulator in registers
+// while the n value rows stream past, then one store (not a load-FMA-store per value row).
+template <int COUNT>
+void accumulate_rows(float* acc, const float* scores, const int* rows, const float* const* values, int n, int dim,
+                     int bs) {
+  int d0 = 0;
+  for (; d0 + 16 <= dim; d0 += 16) {
+    v16f c[COUNT];
+    for (int k = 0; k < COUNT; ++k) c[k] = load16(acc + rows[k] * dim + d0);
+    for (int j = 0; j < n; ++j) {
+      const v16f v = load16(values[j] + d0);
+      for (int k = 0; k < COUNT; ++k) c[k] += scores[rows[k] * bs + j] * v;
+    }
+    for (int k = 0; k < COUNT; ++k) store16(acc + rows[k] * dim + d0, c[k]);
+  }
+  for (int k = 0; k < COUNT; ++k) {  // head_dim % 16 tail
+    for (int j = 0; j < n; ++j) {
+      const float p = scores[rows[k] * bs + j];
+      for (int d = d0; d < dim; ++d) acc[rows[k] * dim + d] += p * values[j][d];
+    }
+  }
+}
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float capped(const PbCpuAttentionArgs& a, float score) {
+  return a.softcap > 0.0f ? a.softcap * std::tanh(score / a.softcap) : score;
+}
+
+// The query rows of one task: tile token i sits at position first_pos + i and sees keys
+// (pos - window, pos] (all of [0, pos] without a window).
+struct Tile {
+  int first_pos, tokens, heads, group, window;
+  bool sees(int i, int t) const {
+    const int pos = first_pos + i;
+    return t <= pos && (window <= 0 || t > pos - window);
+  }
+};
+
+// Scores of every row against keys [t0, t0 + n) of one block, kv head by kv head, through transposed panels.
+void panel_block_scores(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, int64_t block, int block_start,
+                        int t0, int n) {
+  const int dim = a.head_dim, bs = a.block_size;
+  const size_t kv_elem = element_size(a.kv_dtype);
+  const char* k_base = static_cast<const char*>(a.key_cache);
+  float out[4][kPanel];
+  for (int h = 0; h < a.num_kv_heads; ++h) {
+    int num_rows = 0;
+    for (int i = 0; i < tile.tokens; ++i)
+      for (int g = 0; g < tile.group; ++g) s.head_rows[num_rows++] = i * tile.heads + h * tile.group + g;
+    for (int c = 0; c < n; c += kPanel) {
+      const int m = std::min(kPanel, n - c);
+      for (int j = 0; j < kPanel; ++j) {  // keys t0 + c + j of head h, transposed; missing columns are zero
+        if (j < m) {
+          const int64_t offset =
+              block * a.k_stride_block + (t0 + c + j - block_start) * a.k_stride_slot + h * a.k_stride_head;
+          const float* key = load_row(k_base + offset * kv_elem, a.kv_dtype, dim, s.key.data());
+          for (int d = 0; d < dim; ++d) s.panel[d * kPanel + j] = key[d];
+        } else {
+          for (int d = 0; d < dim; ++d) s.panel[d * kPanel + j] = 0.0f;
+        }
+      }
+      for (int first = 0; first < num_rows; first += 4) {
+        const int count = std::min(4, num_rows - first);
+        const float* q[4];
+        for (int k = 0; k < 4; ++k) q[k] = s.q.data() + s.head_rows[first + std::min(k, count - 1)] * dim;
+        panel_scores4(s.panel.data(), q[0], q[1], q[2], q[3], dim, out[0], out[1], out[2], out[3]);
+        for (int k = 0; k < count; ++k) {
+          const int r = s.head_rows[first + k], i = r / tile.heads;
+          for (int j = 0; j < m; ++j) {
+            s.scores[r * bs + c + j] = tile.sees(i, t0 + c + j) ? capped(a, out[k][j]) : kNegInf;
+          }
+        }
+      }
+    }
+  }
+}
 
 // Row r of a task is (token r / Hq, q head r % Hq); the rows of kv head h and token i are contiguous:
 // i * Hq + h * group + [0, group). Per key slot the loop runs over kv heads, so a block is read in memory
 // order (slot-major, as the pool stores it) and the hardware prefetcher keeps up.
 void run_task(const PbCpuAttentionArgs& a, const Task& task, Scratch& s) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int dim = a.head_dim, heads = a.num_q_heads, group = heads / a.num_kv_heads, bs = a.block_size;
   const int tokens = task.num_tokens, rows = tokens * heads;
   const int64_t first_row = a.query_start_loc[task.seq] + task.first_token;
@@ -171,6 +302,7 @@ void run_task(const PbCpuAttentionArgs& a, const Task& task, Scratch& s) {
   const int context = a.seq_lens[task.seq];
   const int first_pos = context - q_len + task.first_token;  // position of the tile's first query token
   const int window = a.sliding_window;
+  const Tile tile{first_pos, tokens, heads, group, window};
   const size_t q_elem = element_size(a.q_dtype), kv_elem = element_size(a.kv_dtype);
   const float q_scale = a.scale * a.k_scale;
 
@@ -198,21 +330,19 @@ void run_task(const PbCpuAttentionArgs& a, const Task& task, Scratch& s) {
     const int64_t block = table[block_start / bs];
     const int t0 = std::max(lo, block_start), n = std::min(hi, block_start + bs) - t0;
     // scores of this block's keys for every row (-inf where the row may not see the key)
-    for (int j = 0; j < n; ++j) {
-      const int t = t0 + j;
-      const int64_t slot = block * a.k_stride_block + (t - block_start) * a.k_stride_slot;
-      for (int h = 0; h < a.num_kv_heads; ++h) {
-        const float* key = load_row(k_base + (slot + h * a.k_stride_head) * kv_elem, a.kv_dtype, dim, s.key.data());
-        for (int i = 0; i < tokens; ++i) {
-          const int pos = first_pos + i;
-          const bool visible = t <= pos && (window <= 0 || t > pos - window);
-          for (int r = i * heads + h * group; r < i * heads + (h + 1) * group; ++r) {
-            float score = kNegInf;
-            if (visible) {
-              score = dot(s.q.data() + r * dim, key, dim);
-              if (a.softcap > 0.0f) score = a.softcap * std::tanh(score / a.softcap);
+    if (tokens * group >= kPanelMinRows) {
+      panel_block_scores(a, s, tile, block, block_start, t0, n);
+    } else {
+      for (int j = 0; j < n; ++j) {
+        const int t = t0 + j;
+        const int64_t slot = block * a.k_stride_block + (t - block_start) * a.k_stride_slot;
+        for (int h = 0; h < a.num_kv_heads; ++h) {
+          const float* key = load_row(k_base + (slot + h * a.k_stride_head) * kv_elem, a.kv_dtype, dim, s.key.data());
+          for (int i = 0; i < tokens; ++i) {
+            const bool visible = tile.sees(i, t);
+            for (int r = i * heads + h * group; r < i * heads + (h + 1) * group; ++r) {
+              s.scores[r * bs + j] = visible ? capped(a, dot(s.q.data() + r * dim, key, dim)) : kNegInf;
             }
-            s.scores[r * bs + j] = score;
           }
         }
       }
@@ -222,7 +352,10 @@ void run_task(const PbCpuAttentionArgs& a, const Task& task, Scratch& s) {
       float* row_scores = s.scores.data() + r * bs;
       float block_max = kNegInf;
       for (int j = 0; j < n; ++j) block_max = std::max(block_max, row_scores[j]);
-      if (block_max == kNegInf) continue;  // the row sees none of this block: its scores stay -inf
+      if (block_max == kNegInf) {  // the row sees none of this block: zero weights, nothing else changes
+        std::fill(row_scores, row_scores + n, 0.0f);
+        continue;
+      }
       const float new_max = std::max(s.max[r], block_max);
       const float correction = std::exp(s.max[r] - new_max);  // exp(-inf) = 0 on the first visible block
       if (correction != 1.0f) {
@@ -233,22 +366,29 @@ void run_task(const PbCpuAttentionArgs& a, const Task& task, Scratch& s) {
       float total = 0.0f;
 #pragma omp simd reduction(+ : total)
       for (int j = 0; j < n; ++j) {
-        row_scores[j] = std::exp(row_scores[j] - new_max);
+        row_scores[j] = exp_nonpositive(row_scores[j] - new_max);
         total += row_scores[j];
       }
       s.sum[r] += total;
       s.max[r] = new_max;
     }
-    // accumulate probabilities x values (a row that sees none of this block has only -inf scores: skipped)
-    for (int j = 0; j < n; ++j) {
-      const int64_t slot = block * a.v_stride_block + (t0 + j - block_start) * a.v_stride_slot;
-      for (int h = 0; h < a.num_kv_heads; ++h) {
-        const float* value = load_row(v_base + (slot + h * a.v_stride_head) * kv_elem, a.kv_dtype, dim, s.value.data());
-        for (int i = 0; i < tokens; ++i) {
-          for (int r = i * heads + h * group; r < i * heads + (h + 1) * group; ++r) {
-            const float p = s.scores[r * bs + j];
-            if (p > 0.0f) axpy(p, value, s.acc.data() + r * dim, dim);
-          }
+    // accumulate probabilities x values, kv head by kv head, up to four rows at a time
+    for (int h = 0; h < a.num_kv_heads; ++h) {
+      for (int j = 0; j < n; ++j) {
+        const int64_t offset = block * a.v_stride_block + (t0 + j - block_start) * a.v_stride_slot + h * a.v_stride_head;
+        s.value_rows[j] = load_row(v_base + offset * kv_elem, a.kv_dtype, dim, s.values.data() + j * dim);
+      }
+      int count = 0;
+      for (int i = 0; i < tokens; ++i)
+        for (int g = 0; g < group; ++g) s.head_rows[count++] = i * heads + h * group + g;
+      for (int first = 0; first < count; first += 4) {
+        const int* rows_of = s.head_rows.data() + first;
+        const float* const* vals = s.value_rows.data();
+        switch (std::min(4, count - first)) {
+          case 4: accumulate_rows<4>(s.acc.data(), s.scores.data(), rows_of, vals, n, dim, bs); break;
+          case 3: accumulate_rows<3>(s.acc.data(), s.scores.data(), rows_of, vals, n, dim, bs); break;
+          case 2: accumulate_rows<2>(s.acc.data(), s.scores.data(), rows_of, vals, n, dim, bs); break;
+          default: accumulate_rows<1>(s.acc.data(), s.scores.data(), rows_of, vals, n, dim, bs); break;
         }
       }
     }
