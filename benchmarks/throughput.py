@@ -22,6 +22,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from paged_backend.engine import LLM, SamplingParams
 from paged_backend.models import byte_tokenizer, tiny_model
+from paged_backend.ops import resolve_backend
 
 FULL_MODEL = dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12, intermediate_size=2048)
 QUICK_MODEL = dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1024)
@@ -38,6 +39,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cb-max-batch-tokens", default="64,128,256,default", help="comma list for HF CB")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="paged-backend token budget")
     parser.add_argument("--skip", default="", help="comma list of systems to skip: engine,static,hf-cb")
+    parser.add_argument("--profile", action="store_true",
+                        help="run the engine once more under torch.profiler and print where its time goes")
     return parser.parse_args()
 
 
@@ -87,12 +90,17 @@ def run_hf_cb(model, prompts, outputs, max_batch_tokens: int | None) -> float:
     return elapsed
 
 
-def run_engine(model, prompts, outputs, max_num_batched_tokens: int):
+def make_engine(model, prompts, outputs, max_num_batched_tokens: int) -> LLM:
     total_tokens = sum(len(p) + o for p, o in zip(prompts, outputs, strict=True))
     llm = LLM(model, tokenizer=byte_tokenizer(), block_size=16, num_blocks=total_tokens // 16 + len(prompts) + 64,
               max_num_batched_tokens=max_num_batched_tokens)
+    llm.generate(prompts[:2], [SamplingParams(temperature=0, max_tokens=2)] * 2)  # warm up (and build kernels)
+    return llm
+
+
+def run_engine(model, prompts, outputs, max_num_batched_tokens: int):
+    llm = make_engine(model, prompts, outputs, max_num_batched_tokens)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
-    llm.generate(prompts[:2], [SamplingParams(temperature=0, max_tokens=2)] * 2)  # warm up
     before = llm.engine.stats()
     started = time.perf_counter()
     results = llm.generate(prompts, params)
@@ -103,6 +111,32 @@ def run_engine(model, prompts, outputs, max_num_batched_tokens: int):
     after = llm.engine.stats()
     forward = after.forward_time - before.forward_time
     return elapsed, forward, after.num_steps - before.num_steps, after.num_preemptions
+
+
+def profile_engine(model, prompts, outputs, max_num_batched_tokens: int) -> None:
+    """Where the engine's wall time goes: linear layers (aten::mm/addmm), paged attention (cache write +
+    kernel, the bridge's profiler label), the rest of the forward, and everything outside the forward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from paged_backend.attention import PROFILE_LABEL
+
+    llm = make_engine(model, prompts, outputs, max_num_batched_tokens)
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
+    before = llm.engine.stats()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        started = time.perf_counter()
+        llm.generate(prompts, params)
+        wall = time.perf_counter() - started
+    forward = llm.engine.stats().forward_time - before.forward_time
+    events = {e.key: e for e in prof.key_averages()}
+    linear = sum(events[k].self_cpu_time_total for k in ("aten::mm", "aten::addmm") if k in events) / 1e6
+    attention = events[PROFILE_LABEL].cpu_time_total / 1e6 if PROFILE_LABEL in events else 0.0
+    shares = [("linear layers (aten::mm/addmm)", linear), ("paged attention + cache write", attention),
+              ("rest of the forward (norms, rotary, activations, sampling glue)", forward - linear - attention),
+              ("outside the forward (scheduling, packing, sampling)", wall - forward)]
+    print(f"engine profile (separate run under torch.profiler, {wall:.2f} s wall):")
+    for name, seconds in shares:
+        print(f"  {name:<66} {seconds:7.2f} s  {100 * seconds / wall:5.1f}%")
 
 
 def main() -> None:
@@ -117,7 +151,7 @@ def main() -> None:
     base.set_attn_implementation("sdpa")
     params = sum(p.numel() for p in base.parameters())
     print(f"model: llama {shape} vocab {args.vocab_size} = {params / 1e6:.0f}M params, float32, "
-          f"{args.threads} threads")
+          f"{args.threads} threads; engine attention backend: {resolve_backend(None, torch.device('cpu'))}")
     print(f"workload: {num_requests} requests, seed {args.seed}, prompt tokens {sum(map(len, prompts))} "
           f"(max {max(map(len, prompts))}), output tokens {sum(outputs)} (max {max(outputs)}), EOS ignored")
     useful = sum(outputs)
@@ -135,6 +169,8 @@ def main() -> None:
         report(f"paged-backend engine mbt={args.max_num_batched_tokens}", elapsed)
         print(f"  engine: {steps} steps, {preemptions} preemptions, {100 * (1 - forward / elapsed):.1f}% of wall "
               f"time outside the model forward ({forward:.2f} s forward of {elapsed:.2f} s)", flush=True)
+        if args.profile:
+            profile_engine(copy.deepcopy(base), prompts, outputs, args.max_num_batched_tokens)
     run_static(base, prompts[:2], [2, 2], 2)  # warm up kernels once
     if "static" not in skip:
         for size in map(int, sizes.split(",")):
