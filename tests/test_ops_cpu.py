@@ -40,6 +40,16 @@ def test_kernel_matches_oracle(case: AttentionCase):
     torch.testing.assert_close(out.float(), expected.float(), **tolerance(case))
 
 
+def test_fp8_e5m2_pools_match_oracle():
+    case = AttentionCase("e5m2", q_lens=(1, 6), seq_lens=(30, 6), group=2, dtype=torch.float16, k_scale=0.5,
+                         v_scale=0.25)
+    built = build_case(case, garbage_padding=False)
+    args = list(built.attention_args())
+    args[1], args[2] = args[1].to(torch.float8_e5m2), args[2].to(torch.float8_e5m2)
+    out = cpu.paged_attention(*args, **_kwargs(case))
+    torch.testing.assert_close(out, reference.paged_attention(*args, **_kwargs(case)), **tolerance(case))
+
+
 def test_result_does_not_depend_on_thread_count():
     case = LONG_CASES[0]
     built = build_case(case)
@@ -65,7 +75,8 @@ def test_strided_query_rows_are_read_through_their_strides():
     torch.testing.assert_close(cpu.paged_attention(*args), cpu.paged_attention(*built.attention_args()))
 
 
-@pytest.mark.parametrize(("query_dtype", "kv_dtype"), [(torch.float64, torch.float64), (FP8, FP8)], ids=str)
+@pytest.mark.parametrize(("query_dtype", "kv_dtype"), [(torch.float64, torch.float64), (FP8, FP8),
+                                                     (torch.float32, torch.int8)], ids=str)
 def test_unsupported_dtypes_are_refused_with_the_supported_list(query_dtype, kv_dtype):
     built = build_case(CASES[4])
     args = list(built.attention_args())

@@ -20,7 +20,7 @@
 
 extern "C" {
 
-enum PbCpuDtype : int32_t { PB_F32 = 0, PB_F16 = 1, PB_BF16 = 2, PB_FP8_E4M3 = 3 };
+enum PbCpuDtype : int32_t { PB_F32 = 0, PB_F16 = 1, PB_BF16 = 2, PB_FP8_E4M3 = 3, PB_FP8_E5M2 = 4 };
 
 struct PbCpuAttentionArgs {
   const void* query;  // [T, Hq, D]
@@ -36,7 +36,7 @@ struct PbCpuAttentionArgs {
   void* out;                       // [T, Hq, D], dtype of the query
   int64_t o_stride_token, o_stride_head;
   int32_t num_seqs, num_q_heads, num_kv_heads, head_dim, block_size;
-  int32_t q_dtype, kv_dtype;  // PbCpuDtype
+  int32_t q_dtype, kv_dtype;  // PbCpuDtype (the query and output share one)
   int32_t sliding_window;     // 0: off
   int32_t num_threads;
   float scale, softcap, k_scale, v_scale;  // softcap 0: off
@@ -47,7 +47,7 @@ uint64_t pb_cpu_attention_args_size() { return sizeof(PbCpuAttentionArgs); }
 const char* pb_cpu_error_string(int code) {
   switch (code) {
     case 0: return "ok";
-    case -1: return "unsupported dtype code (query: f32/f16/bf16; cache: f32/f16/bf16/fp8 e4m3)";
+    case -1: return "unsupported dtype code (query: f32/f16/bf16; cache: f32/f16/bf16/fp8 e4m3/e5m2)";
     case -2: return "num_q_heads must be a positive multiple of num_kv_heads, head_dim and block_size positive";
     default: return "unknown error";
   }
@@ -74,13 +74,24 @@ float fp8_e4m3_to_float(uint8_t bits) {
   return sign ? -magnitude : magnitude;
 }
 
-struct Fp8Table {
-  float values[256];
-  Fp8Table() {
-    for (int i = 0; i < 256; ++i) values[i] = fp8_e4m3_to_float(static_cast<uint8_t>(i));
+// e5m2 is the top byte of an fp16 number
+inline float fp8_e5m2_to_float(uint8_t bits) {
+  const uint16_t half_bits = static_cast<uint16_t>(bits) << 8;
+  _Float16 half;
+  std::memcpy(&half, &half_bits, sizeof(half));
+  return static_cast<float>(half);
+}
+
+struct Fp8Tables {  // every byte of both fp8 formats, decoded once
+  float e4m3[256], e5m2[256];
+  Fp8Tables() {
+    for (int i = 0; i < 256; ++i) {
+      e4m3[i] = fp8_e4m3_to_float(static_cast<uint8_t>(i));
+      e5m2[i] = fp8_e5m2_to_float(static_cast<uint8_t>(i));
+    }
   }
 };
-const Fp8Table kFp8;
+const Fp8Tables kFp8;
 
 inline float bf16_to_float(uint16_t bits) {
   uint32_t word = static_cast<uint32_t>(bits) << 16;
@@ -114,7 +125,8 @@ inline const float* load_row(const void* src, int32_t code, int n, float* dst) {
     }
     default: {
       auto* bytes = static_cast<const uint8_t*>(src);
-      for (int i = 0; i < n; ++i) dst[i] = kFp8.values[bytes[i]];
+      const float* table = code == PB_FP8_E4M3 ? kFp8.e4m3 : kFp8.e5m2;
+      for (int i = 0; i < n; ++i) dst[i] = table[bytes[i]];
       return dst;
     }
   }
@@ -158,7 +170,7 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : p * scale;
 }
 
-inline size_t element_size(int32_t code) { return code == PB_F32 ? 4 : code == PB_FP8_E4M3 ? 1 : 2; }
+inline size_t element_size(int32_t code) { return code == PB_F32 ? 4 : code >= PB_FP8_E4M3 ? 1 : 2; }
 
 inline float dot(const float* a, const float* b, int n) {
   float sum = 0.0f;
@@ -408,7 +420,7 @@ void run_task(const PbCpuAttentionArgs& a, const Task& task, Scratch& s) {
 
 extern "C" int pb_cpu_paged_attention(const PbCpuAttentionArgs* args) {
   const PbCpuAttentionArgs& a = *args;
-  if (a.q_dtype < PB_F32 || a.q_dtype > PB_BF16 || a.kv_dtype < PB_F32 || a.kv_dtype > PB_FP8_E4M3) return -1;
+  if (a.q_dtype < PB_F32 || a.q_dtype > PB_BF16 || a.kv_dtype < PB_F32 || a.kv_dtype > PB_FP8_E5M2) return -1;
   if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 || a.head_dim <= 0 || a.block_size <= 0) return -2;
   const int tile_tokens = std::max(1, kMaxRowsPerTask / a.num_q_heads);
 

@@ -18,7 +18,7 @@ from paged_backend.ops._cpu_build import CpuBuildError, cached_library
 from paged_backend.ops.reference import reshape_and_cache
 
 QUERY_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-KV_DTYPES = {**QUERY_DTYPES, torch.float8_e4m3fn: 3}
+KV_DTYPES = {**QUERY_DTYPES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
