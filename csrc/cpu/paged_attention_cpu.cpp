@@ -59,7 +59,7 @@ namespace {
 
 constexpr int kMaxRowsPerTask = 128;  // query rows (tokens x q heads) sharing one pass over the context
 constexpr int kPanel = 16;            // keys per transposed panel in the many-rows score path
-constexpr int kPanelMinRows = 4;      // rows per kv head from which the panel path beats per-row dot products
+constexpr int kPanelMinRows = 8;      // rows per kv head from which the panel path beats per-row dot products
 
 float fp8_e4m3_to_float(uint8_t bits) {
   const int sign = bits >> 7, exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;
@@ -171,6 +171,7 @@ inline float exp_nonpositive(float x) {
 }
 
 inline size_t element_size(int32_t code) { return code == PB_F32 ? 4 : code >= PB_FP8_E4M3 ? 1 : 2; }
+
 
 inline float dot(const float* a, const float* b, int n) {
   float sum = 0.0f;
