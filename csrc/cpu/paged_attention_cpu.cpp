@@ -172,7 +172,6 @@ inline float exp_nonpositive(float x) {
 
 inline size_t element_size(int32_t code) { return code == PB_F32 ? 4 : code >= PB_FP8_E4M3 ? 1 : 2; }
 
-
 inline float dot(const float* a, const float* b, int n) {
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
