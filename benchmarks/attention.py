@@ -200,6 +200,35 @@ def cpu_table(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def prefill_calls(batch: int, prompt: int, block_size: int) -> dict[str, Callable[[], torch.Tensor]]:
+    """Every token of `batch` prompts attends causally: paged (cpu kernel, oracle) and contiguous SDPA."""
+    b = make_batch(batch, prompt, block_size, torch.float32, "cpu")
+    query = torch.randn(batch * prompt, NUM_Q_HEADS, HEAD_DIM)
+    starts = torch.arange(batch + 1, dtype=torch.int32) * prompt
+    dense_query = query.view(batch, prompt, NUM_Q_HEADS, HEAD_DIM).transpose(1, 2)
+    scale = HEAD_DIM**-0.5
+
+    def paged_prefill(backend: str) -> Callable[[], torch.Tensor]:
+        return lambda: ops.paged_attention(query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, starts,
+                                           scale, backend=backend)
+
+    def sdpa_causal() -> torch.Tensor:
+        return F.scaled_dot_product_attention(dense_query, b.contiguous_key, b.contiguous_value, is_causal=True,
+                                              enable_gqa=True)
+
+    return {"cpu": paged_prefill("cpu"), "torch": paged_prefill("torch"), "sdpa": sdpa_causal}
+
+
+def cpu_prefill_table(args: argparse.Namespace) -> list[str]:
+    header = ["batch", "prompt", "cpu kernel ms", "torch oracle ms", "sdpa causal ms", "cpu / sdpa", "oracle / sdpa"]
+    lines = ["", "Prefill (causal, q_len = prompt length):", "", _row(header), _row(["---"] * len(header))]
+    for batch, prompt in ((1, 512), (4, 512)):
+        times = time_all(prefill_calls(batch, prompt, args.block_size), "cpu", args.iters)
+        lines.append(_row([batch, prompt, f"{times['cpu']:.2f}", f"{times['torch']:.2f}", f"{times['sdpa']:.2f}",
+                           f"{times['cpu'] / times['sdpa']:.2f}", f"{times['torch'] / times['sdpa']:.2f}"]))
+    return lines
+
+
 def _row(cells: list) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
@@ -223,7 +252,7 @@ def main() -> None:
     args.context = args.context or ([512, 2048, 8192, 32768] if on_gpu else [512, 2048])
     args.iters = args.iters or (20 if on_gpu else 10)
 
-    text = "\n".join(gpu_table(args) if on_gpu else cpu_table(args))
+    text = "\n".join(gpu_table(args) if on_gpu else cpu_table(args) + cpu_prefill_table(args))
     print(text)
     if args.output:
         with open(args.output, "w") as handle:
