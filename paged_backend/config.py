@@ -46,6 +46,6 @@ class EngineConfig(_Config):
     dtype: str = Field("auto", description="auto | float32 | float16 | bfloat16")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     seed: int = 0
-    attention_backend: Literal["auto", "torch", "triton", "cuda"] = "auto"
+    attention_backend: Literal["auto", "torch", "cpu", "triton", "cuda"] = "auto"
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

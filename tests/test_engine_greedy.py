@@ -15,10 +15,11 @@ def assert_matches_hf(arch, prompts, outputs):
         assert output.outputs[0].token_ids == hf_greedy(arch, prompt)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])  # the fused kernel (auto on CPU) and the oracle
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_batch_matches_hf_generate(arch, make_llm):
+def test_greedy_batch_matches_hf_generate(arch, backend, make_llm):
     prompts = ragged_prompts()
-    llm = make_llm(arch)
+    llm = make_llm(arch, attention_backend=backend)
     assert_matches_hf(arch, prompts, llm.generate(prompts, GREEDY))
 
 
