@@ -172,13 +172,6 @@ inline float exp_nonpositive(float x) {
 
 inline size_t element_size(int32_t code) { return code == PB_F32 ? 4 : code >= PB_FP8_E4M3 ? 1 : 2; }
 
-inline float dot(const float* a, const float* b, int n) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
 struct Task {
   int32_t seq, first_token, num_tokens;  // a tile of the sequence's query tokens, all heads
 };
@@ -205,6 +198,31 @@ inline v16f load16(const float* p) {
 }
 
 inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float lane_sum(v16f v) {  // pairwise: a lane-by-lane serial sum is 15 dependent adds
+  float lanes[16];
+  store16(lanes, v);
+  for (int width = 8; width >= 1; width /= 2)
+    for (int k = 0; k < width; ++k) lanes[k] += lanes[k + width];
+  return lanes[0];
+}
+
+// out[x] = q[x] . key for M consecutive query rows (stride dim): one accumulator per row, so the FMA chains
+// run side by side and each key vector loaded serves all M rows (the rows of one GQA group).
+template <int M>
+void dot_rows(const float* key, const float* q, int dim, float* out) {
+  v16f acc[M] = {};
+  int d = 0;
+  for (; d + 16 <= dim; d += 16) {
+    const v16f k = load16(key + d);
+    for (int x = 0; x < M; ++x) acc[x] += load16(q + x * dim + d) * k;
+  }
+  for (int x = 0; x < M; ++x) {
+    float sum = lane_sum(acc[x]);
+    for (int e = d; e < dim; ++e) sum += q[x * dim + e] * key[e];  // head_dim % 16 tail
+    out[x] = sum;
+  }
+}
 
 // Raw scores of four query rows against a transposed panel of 16 keys (`panel[d * 16 + j]`): per d, one
 // broadcast FMA per row into a 16-wide accumulator, so there is no horizontal sum, and the four independent
@@ -352,8 +370,20 @@ void run_task(const PbCpuAttentionArgs& a, const Task& task, Scratch& s) {
           const float* key = load_row(k_base + (slot + h * a.k_stride_head) * kv_elem, a.kv_dtype, dim, s.key.data());
           for (int i = 0; i < tokens; ++i) {
             const bool visible = tile.sees(i, t);
-            for (int r = i * heads + h * group; r < i * heads + (h + 1) * group; ++r) {
-              s.scores[r * bs + j] = visible ? capped(a, dot(s.q.data() + r * dim, key, dim)) : kNegInf;
+            const int end = i * heads + (h + 1) * group;
+            for (int r = i * heads + h * group; r < end; r += 4) {
+              const int count = std::min(4, end - r);
+              float dots[4];
+              if (visible) {
+                const float* q = s.q.data() + r * dim;
+                switch (count) {
+                  case 4: dot_rows<4>(key, q, dim, dots); break;
+                  case 3: dot_rows<3>(key, q, dim, dots); break;
+                  case 2: dot_rows<2>(key, q, dim, dots); break;
+                  default: dot_rows<1>(key, q, dim, dots); break;
+                }
+              }
+              for (int x = 0; x < count; ++x) s.scores[(r + x) * bs + j] = visible ? capped(a, dots[x]) : kNegInf;
             }
           }
         }
