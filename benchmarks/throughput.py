@@ -90,17 +90,17 @@ def run_hf_cb(model, prompts, outputs, max_batch_tokens: int | None) -> float:
     return elapsed
 
 
-def make_engine(model, prompts, outputs, max_num_batched_tokens: int) -> LLM:
+def make_engine(model, prompts, outputs, max_num_batched_tokens: int) -> tuple[LLM, list[SamplingParams]]:
+    """A warmed-up engine sized for the workload, and the workload's sampling params (greedy, EOS ignored)."""
     total_tokens = sum(len(p) + o for p, o in zip(prompts, outputs, strict=True))
     llm = LLM(model, tokenizer=byte_tokenizer(), block_size=16, num_blocks=total_tokens // 16 + len(prompts) + 64,
               max_num_batched_tokens=max_num_batched_tokens)
     llm.generate(prompts[:2], [SamplingParams(temperature=0, max_tokens=2)] * 2)  # warm up (and build kernels)
-    return llm
+    return llm, [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
 
 
 def run_engine(model, prompts, outputs, max_num_batched_tokens: int):
-    llm = make_engine(model, prompts, outputs, max_num_batched_tokens)
-    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
+    llm, params = make_engine(model, prompts, outputs, max_num_batched_tokens)
     before = llm.engine.stats()
     started = time.perf_counter()
     results = llm.generate(prompts, params)
@@ -120,8 +120,7 @@ def profile_engine(model, prompts, outputs, max_num_batched_tokens: int) -> None
 
     from paged_backend.attention import PROFILE_LABEL
 
-    llm = make_engine(model, prompts, outputs, max_num_batched_tokens)
-    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
+    llm, params = make_engine(model, prompts, outputs, max_num_batched_tokens)
     before = llm.engine.stats()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         started = time.perf_counter()

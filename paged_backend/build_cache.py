@@ -1,4 +1,5 @@
-"""One on-disk cache for everything paged-backend compiles on first use (kernels, gRPC stubs).
+"""One on-disk cache for everything paged-backend compiles on first use (kernels, gRPC stubs), and where
+the kernel sources are found (``PAGED_BACKEND_CSRC`` overrides).
 
 Entries live under ``$PAGED_BACKEND_CACHE`` (default ``$XDG_CACHE_HOME/paged_backend``, else
 ``~/.cache/paged_backend``), keyed by a hash of whatever went into them, so a rebuild happens only when
@@ -14,6 +15,13 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+
+def csrc_dir() -> Path:
+    if os.environ.get("PAGED_BACKEND_CSRC"):
+        return Path(os.environ["PAGED_BACKEND_CSRC"])
+    repo = Path(__file__).resolve().parents[1] / "csrc"  # editable install / source checkout
+    return repo if repo.is_dir() else Path(__file__).resolve().parent / "_csrc"  # wheel
 
 
 def cache_root() -> Path:

@@ -57,10 +57,9 @@ def greedy(max_new_tokens: int) -> dict:
     )
 
 
-def request(request_id: int, allocator: BlockAllocator, **extra) -> pb.Request:
-    text, max_new_tokens = PROMPTS[request_id]
-    input_length = len(byte_tokenizer()(text).input_ids)
-    blocks, slots = allocator.allocate(input_length + max_new_tokens - 1)
+def text_request(request_id: int, text: str, max_new_tokens: int, blocks: list[int], slots: list[int],
+                 **extra) -> pb.Request:
+    """A greedy text request on the blocks and slots the router chose for it."""
     return pb.Request(
         id=request_id,
         inputs=text,
@@ -71,6 +70,13 @@ def request(request_id: int, allocator: BlockAllocator, **extra) -> pb.Request:
         **greedy(max_new_tokens),
         **extra,
     )
+
+
+def request(request_id: int, allocator: BlockAllocator, **extra) -> pb.Request:
+    text, max_new_tokens = PROMPTS[request_id]
+    input_length = len(byte_tokenizer()(text).input_ids)
+    blocks, slots = allocator.allocate(input_length + max_new_tokens - 1)
+    return text_request(request_id, text, max_new_tokens, blocks, slots, **extra)
 
 
 def batch(batch_id: int, requests: list[pb.Request]) -> pb.Batch:
@@ -245,17 +251,7 @@ def test_cache_len_reuses_prefix_blocks_the_router_shares(stub):
 
     def prefill_request(request_id, blocks, cache_len, max_new_tokens):
         slots = [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(length + max_new_tokens - 1)]
-        params = greedy(max_new_tokens)
-        return pb.Request(
-            id=request_id,
-            inputs=text,
-            input_chunks=pb.Input(chunks=[pb.InputChunk(text=text)]),
-            add_special_tokens=True,
-            blocks=blocks,
-            slots=slots,
-            cache_len=cache_len,
-            **params,
-        )
+        return text_request(request_id, text, max_new_tokens, blocks, slots, cache_len=cache_len)
 
     first = stub.Prefill(pb.PrefillRequest(batch=batch(40, [prefill_request(40, [1, 2, 3, 4], 0, 1)])))
     assert list(first.generations[0].tokens.ids) == expected[:1]

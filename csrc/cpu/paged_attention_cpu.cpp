@@ -179,7 +179,7 @@ struct Task {
 // Per-thread scratch: query rows, accumulators, running max/sum, one block of scores, converted K/V rows.
 struct Scratch {
   std::vector<float> q, acc, max, sum, scores, key, values, panel;
-  std::vector<int> head_rows;
+  std::vector<int> head_rows;  // row indexes grouped by kv head (see run_task)
   std::vector<const float*> value_rows;  // one block's value rows of one kv head, as fp32
   Scratch(int rows, int dim, int block_size)
       : q(rows * dim), acc(rows * dim), max(rows), sum(rows), scores(rows * block_size), key(dim),
@@ -296,10 +296,9 @@ void panel_block_scores(const PbCpuAttentionArgs& a, Scratch& s, const Tile& til
   const size_t kv_elem = element_size(a.kv_dtype);
   const char* k_base = static_cast<const char*>(a.key_cache);
   float out[4][kPanel];
+  const int num_rows = tile.tokens * tile.group;
   for (int h = 0; h < a.num_kv_heads; ++h) {
-    int num_rows = 0;
-    for (int i = 0; i < tile.tokens; ++i)
-      for (int g = 0; g < tile.group; ++g) s.head_rows[num_rows++] = i * tile.heads + h * tile.group + g;
+    const int* head_rows = s.head_rows.data() + h * num_rows;
     for (int c = 0; c < n; c += kPanel) {
       const int m = std::min(kPanel, n - c);
       for (int j = 0; j < kPanel; ++j) {  // keys t0 + c + j of head h, transposed; missing columns are zero
@@ -315,10 +314,10 @@ void panel_block_scores(const PbCpuAttentionArgs& a, Scratch& s, const Tile& til
       for (int first = 0; first < num_rows; first += 4) {
         const int count = std::min(4, num_rows - first);
         const float* q[4];
-        for (int k = 0; k < 4; ++k) q[k] = s.q.data() + s.head_rows[first + std::min(k, count - 1)] * dim;
+        for (int k = 0; k < 4; ++k) q[k] = s.q.data() + head_rows[first + std::min(k, count - 1)] * dim;
         panel_scores4(s.panel.data(), q[0], q[1], q[2], q[3], dim, out[0], out[1], out[2], out[3]);
         for (int k = 0; k < count; ++k) {
-          const int r = s.head_rows[first + k], i = r / tile.heads;
+          const int r = head_rows[first + k], i = r / tile.heads;
           for (int j = 0; j < m; ++j) {
             s.scores[r * bs + c + j] = tile.sees(i, t0 + c + j) ? capped(a, out[k][j]) : kNegInf;
           }
@@ -340,6 +339,10 @@ void run_task(const PbCpuAttentionArgs& a, const Task& task, Scratch& s) {
   const int first_pos = context - q_len + task.first_token;  // position of the tile's first query token
   const int window = a.sliding_window;
   const Tile tile{first_pos, tokens, heads, group, window};
+  // the rows of each kv head, once per task: head_rows[h * tokens * group + i * group + g] = row of (i, g)
+  for (int h = 0, n = 0; h < a.num_kv_heads; ++h)
+    for (int i = 0; i < tokens; ++i)
+      for (int g = 0; g < group; ++g) s.head_rows[n++] = i * heads + h * group + g;
   const size_t q_elem = element_size(a.q_dtype), kv_elem = element_size(a.kv_dtype);
   const float q_scale = a.scale * a.k_scale;
 
@@ -427,11 +430,9 @@ void run_task(const PbCpuAttentionArgs& a, const Task& task, Scratch& s) {
         const int64_t offset = block * a.v_stride_block + (t0 + j - block_start) * a.v_stride_slot + h * a.v_stride_head;
         s.value_rows[j] = load_row(v_base + offset * kv_elem, a.kv_dtype, dim, s.values.data() + j * dim);
       }
-      int count = 0;
-      for (int i = 0; i < tokens; ++i)
-        for (int g = 0; g < group; ++g) s.head_rows[count++] = i * heads + h * group + g;
+      const int count = tokens * group;
       for (int first = 0; first < count; first += 4) {
-        const int* rows_of = s.head_rows.data() + first;
+        const int* rows_of = s.head_rows.data() + h * count + first;
         const float* const* vals = s.value_rows.data();
         switch (std::min(4, count - first)) {
           case 4: accumulate_rows<4>(s.acc.data(), s.scores.data(), rows_of, vals, n, dim, bs); break;

@@ -15,7 +15,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from paged_backend.build_cache import build_once, cache_root, fingerprint
+from paged_backend.build_cache import build_once, cache_root, csrc_dir, fingerprint
 
 LIBRARY_NAME = "libpaged_attention.so"
 # --threads 0: compile the per-architecture targets in parallel
@@ -24,13 +24,6 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo"
 
 class CudaBuildError(RuntimeError):
     """nvcc is missing or rejected the sources; the message carries the compiler's own words."""
-
-
-def csrc_dir() -> Path:
-    if os.environ.get("PAGED_BACKEND_CSRC"):
-        return Path(os.environ["PAGED_BACKEND_CSRC"])
-    repo = Path(__file__).resolve().parents[2] / "csrc"  # editable install / source checkout
-    return repo if repo.is_dir() else Path(__file__).resolve().parents[1] / "_csrc"  # wheel
 
 
 def find_nvcc() -> str | None:
