@@ -14,7 +14,7 @@ from paged_backend.server import sse
 from paged_backend.server.disconnect import cancel_on_disconnect
 from paged_backend.server.generation import ChoiceDelta, Generation, output_budget
 from paged_backend.server.logprobs import chat_logprobs
-from paged_backend.server.schemas import ChatCompletionRequest
+from paged_backend.server.chat_schemas import ChatCompletionRequest
 from paged_backend.server.state import ServerState, server_state
 
 router = APIRouter()
