@@ -183,11 +183,13 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -------------------------------------------------------------- allocation
-    def _find_cached_prefix(self, token_ids: Sequence[int], extra_keys: Hashable) -> tuple[list[Block], list[int]]:
+    def _find_cached_prefix(
+        self, token_ids: Sequence[int], extra_keys: Hashable, lookup: bool = True
+    ) -> tuple[list[Block], list[int]]:
         """Leading full blocks already cached; the last token is always left to recompute."""
         hits: list[Block] = []
         hashes: list[int] = []
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not lookup:
             return hits, hashes
         bs, parent = self.block_size, None
         for i in range((len(token_ids) - 1) // bs):
@@ -207,18 +209,23 @@ class BlockManager:
         revived = sum(1 for b in hits if b.ref_count == 0)  # cached-free hits leave the free queue
         return fresh + revived
 
-    def can_allocate(self, token_ids: Sequence[int], extra_keys: Hashable = None) -> bool:
+    def can_allocate(self, token_ids: Sequence[int], extra_keys: Hashable = None, *, lookup: bool = True) -> bool:
         """Whether `allocate` would succeed now while keeping the watermark free."""
-        hits, _ = self._find_cached_prefix(token_ids, extra_keys)
+        hits, _ = self._find_cached_prefix(token_ids, extra_keys, lookup)
         return self._blocks_to_take(token_ids, hits) <= self.num_free_blocks - self.watermark_blocks
 
-    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], extra_keys: Hashable = None) -> int:
-        """Give `seq_id` blocks for `token_ids`. Returns how many leading tokens are already cached."""
+    def allocate(
+        self, seq_id: Hashable, token_ids: Sequence[int], extra_keys: Hashable = None, *, lookup: bool = True
+    ) -> int:
+        """Give `seq_id` blocks for `token_ids`. Returns how many leading tokens are already cached.
+
+        `lookup=False` skips the prefix cache (every token is computed) but still publishes the blocks on commit.
+        """
         if seq_id in self.seqs:
             raise InvalidRequest(f"sequence {seq_id!r} already has blocks; free it first")
         if not token_ids:
             raise InvalidRequest("cannot allocate an empty sequence; give at least one token")
-        hits, hashes = self._find_cached_prefix(token_ids, extra_keys)
+        hits, hashes = self._find_cached_prefix(token_ids, extra_keys, lookup)
         need = self._blocks_to_take(token_ids, hits)
         if need > self.num_free_blocks:
             raise OutOfBlocks(

@@ -12,6 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from paged_backend.attention import register_paged_attention
 from paged_backend.block_manager import BlockManager
 from paged_backend.config import CacheConfig, EngineConfig, SchedulerConfig
+from paged_backend.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
 from paged_backend.engine.request import Request, RequestOutput, SamplingParams, Sequence, SequenceStatus
 from paged_backend.engine.runner import ModelRunner
 from paged_backend.engine.sampler import Sampler
@@ -152,19 +153,26 @@ class Engine:
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use; give each request a unique id")
         params = sampling_params or SamplingParams()
-        if params.n > self.config.scheduler.max_num_seqs:
-            raise InvalidRequest(f"n={params.n} exceeds max_num_seqs={self.config.scheduler.max_num_seqs}; "
-                                 f"lower n or raise max_num_seqs")
+        if params.num_sequences > self.config.scheduler.max_num_seqs:
+            raise InvalidRequest(f"n={params.num_sequences} (best_of included) exceeds max_num_seqs="
+                                 f"{self.config.scheduler.max_num_seqs}; lower n / best_of or raise max_num_seqs")
         if prompt_token_ids is None:
             if prompt is None:
                 raise InvalidRequest("give a prompt or prompt_token_ids")
             prompt_token_ids = self.tokenizer(prompt).input_ids
         prompt_token_ids = list(prompt_token_ids)
+        if params.truncate_prompt_tokens is not None:
+            prompt_token_ids = prompt_token_ids[-params.truncate_prompt_tokens :]
         if not prompt_token_ids:
             raise InvalidRequest("prompt is empty; give at least one token of prompt")
-        vocab = self.model.config.get_text_config().vocab_size
+        vocab = self.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequest(f"prompt_token_ids must be integers in [0, {vocab})")
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
+            if ids is not None and not all(0 <= t < vocab for t in ids):
+                raise InvalidRequest(f"{name} must name token ids in [0, {vocab})")
+        if params.structured_outputs is not None:
+            self._structured().validate(params.structured_outputs)
         if len(prompt_token_ids) >= self.max_model_len:
             raise PromptTooLong(
                 f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.max_model_len} "
@@ -172,9 +180,34 @@ class Engine:
                 f"pool, or (without chunked prefill) max_num_batched_tokens"
             )
         request = Request(request_id, prompt, prompt_token_ids, params, priority, next(self._arrivals))
+        request.bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
         request.seqs.append(Sequence(request, 0))
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.get_text_config().vocab_size
+
+    def _structured(self):
+        """The structured-output manager, built on first use (the grammar backend is imported only then)."""
+        if self.sampler.structured is None:
+            from paged_backend.structured.manager import StructuredOutputManager
+
+            self.sampler.structured = StructuredOutputManager(
+                self.tokenizer, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids
+            )
+        return self.sampler.structured
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, alone and after a space (its mid-sentence form), as vLLM bans them."""
+        banned: list[list[int]] = []
+        for word in words:
+            for form in (word, " " + word.lstrip()):
+                ids = self.tokenizer(form, add_special_tokens=False).input_ids
+                if ids and ids not in banned:
+                    banned.append(ids)
+        return banned
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks now. Unknown or finished ids are ignored."""
@@ -206,9 +239,12 @@ class Engine:
             metrics = item.seq.request.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
+        prompt_rows, prompt_segments = prompt_logprob_rows(plan.scheduled)
         forward_start = time.perf_counter()
-        logits = self.runner.execute(plan.scheduled)
+        logits = self.runner.execute(plan.scheduled, prompt_rows)
         self._counters["forward_time"] += time.perf_counter() - forward_start
+        if prompt_rows:
+            record_prompt_logprobs(logits[len(logits) - len(prompt_rows) :], prompt_segments)
 
         sampling: list[Sequence] = []
         for item in plan.scheduled:
@@ -217,12 +253,12 @@ class Engine:
             self.block_manager.commit(seq.seq_id, seq.num_computed_tokens)
             if item.samples:
                 sampling.append(seq)
-        rows, seqs = self._fork_new_samples(sampling)
-        if len(rows) != len(sampling):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens, logprobs = self.sampler(logits, seqs)
-
         advanced: dict[str, Request] = {}
+        rows, seqs = self._fork_new_samples(sampling, advanced)
+        tokens, logprobs = [], []
+        if seqs:
+            tokens, logprobs = self.sampler(logits[torch.tensor(rows, device=logits.device)], seqs)
+
         now = time.monotonic()
         for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
             self._append_token(seq, token, logprob)
@@ -242,31 +278,46 @@ class Engine:
         self._counters["step_time"] += time.perf_counter() - started
         return outputs
 
-    def _fork_new_samples(self, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:
-        """Requests whose prompt just finished prefilling fork their n - 1 siblings (shared prompt blocks)."""
+    def _fork_new_samples(
+        self, sampling: list[Sequence], advanced: dict[str, Request]
+    ) -> tuple[list[int], list[Sequence]]:
+        """Logits rows and sequences that sample this step. Requests whose prompt just finished prefilling fork their
+        siblings (n, or best_of, sharing the prompt's blocks); prompt-only requests (max_tokens 0) finish instead."""
         rows: list[int] = []
         seqs: list[Sequence] = []
         for row, seq in enumerate(sampling):
-            rows.append(row)
-            seqs.append(seq)
             request = seq.request
             if request.forked:
+                rows.append(row)
+                seqs.append(seq)
                 continue
             request.forked = True
             self._counters["prompt_tokens"] += len(request.prompt_token_ids)
-            for index in range(1, request.params.n):
+            if request.params.max_tokens == 0:
+                self._finish(seq, "length", None)
+                advanced[request.request_id] = request
+                continue
+            rows.append(row)
+            seqs.append(seq)
+            for index in range(1, request.params.num_sequences):
                 child = seq.fork(index)
                 self.block_manager.fork(seq.seq_id, child.seq_id)
                 request.seqs.append(child)
                 self.scheduler.add_running(child)
                 rows.append(row)
                 seqs.append(child)
+        for seq in seqs:
+            params = seq.request.params
+            if params.structured_outputs is not None and seq.grammar is None:
+                seq.grammar = self._structured().new_matcher(params.structured_outputs)
         return rows, seqs
 
     def _append_token(self, seq: Sequence, token: int, logprob: dict[int, float] | None) -> None:
         seq.token_ids.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
         params = seq.request.params
         new_text = self._detokenize(seq)
         if seq.num_output_tokens >= params.min_tokens:
@@ -278,8 +329,10 @@ class Engine:
                 # Only the new text and the stop-string-long tail before it can hold a new match.
                 at = seq.text.find(stop, max(0, len(seq.text) - len(new_text) - len(stop) + 1))
                 if at != -1:
-                    seq.text = seq.text[:at]
+                    seq.text = seq.text[: at + len(stop) if params.include_stop_str_in_output else at]
                     return self._finish(seq, "stop", stop)
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            return self._finish(seq, "stop", None)
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length", None)
 
@@ -289,10 +342,13 @@ class Engine:
 
     def _detokenize(self, seq: Sequence) -> str:
         """Append the text of the newest token(s); waits while bytes of a character are still incomplete."""
-        skip = seq.request.params.skip_special_tokens
+        params = seq.request.params
+        options = {"skip_special_tokens": params.skip_special_tokens}
+        if not params.spaces_between_special_tokens:  # only slow tokenizers read it; the default is True
+            options["spaces_between_special_tokens"] = False
         ids = seq.token_ids
-        before = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
-        after = self.tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
+        before = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], **options)
+        after = self.tokenizer.decode(ids[seq.prefix_offset :], **options)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         new_text = after[len(before) :]

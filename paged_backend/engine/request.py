@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_backend.errors import InvalidRequest
+from paged_backend.structured.params import StructuredOutputsParams
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample as argmax (as vLLM does)
 
@@ -40,14 +41,28 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per output token, besides the sampled one
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token, besides the prompt's own
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    best_of: int | None = None  # sample this many, return the n with the highest cumulative logprob
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None  # never generate these words (the engine tokenizes them)
+    typical_p: float = 1.0
+    watermark: bool = False  # TGI's green-list watermark (gamma 0.5, delta 2.0)
+    truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()} or None
         checks = [
             ("n", self.n >= 1, "must be at least 1"),
-            ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
+            ("best_of", self.best_of is None or self.best_of >= self.n, "must be at least n"),
+            ("max_tokens", self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
+             "must be at least 1 (0 only with prompt_logprobs)"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
             ("temperature", self.temperature >= 0, "must be >= 0 (0 = greedy)"),
             ("top_k", self.top_k >= -1, "must be -1, 0 (no limit) or positive"),
@@ -57,6 +72,14 @@ class SamplingParams:
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be >= 0"),
+            ("typical_p", 0 < self.typical_p <= 1, "must be in (0, 1]"),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
+             "must be at least 1"),
+            ("allowed_token_ids", self.allowed_token_ids is None or (
+                len(self.allowed_token_ids) > 0 and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)),
+             "must be a non-empty list of token ids"),
+            ("bad_words", all(isinstance(w, str) and w for w in self.bad_words or []), "must be non-empty strings"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "must be token ids"),
         ]
@@ -72,6 +95,15 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences sampled: best_of candidates when asked for, else n."""
+        return max(self.n, self.best_of or 0)
+
+    @property
+    def needs_cumulative_logprob(self) -> bool:
+        return self.num_sequences > self.n or self.logprobs is not None
 
 
 class SequenceStatus(enum.Enum):
@@ -118,6 +150,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    cumulative_logprob: float | None = None  # set when logprobs are asked for or best_of > n
 
 
 @dataclass
@@ -128,6 +161,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # vLLM's shape: None for the first prompt token, then {token id: logprob} with the prompt token and its top-k.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 _sequence_ids = itertools.count()
@@ -149,6 +184,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.generator: torch.Generator | None = None  # made by the sampler for seeded requests
+        self.cumulative_logprob = 0.0
+        self.grammar = None  # a structured-output matcher, made when the sequence first samples
         # Incremental detokenization: text so far and the token window decoded last time. The window starts a
         # few prompt tokens back so tokenizers that drop a word's leading space alone still render it.
         self.text = ""
@@ -192,6 +229,7 @@ class Sequence:
             logprobs=None if self.logprobs is None else list(self.logprobs),
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            cumulative_logprob=self.cumulative_logprob if self.request.params.needs_cumulative_logprob else None,
         )
 
 
@@ -209,13 +247,32 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # the n - 1 siblings exist once the prompt is prefilled
     finished: bool = False
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # filled while the prompt is computed
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Prompt logprobs need logits at every prompt position, which a cached prefix never produced."""
+        return self.prompt_logprobs is None or len(self.prompt_logprobs) >= len(self.prompt_token_ids)
 
     def output(self) -> RequestOutput:
+        seqs = self.seqs
+        if self.params.num_sequences > self.params.n:
+            # best_of: the n candidates with the highest cumulative logprob, renumbered 0..n-1.
+            seqs = sorted(seqs, key=lambda seq: seq.cumulative_logprob, reverse=True)[: self.params.n]
+        outputs = [seq.completion() for seq in seqs]
+        for index, completion in enumerate(outputs):
+            completion.index = index
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[seq.completion() for seq in self.seqs],
+            outputs=outputs,
             finished=self.finished,
             metrics=self.metrics,
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )

@@ -81,10 +81,11 @@ class ModelRunner:
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)
         return ids, pos, metadata, sample_rows
 
-    def execute(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
-        """One packed forward. Returns float32 logits `[num_sampling_sequences, vocab]`."""
+    def execute(self, scheduled: list[ScheduledSequence], extra_rows: list[int] = ()) -> torch.Tensor:
+        """One packed forward. Returns float32 logits `[num_sampling_sequences + len(extra_rows), vocab]`: the
+        sampling sequences' last positions, then the packed `extra_rows` (prompt logprobs)."""
         ids, positions, metadata, sample_rows = self.prepare(scheduled)
-        return self.forward(ids, positions, metadata, sample_rows)
+        return self.forward(ids, positions, metadata, sample_rows + list(extra_rows))
 
     @torch.inference_mode()
     def forward(self, ids, positions, metadata: PagedMetadata, rows: list[int]) -> torch.Tensor:

@@ -1,6 +1,8 @@
-"""Logits -> next tokens: penalties, min_tokens, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+"""Logits -> next tokens, in vLLM's order: per-row processors (allowed tokens, bad words, min_tokens, logit bias,
+penalties, watermark), structured-output masks for the whole batch, then temperature and the top-k / top-p / min-p /
+typical-p warpers, and seeded draws. Logprobs are those of the raw model distribution.
 
-An all-greedy batch without penalties or logprobs takes a single argmax. Seeded sequences draw from their own
+An all-greedy batch with nothing to process takes a single argmax. Seeded sequences draw from their own
 `torch.Generator`, so their tokens do not depend on what else is in the batch.
 """
 
@@ -8,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from paged_backend.engine.request import Sequence
+from paged_backend.engine.request import SamplingParams, Sequence
+from paged_backend.engine.watermark import apply_watermark
 
 
 class Sampler:
@@ -26,6 +29,7 @@ class Sampler:
         self.device = torch.device(device)
         # Unseeded requests share the engine's generator: runs repeat, the global RNG is left alone.
         self.generator = torch.Generator(self.device).manual_seed(seed)
+        self.structured = None  # the engine's StructuredOutputManager, once a request asks for one
 
     def generator_for(self, seq: Sequence) -> torch.Generator:
         """Seeded requests own their RNG, so their tokens never depend on what else is in the batch."""
@@ -39,16 +43,19 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
         params = [seq.request.params for seq in seqs]
         wants_logprobs = [p.logprobs is not None for p in params]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(wants_logprobs) else None
-        plain = all(p.greedy and not p.uses_penalties for p in params)
-        if plain and not any(self._blocked_ids(seq) for seq in seqs):
+        raw_logprobs = None
+        if any(wants_logprobs) or any(p.needs_cumulative_logprob for p in params):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        plain = all(p.greedy and not _processes(p) for p in params)
+        if plain and not any(seq.grammar is not None or self._blocked_ids(seq) for seq in seqs):
             tokens = logits.argmax(dim=-1).tolist()
         else:
-            tokens = self._sample(logits.clone(), seqs)
-        logprobs = [
-            self._logprobs(raw_logprobs[i], token, p.logprobs) if want else None
-            for i, (token, p, want) in enumerate(zip(tokens, params, wants_logprobs, strict=True))
-        ]
+            tokens = self._sample(logits, seqs)
+        logprobs: list[dict[int, float] | None] = []
+        for i, (seq, token, p) in enumerate(zip(seqs, tokens, params, strict=True)):
+            if p.needs_cumulative_logprob:
+                seq.cumulative_logprob += float(raw_logprobs[i, token])
+            logprobs.append(self._logprobs(raw_logprobs[i], token, p.logprobs) if wants_logprobs[i] else None)
         return tokens, logprobs
 
     def _blocked_ids(self, seq: Sequence) -> list[int]:
@@ -58,14 +65,14 @@ class Sampler:
             return []
         return [*([] if params.ignore_eos else self.eos_token_ids), *params.stop_token_ids]
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def _sample(self, raw: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        logits = raw.clone()
         for i, seq in enumerate(seqs):
-            params = seq.request.params
-            if params.uses_penalties:
-                self._apply_penalties(logits[i], seq)
-            blocked = self._blocked_ids(seq)
-            if blocked:
-                logits[i, blocked] = float("-inf")
+            self._process_row(logits[i], seq)
+        grammars = [seq.grammar for seq in seqs]
+        if any(grammar is not None for grammar in grammars):
+            self.structured.apply_masks(logits, grammars)
+            self._let_grammar_win(raw, logits, grammars)
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, seq in enumerate(seqs) if not seq.request.params.greedy]
         if sampled:
@@ -74,6 +81,47 @@ class Sampler:
                 draw = torch.multinomial(probs[row], 1, generator=self.generator_for(seqs[i]))
                 tokens[i] = draw[0]
         return tokens.tolist()
+
+    def _process_row(self, row: torch.Tensor, seq: Sequence) -> None:
+        """The per-sequence logits processors, in place."""
+        params = seq.request.params
+        if params.allowed_token_ids is not None:
+            allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=row.device)
+            kept = row[allowed]
+            row.fill_(float("-inf"))
+            row[allowed] = kept
+        banned = self._banned_words(seq)
+        if banned:
+            row[banned] = float("-inf")
+        blocked = self._blocked_ids(seq)
+        if blocked:
+            row[blocked] = float("-inf")
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=row.device)
+            row[ids] += torch.tensor(list(params.logit_bias.values()), dtype=row.dtype, device=row.device)
+        if params.uses_penalties:
+            self._apply_penalties(row, seq)
+        if params.watermark:
+            apply_watermark(row, seq.token_ids[-1])
+
+    @staticmethod
+    def _banned_words(seq: Sequence) -> list[int]:
+        """Last tokens of bad words whose other tokens the sequence has just written (vLLM's rule)."""
+        banned = []
+        for word in seq.request.bad_words_token_ids:
+            prefix = word[:-1]
+            if not prefix or seq.token_ids[-len(prefix) :] == prefix:
+                banned.append(word[-1])
+        return banned
+
+    def _let_grammar_win(self, raw: torch.Tensor, logits: torch.Tensor, grammars: list) -> None:
+        """A row left with no allowed token (e.g. min_tokens blocks the EOS a finished grammar needs) keeps only the
+        grammar's mask, so structured output stays valid and no row samples from nothing."""
+        for i in torch.isinf(logits).all(dim=-1).nonzero().flatten().tolist():
+            if grammars[i] is not None:
+                row = raw[i : i + 1].clone()
+                self.structured.apply_masks(row, [grammars[i]])
+                logits[i] = row[0]
 
     @staticmethod
     def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
@@ -94,7 +142,7 @@ class Sampler:
         temperature = torch.tensor([p.temperature for p in params], device=device)
         # Extreme penalties can overflow to +inf; keep every row finite so softmax never yields NaN.
         logits = (logits / temperature[:, None]).clamp(max=torch.finfo(logits.dtype).max / 2)
-        if all(p.top_k <= 0 and p.top_p == 1 and p.min_p == 0 for p in params):
+        if all(p.top_k <= 0 and p.top_p == 1 and p.min_p == 0 and p.typical_p == 1 for p in params):
             return torch.softmax(logits, dim=-1)
         ordered, order = logits.sort(dim=-1, descending=True)
         top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
@@ -108,7 +156,11 @@ class Sampler:
         drop |= probs < min_p[:, None] * probs[:, :1]
         drop[:, 0] = False  # the most likely token always survives
         ordered = ordered.masked_fill(drop, float("-inf"))
-        return torch.softmax(torch.empty_like(ordered).scatter_(1, order, ordered), dim=-1)
+        logits = torch.empty_like(ordered).scatter_(1, order, ordered)
+        typical_p = torch.tensor([p.typical_p for p in params], device=device)
+        if (typical_p < 1).any():
+            logits = _typical(logits, typical_p)
+        return torch.softmax(logits, dim=-1)
 
     @staticmethod
     def _logprobs(row: torch.Tensor, token: int, top: int) -> dict[int, float]:
@@ -117,3 +169,26 @@ class Sampler:
             values, ids = row.topk(top)
             result.update(zip(ids.tolist(), values.tolist(), strict=True))
         return result
+
+
+def _processes(params: SamplingParams) -> bool:
+    """Whether any per-row processor changes this request's logits."""
+    return bool(
+        params.uses_penalties or params.logit_bias or params.allowed_token_ids is not None or params.bad_words
+        or params.watermark
+    )
+
+
+def _typical(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Typical decoding (Meister et al. 2022): keep the tokens whose surprise is closest to the entropy, smallest set
+    first, until their probability reaches `mass`. Rows with mass 1 are left as they are."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    probs = logprobs.exp()
+    entropy = -(probs * logprobs).nan_to_num().sum(dim=-1, keepdim=True)
+    distance = (-logprobs - entropy).abs()  # masked tokens: inf, sorted last
+    distance_sorted, order = distance.sort(dim=-1)
+    cumulative = probs.gather(1, order).cumsum(dim=-1)
+    last = (cumulative < mass[:, None]).sum(dim=-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
+    drop_sorted = distance_sorted > distance_sorted.gather(1, last)
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted) & (mass < 1)[:, None]
+    return logits.masked_fill(drop, float("-inf"))

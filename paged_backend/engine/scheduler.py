@@ -171,14 +171,15 @@ class Scheduler:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             # A fresh request reserves room for all its n samples, which fork right after the prefill.
-            width = 1 if seq.request.forked else seq.request.params.n
+            width = 1 if seq.request.forked else seq.request.params.num_sequences
             if len(self.running) + width > self.config.max_num_seqs:
                 break
             if not self.config.enable_chunked_prefill and seq.num_tokens > budget:
                 break
-            if not manager.can_allocate(seq.token_ids):
+            lookup = seq.request.reads_prefix_cache
+            if not manager.can_allocate(seq.token_ids, lookup=lookup):
                 break
             self.waiting.pop(0)
-            seq.num_computed_tokens = manager.allocate(seq.seq_id, seq.token_ids)
+            seq.num_computed_tokens = manager.allocate(seq.seq_id, seq.token_ids, lookup=lookup)
             seq.status = SequenceStatus.RUNNING
             budget -= self._reserve_and_schedule(seq, min(seq.num_tokens - seq.num_computed_tokens, budget), out)
