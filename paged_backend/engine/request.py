@@ -58,6 +58,8 @@ class SamplingParams:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()} or None
+        if isinstance(self.structured_outputs, dict):  # JSONL input and plain-dict callers
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         checks = [
             ("n", self.n >= 1, "must be at least 1"),
             ("best_of", self.best_of is None or self.best_of >= self.n, "must be at least n"),
