@@ -1,23 +1,34 @@
-"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template, answers as chat objects."""
+"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template, answers as chat objects,
+with tool calls read from (or forced on) the output as the request's tool_choice says."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jinja2 import TemplateError
 
+from paged_backend.engine.request import SamplingParams
 from paged_backend.errors import InvalidRequest
 from paged_backend.server import sse
+from paged_backend.server.chat_schemas import ChatCompletionRequest
 from paged_backend.server.disconnect import cancel_on_disconnect
 from paged_backend.server.generation import ChoiceDelta, Generation, output_budget
 from paged_backend.server.logprobs import chat_logprobs
-from paged_backend.server.chat_schemas import ChatCompletionRequest
 from paged_backend.server.state import ServerState, server_state
+from paged_backend.server.tool_parsers import StreamDelta
+from paged_backend.server.tool_parsers.choice import ToolCallPlan, ToolCallReader, plan_tool_calls
 
 router = APIRouter()
+
+# apply_chat_template's own arguments: chat_template_kwargs may not override them.
+TEMPLATE_ARGUMENTS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+     "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
 
 
 @router.post("/v1/chat/completions")
@@ -25,13 +36,14 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, server: ServerState = Depends(server_state)
 ) -> Response:
     server.check_model(body.model)
+    plan = tool_call_plan(server, body)
     prompt = render_chat_prompt(server, body)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = output_budget(requested, [len(prompt)], server.max_model_len, default=None)
     generation = Generation(server.async_engine, server.metrics, "chatcmpl")
-    params = body.sampling_params(max_tokens, body.requested_logprobs())
+    params = chat_sampling_params(body, plan, max_tokens)
     await cancel_on_disconnect(request, generation.start([prompt], params))
-    formatter = _ChatFormatter(server, body, generation.id)
+    formatter = _ChatFormatter(server, body, generation.id, plan)
     if body.stream:
         chunks = sse.event_stream(_chunks(generation, formatter, body))
         return StreamingResponse(chunks, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
@@ -41,23 +53,78 @@ async def create_chat_completion(
     return JSONResponse(response)
 
 
+def tool_call_plan(server: ServerState, body: ChatCompletionRequest) -> ToolCallPlan:
+    functions = {tool.function.name: tool.function.parameters for tool in body.tools or []}
+    choice = body.tool_choice
+    named = choice if isinstance(choice, str) or choice is None else {"name": choice.function.name}
+    settings = server.settings  # the auto-tool flags may be absent from older settings objects
+    return plan_tool_calls(
+        functions, named, body.parallel_tool_calls,
+        enable_auto_tool_choice=getattr(settings, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(settings, "tool_call_parser", None),
+    )  # fmt: skip
+
+
+def chat_sampling_params(body: ChatCompletionRequest, plan: ToolCallPlan, max_tokens: int) -> SamplingParams:
+    """The request's sampling fields, plus what its tool_choice needs: a forced call's schema, or the special
+    tokens its parser looks for."""
+    params = body.sampling_params(max_tokens, body.requested_logprobs())
+    if plan.structured_outputs is not None:
+        if params.structured_outputs is not None:
+            raise InvalidRequest(
+                f'tool_choice "{plan.mode}" already constrains the output to a tool call; drop response_format '
+                '(or the structured-output fields), or use tool_choice "auto" or "none"'
+            )
+        params.structured_outputs = plan.structured_outputs
+    if plan.keeps_special_tokens and body.skip_special_tokens is None:
+        params.skip_special_tokens = False
+    return params
+
+
 def render_chat_prompt(server: ServerState, body: ChatCompletionRequest) -> list[int]:
-    """Token ids of the conversation as the model's chat template lays it out."""
+    """Token ids of the conversation as the chat template (the request's, else the model's) lays it out."""
     tokenizer = server.tokenizer
-    if not tokenizer.chat_template:
-        raise InvalidRequest("this model's tokenizer has no chat template; use /v1/completions instead")
-    messages = [{"role": message.role, "content": message.text()} for message in body.messages]
+    if not (body.chat_template or tokenizer.chat_template):
+        raise InvalidRequest("this model's tokenizer has no chat template; send 'chat_template' or use /v1/completions")
+    if body.add_generation_prompt and body.continue_final_message:
+        raise InvalidRequest(
+            "continue_final_message and add_generation_prompt cannot both be true; "
+            "set add_generation_prompt to false to continue the last message"
+        )
+    template_kwargs = dict(body.chat_template_kwargs or {})
+    clashing = sorted(TEMPLATE_ARGUMENTS & template_kwargs.keys())
+    if clashing:
+        raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(clashing)}; use the request fields")
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=False)
-    except TemplateError as error:  # templates reject some conversations (e.g. roles that do not alternate)
-        raise InvalidRequest(f"the chat template rejected these messages: {error}") from error
-    return tokenizer(text, add_special_tokens=False).input_ids
+        text = tokenizer.apply_chat_template(
+            [message.for_template() for message in body.messages], tools=tools, documents=body.documents,
+            add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
+            chat_template=body.chat_template, tokenize=False, **template_kwargs,
+        )  # fmt: skip
+    except Exception as error:  # the template is user input too: whatever it raises is this request's fault
+        raise InvalidRequest(
+            f"the chat template could not render these messages: {type(error).__name__}: {error}"
+        ) from error
+    return tokenizer(text, add_special_tokens=body.add_special_tokens).input_ids
+
+
+@dataclass
+class _ChoiceStream:
+    reader: ToolCallReader | None
 
 
 class _ChatFormatter:
-    def __init__(self, server: ServerState, body: ChatCompletionRequest, completion_id: str) -> None:
+    def __init__(
+        self, server: ServerState, body: ChatCompletionRequest, completion_id: str, plan: ToolCallPlan
+    ) -> None:
         self.tokenizer, self.model_name, self.body, self.id = server.tokenizer, server.model_name, body, completion_id
+        self.plan, self.role = plan, body.response_role()
         self.created = int(time.time())
+        last = body.messages[-1]
+        # vLLM's echo: the answer starts with the message it continues (one in the answer's own role).
+        self.echo = last.text() if body.echo and last.role == self.role else ""
+        self._streams: dict[int, _ChoiceStream] = {}
 
     def _logprobs(self, delta: ChoiceDelta) -> dict | None:
         if delta.logprobs is None or not self.body.logprobs:
@@ -65,14 +132,40 @@ class _ChatFormatter:
         return chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs, self.body.top_logprobs or 0)
 
     def choice(self, delta: ChoiceDelta) -> dict:
-        message = {"role": "assistant", "content": delta.text}
+        reader = self.plan.reader()
+        message: dict = {"role": self.role, "content": self.echo + delta.text}
+        finish_reason = delta.finish_reason
+        if reader is not None:
+            extracted = reader.extract(delta.text)
+            content = (self.echo + (extracted.content or "")) or None
+            message = {"role": self.role, "content": content}
+            if extracted.tool_calls:
+                message["tool_calls"] = [call.as_openai() for call in extracted.tool_calls]
+            finish_reason = self.plan.finish_reason(delta.finish_reason, bool(extracted.tool_calls))
         return {"index": delta.index, "message": message, "logprobs": self._logprobs(delta),
-                "finish_reason": delta.finish_reason}  # fmt: skip
+                "finish_reason": finish_reason}  # fmt: skip
 
-    def chunk_choice(self, delta: ChoiceDelta) -> dict:
-        content = {"role": "assistant", "content": delta.text} if delta.is_first else {"content": delta.text}
-        return {"index": delta.index, "delta": content, "logprobs": self._logprobs(delta),
-                "finish_reason": delta.finish_reason}  # fmt: skip
+    def chunk_choice(self, delta: ChoiceDelta) -> dict | None:
+        """One choice's part of a chunk, or None when it has nothing to say yet (a parser holds text back)."""
+        stream = self._streams.setdefault(delta.index, _ChoiceStream(self.plan.reader()))
+        finish_reason = delta.finish_reason
+        if stream.reader is None:
+            piece = StreamDelta(content=delta.text)
+        else:
+            piece = stream.reader.feed(delta.text)
+            if delta.finish_reason is not None:
+                piece += stream.reader.finish()
+                finish_reason = self.plan.finish_reason(delta.finish_reason, stream.reader.called)
+        message: dict = {"role": self.role} if delta.is_first else {}
+        content = (self.echo if delta.is_first else "") + piece.content
+        if content or (delta.is_first and not piece.tool_calls):
+            message["content"] = content
+        if piece.tool_calls:
+            message["tool_calls"] = [call.as_openai() for call in piece.tool_calls]
+        logprobs = self._logprobs(delta)
+        if not message and logprobs is None and finish_reason is None:
+            return None
+        return {"index": delta.index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def envelope(self, kind: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model_name, "choices": choices}
@@ -82,8 +175,9 @@ async def _chunks(
     generation: Generation, formatter: _ChatFormatter, body: ChatCompletionRequest
 ) -> AsyncIterator[dict]:
     async for deltas in generation.deltas():
-        if deltas:
-            chunk = formatter.envelope("chat.completion.chunk", [formatter.chunk_choice(d) for d in deltas])
+        choices = [choice for choice in map(formatter.chunk_choice, deltas) if choice is not None]
+        if choices:
+            chunk = formatter.envelope("chat.completion.chunk", choices)
             if body.wants_usage_in_stream:
                 chunk["usage"] = None  # OpenAI: null on every chunk but the last
             yield chunk
