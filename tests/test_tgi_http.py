@@ -71,7 +71,18 @@ VALIDATION_CASES = [
         {"max_new_tokens": 250},
         "`inputs` tokens + `max_new_tokens` must be <= 256. Given: 11 `inputs` tokens and 250 `max_new_tokens`",
     ),
-    ({"grammar": {"type": "regex", "value": "a+"}}, "grammar is not supported"),
+    ({"typical_p": 1.0}, "`typical_p` must be > 0.0 and < 1.0"),
+    ({"grammar": {"type": "regex", "value": ""}}, "grammar is not valid: a regex grammar needs a non-empty string `value`"),
+    (
+        {"grammar": {"type": "json", "value": "{not json"}},
+        "grammar is not valid: `value` is not JSON: Expecting property name enclosed in double quotes: line 1 column 2 "
+        "(char 1)",
+    ),
+    ({"grammar": {"type": "json", "value": [1]}}, "grammar is not valid: a JSON schema must be an object, got list"),
+    (
+        {"grammar": {"type": "json", "value": {"type": "nonsense"}}},
+        "grammar is not valid: 'nonsense' is not valid under any of the given schemas (at type)",
+    ),
 ]
 
 
@@ -161,9 +172,15 @@ def test_best_of_returns_the_other_candidates(client):
     }
 
 
-def test_decoder_input_details_is_refused_by_the_paged_backend(client):
-    response = generate(client, max_new_tokens=2, decoder_input_details=True)
-    assert response.status_code == 422 and "--backend reference or grpc" in response.json()["error"]
+def test_decoder_input_details_returns_the_prompt_with_logprobs(client):
+    details = generate(client, max_new_tokens=2, decoder_input_details=True).json()["details"]
+    prefill = details["prefill"]
+    assert len(prefill) == 11 and prefill[0]["logprob"] is None
+    assert all(token["logprob"] <= 0 for token in prefill[1:]) and "".join(t["text"] for t in prefill) == "Hello world"
+    stream = client.post("/generate_stream", json={"inputs": "Hi", "parameters": {"decoder_input_details": True}})
+    assert sse_events(stream.text)[0]["error"].endswith(
+        "`decoder_input_details` == true is not supported when streaming tokens"
+    )
 
 
 def test_chat_stream_ends_with_done_and_matches_plain(client):

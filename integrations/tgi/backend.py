@@ -50,6 +50,8 @@ class Backend(Protocol):
     max_model_len: int
     # Whether `decoder_input_details` (prompt logprobs) can be served.
     supports_prefill_logprobs: bool
+    # Whether `grammar` (and the tools / response_format built on it) can be enforced.
+    supports_grammar: bool
 
     async def start(self, metrics: TgiMetrics) -> None:
         """Begin serving; backends that batch for themselves (grpc) record the `tgi_batch_*` metrics."""

@@ -93,7 +93,11 @@ class Infer:
             if request.decoder_input_details and not self.backend.supports_prefill_logprobs:
                 raise ValidationError(
                     f"`decoder_input_details` needs prompt logprobs, which the {self.backend.name} backend does "
-                    "not compute; use --backend reference or grpc"
+                    "not compute; use --backend paged, reference or grpc"
+                )
+            if request.parameters.grammar is not None and not self.backend.supports_grammar:
+                raise ValidationError(
+                    f"grammar is not supported by the {self.backend.name} backend; use --backend paged or grpc"
                 )
         except ValidationError:
             self.metrics.request_failure.inc(err="validation")

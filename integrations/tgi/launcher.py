@@ -100,6 +100,7 @@ def router_settings(args: argparse.Namespace, max_model_len: int) -> RouterSetti
         validation_workers=args.validation_workers,
         api_key=args.api_key,
         payload_limit=args.payload_limit,
+        disable_grammar_support=args.disable_grammar_support,
     )
 
 

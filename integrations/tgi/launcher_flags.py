@@ -80,6 +80,7 @@ FLAGS: list[Flag] = [
     Flag("--graceful-termination-timeout", int, 90, "seconds to drain requests on shutdown"),
     Flag("--shard-uds-path", str, "/tmp/text-generation-server", "shard socket prefix; rank 0 at {path}-0", ROUTER),
     Flag("--master-shard-uds-path", str, None, "socket of shard 0 (default: {shard-uds-path}-0)", ROUTER),
+    Flag("--disable-grammar-support", None, False, "refuse the `grammar` parameter (and tools, response_format)"),
     Flag("--validation-workers", int, 2, "reported in /info; validation runs on the event loop"),
     # Accepted so TGI command lines keep working; reported as ignored when given.
     Flag("--revision", str, None, "hub revision", NONE),
@@ -106,7 +107,6 @@ FLAGS: list[Flag] = [
     Flag("--cors-allow-origin", str, None, "CORS", NONE),
     Flag("--prometheus-port", int, None, "separate metrics port (/metrics is on --port)", NONE),
     Flag("--tokenizer-config-path", str, None, "tokenizer config", NONE),
-    Flag("--disable-grammar-support", None, False, "grammars (never supported here)", NONE),
     Flag("--usage-stats", str, None, "telemetry", NONE),
     Flag("--max-image-fetch-size", int, None, "image inputs", NONE),
     Flag("--ngrok", None, False, "ngrok tunnel", NONE),

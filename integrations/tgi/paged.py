@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from paged_backend.engine import Engine
 from paged_backend.errors import InvalidRequest, PromptTooLong
 from paged_backend.server.async_engine import AsyncEngine, EngineNotRunning, EngineStepFailed, RequestAborted
-from paged_backend.tgi.backend import BackendEvent, BackendLoad, GeneratedToken
+from paged_backend.tgi.backend import BackendEvent, BackendLoad, GeneratedToken, PrefillTokens
 from paged_backend.tgi.errors import GenerationError, OverloadedError, ValidationError
 from paged_backend.tgi.metrics import TgiMetrics
 from paged_backend.tgi.sampling import finish_reason, sampling_params, top_tokens
@@ -17,7 +17,8 @@ from paged_backend.tgi.validation import ValidRequest
 
 class PagedBackend:
     name = "paged"
-    supports_prefill_logprobs = False
+    supports_prefill_logprobs = True  # SamplingParams.prompt_logprobs
+    supports_grammar = True
 
     def __init__(self, engine: Engine) -> None:
         self.async_engine = AsyncEngine(engine)
@@ -49,12 +50,18 @@ class PagedBackend:
         )
 
     async def generate(self, request: ValidRequest) -> AsyncIterator[BackendEvent]:
-        params = sampling_params(request.parameters, request.stopping, request.top_n_tokens)
+        params = sampling_params(
+            request.parameters, request.stopping, request.top_n_tokens, prefill_logprobs=request.decoder_input_details
+        )
         request_id = f"tgi-{next(self._request_ids)}"
         outputs = self.async_engine.generate(request_id, sampling_params=params, prompt_token_ids=request.input_ids)
         num_sent = 0
+        prefill_pending = request.decoder_input_details
         try:
             async for output in outputs:
+                if prefill_pending and len(output.prompt_logprobs or ()) >= len(output.prompt_token_ids):
+                    prefill_pending = False  # complete once the whole prompt was computed (chunks come earlier)
+                    yield prefill_tokens(output.prompt_token_ids, output.prompt_logprobs)
                 completion = output.outputs[0]
                 if completion.finish_reason == "abort":
                     raise GenerationError(f"request {request_id} was aborted by the engine")
@@ -71,7 +78,11 @@ class PagedBackend:
                     )
                 num_sent = last + 1
         except (InvalidRequest, PromptTooLong) as error:
-            raise ValidationError(str(error)) from error
+            # Everything else was checked by the face already, so the engine can only object to the grammar.
+            prefix = "grammar is not valid: " if request.parameters.grammar is not None else ""
+            raise ValidationError(f"{prefix}{error}") from error
+        except ImportError as error:  # the structured-output engine (the `structured` extra) is missing
+            raise ValidationError(f"grammar is not supported: {error}") from error
         except EngineNotRunning as error:
             raise OverloadedError(str(error)) from error
         except (EngineStepFailed, RequestAborted) as error:
@@ -85,3 +96,11 @@ class PagedBackend:
         if len(completion.token_ids) >= request.stopping.max_new_tokens:
             return "length"
         return finish_reason(completion.finish_reason, completion.stop_reason)
+
+
+def prefill_tokens(prompt_token_ids: list[int], prompt_logprobs: list[dict[int, float] | None]) -> PrefillTokens:
+    """The engine's prompt logprobs (vLLM's list: None, then {token: logprob, ...}) as TGI's prefill tokens."""
+    logprobs = [
+        None if entry is None else entry[token] for token, entry in zip(prompt_token_ids, prompt_logprobs, strict=True)
+    ]
+    return PrefillTokens(ids=list(prompt_token_ids), logprobs=logprobs)

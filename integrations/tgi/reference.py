@@ -20,10 +20,12 @@ from transformers import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TypicalLogitsWarper,
 )
 from transformers import StoppingCriteria as HfStoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
+from paged_backend.engine.watermark import apply_watermark
 from paged_backend.tgi.backend import BackendEvent, BackendLoad, GeneratedToken, PrefillTokens
 from paged_backend.tgi.errors import GenerationError
 from paged_backend.tgi.metrics import TgiMetrics
@@ -56,12 +58,22 @@ class FrequencyPenalty(LogitsProcessor):
         return scores - self.penalty * counts[None, :]
 
 
+class Watermark(LogitsProcessor):
+    """TGI's green-list watermark through the engine's own helper, so both backends mark text identically."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        apply_watermark(scores[0], int(input_ids[0, -1]))
+        return scores
+
+
 def _processors(parameters: ChooserParameters, prompt_length: int, recorder: RawLogprobs) -> LogitsProcessorList:
     processors: list[LogitsProcessor] = [recorder]
     if parameters.repetition_penalty != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(parameters.repetition_penalty))
     if parameters.frequency_penalty:
         processors.append(FrequencyPenalty(parameters.frequency_penalty, prompt_length))
+    if parameters.watermark:
+        processors.append(Watermark())
     if parameters.do_sample:
         if parameters.temperature != 1.0:
             processors.append(TemperatureLogitsWarper(parameters.temperature))
@@ -69,6 +81,8 @@ def _processors(parameters: ChooserParameters, prompt_length: int, recorder: Raw
             processors.append(TopKLogitsWarper(parameters.top_k))
         if parameters.top_p < 1.0:
             processors.append(TopPLogitsWarper(parameters.top_p))
+        if parameters.typical_p < 1.0:
+            processors.append(TypicalLogitsWarper(parameters.typical_p))
     return LogitsProcessorList(processors)
 
 
@@ -118,6 +132,7 @@ class _StopWhen(HfStoppingCriteria):
 class ReferenceBackend:
     name = "reference"
     supports_prefill_logprobs = True
+    supports_grammar = False  # HF generate here has no grammar engine attached
 
     def __init__(self, model, tokenizer, max_model_len: int) -> None:
         self.model = model.eval()

@@ -26,5 +26,6 @@ class RouterSettings:
     validation_workers: int = 2
     api_key: str | None = None
     payload_limit: int = 2_000_000
+    disable_grammar_support: bool = False  # TGI's --disable-grammar-support: `grammar` is refused
     # `/` without return_full_text: TGI prepends the prompt for text-generation models (and local paths).
     compat_return_full_text: bool = True

@@ -10,6 +10,7 @@ import random
 from dataclasses import dataclass, replace
 
 from paged_backend.tgi.errors import ValidationError
+from paged_backend.tgi.grammar import ValidGrammar, validate_grammar
 from paged_backend.tgi.schemas import GenerateParameters
 from paged_backend.tgi.settings import RouterSettings
 
@@ -27,6 +28,7 @@ class ChooserParameters:
     frequency_penalty: float = 0.0
     seed: int = 0
     watermark: bool = False
+    grammar: ValidGrammar | None = None
 
     @property
     def warpers_active(self) -> bool:
@@ -71,8 +73,8 @@ def _open_unit_interval(name: str, value: float | None) -> float:
     return value
 
 
-def validate_parameters(params: GenerateParameters, settings: RouterSettings) -> None:
-    """The checks that need no tokenizer, in the router's order."""
+def validate_parameters(params: GenerateParameters, settings: RouterSettings) -> ValidGrammar | None:
+    """The checks that need no tokenizer, in the router's order; returns the normalized grammar."""
     if params.best_of is not None:
         if params.best_of == 0 or params.best_of > settings.max_best_of:
             raise ValidationError(f"`best_of` must be > 0 and <= {settings.max_best_of}. Given: {params.best_of}")
@@ -94,12 +96,11 @@ def validate_parameters(params: GenerateParameters, settings: RouterSettings) ->
     top_n = params.top_n_tokens or 0
     if not 0 <= top_n <= settings.max_top_n_tokens:
         raise ValidationError(f"`top_n_tokens` must be >= 0 and <= {settings.max_top_n_tokens}. Given: {top_n}")
-    if params.grammar is not None:
+    if params.grammar is None:
+        return None
+    if settings.disable_grammar_support:
         raise ValidationError("grammar is not supported")
-    if params.watermark:
-        raise ValidationError("`watermark` is not supported by paged-backend")
-    if params.typical_p is not None:
-        raise ValidationError("`typical_p` is not supported by paged-backend; use `top_p`")
+    return validate_grammar(params.grammar.type, params.grammar.value)
 
 
 def validate_stream(params: GenerateParameters) -> None:
@@ -119,7 +120,7 @@ def validate(
     add_special_tokens: bool = True,
 ) -> ValidRequest:
     """Check `params`, tokenize `inputs` (left-truncated to `truncate`), and check the token budget."""
-    validate_parameters(params, settings)
+    grammar = validate_parameters(params, settings)
     if not inputs:
         raise ValidationError("`inputs` cannot be empty")
     if params.truncate is not None and not 0 < params.truncate <= settings.max_input_tokens:
@@ -150,6 +151,8 @@ def validate(
         repetition_penalty=params.repetition_penalty if params.repetition_penalty is not None else 1.0,
         frequency_penalty=params.frequency_penalty or 0.0,
         seed=params.seed if params.seed is not None else random.getrandbits(64),
+        watermark=params.watermark,
+        grammar=grammar,
     )
     chooser = replace(chooser, do_sample=params.do_sample or chooser.warpers_active)
     return ValidRequest(

@@ -21,11 +21,13 @@ from paged_backend.tgi.backend import BackendEvent, BackendLoad, GeneratedToken
 from paged_backend.tgi.errors import TgiError
 from paged_backend.tgi.generated import generate_pb2 as pb
 from paged_backend.tgi.generated import generate_pb2_grpc as pb_grpc
+from paged_backend.tgi.grammar import GrammarCompiler
 from paged_backend.tgi.metrics import TgiMetrics
 from paged_backend.tgi.router.batching import BatchingLoop, BatchingSettings
 from paged_backend.tgi.router.client import ShardClient
 from paged_backend.tgi.router.queue import Entry, Queue
 from paged_backend.tgi.settings import model_to_load
+from paged_backend.tgi.tokens import eos_token_ids
 from paged_backend.tgi.validation import ValidRequest
 
 logger = logging.getLogger(__name__)
@@ -95,6 +97,7 @@ def liveness_batch() -> pb.Batch:
 class GrpcBackend:
     name = "grpc"
     supports_prefill_logprobs = True
+    supports_grammar = True
 
     def __init__(
         self, shard_url: str, tokenizer, info: pb.InfoResponse, warmup: pb.WarmupResponse, settings: BatchingSettings
@@ -106,6 +109,7 @@ class GrpcBackend:
         num_blocks = warmup.max_supported_total_tokens // info.block_size
         self.block_manager = BlockManager(num_blocks, info.block_size, enable_prefix_caching=False, watermark=0.0)
         self.settings = settings
+        self.grammars = GrammarCompiler(tokenizer, eos_token_ids(tokenizer))
         self._ids = itertools.count()
         self.client: ShardClient | None = None
         self.loop: BatchingLoop | None = None
@@ -191,6 +195,8 @@ class GrpcBackend:
         return BackendLoad(len(self.queue), len(self.loop.running), used, capacity)
 
     async def generate(self, request: ValidRequest) -> AsyncIterator[BackendEvent]:
+        if request.parameters.grammar is not None:  # a grammar the shard cannot compile would fail its whole batch
+            await asyncio.to_thread(self.grammars.check, request.parameters.grammar)
         entry = Entry(next(self._ids), request)
         self.queue.append(entry)
         try:

@@ -27,8 +27,12 @@ class Entry:
         return self.request.input_length + self.request.stopping.max_new_tokens - 1
 
 
+GRAMMAR_TYPES = {None: pb.GRAMMAR_TYPE_NONE, "json": pb.GRAMMAR_TYPE_JSON, "regex": pb.GRAMMAR_TYPE_REGEX}
+
+
 def request_pb(entry: Entry, blocks: list[int], slots: list[int]) -> pb.Request:
     request, chooser, stopping = entry.request, entry.request.parameters, entry.request.stopping
+    grammar = chooser.grammar
     return pb.Request(
         id=entry.id,
         inputs=request.inputs,
@@ -44,6 +48,8 @@ def request_pb(entry: Entry, blocks: list[int], slots: list[int]) -> pb.Request:
             repetition_penalty=chooser.repetition_penalty,
             frequency_penalty=chooser.frequency_penalty,
             watermark=chooser.watermark,
+            grammar="" if grammar is None else grammar.text,
+            grammar_type=GRAMMAR_TYPES[None if grammar is None else grammar.type],
         ),
         stopping_parameters=pb.StoppingCriteriaParameters(
             max_new_tokens=stopping.max_new_tokens,

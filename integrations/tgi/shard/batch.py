@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from paged_backend.engine.request import Request, Sequence
 from paged_backend.errors import InvalidRequest
+from paged_backend.tgi.grammar import ValidGrammar
 from paged_backend.tgi.sampling import sampling_params
 from paged_backend.tgi.tokens import IncrementalDetokenizer, StoppingCriteria
 from paged_backend.tgi.validation import ChooserParameters, StoppingParameters
@@ -62,6 +63,18 @@ class ShardBatch:
         )
 
 
+GRAMMAR_TYPES = {1: "json", 2: "regex"}  # GrammarType JSON / REGEX; NONE (0) means no grammar
+
+
+def grammar_from_pb(parameters) -> ValidGrammar | None:
+    """The router's grammar text and type (the router validated it; a bad one fails at the shard's compile)."""
+    if parameters.grammar_type == 0 or not parameters.grammar:
+        return None
+    if parameters.grammar_type not in GRAMMAR_TYPES:
+        raise InvalidRequest(f"grammar_type {parameters.grammar_type} is unknown; send GRAMMAR_TYPE_JSON or _REGEX")
+    return ValidGrammar(GRAMMAR_TYPES[parameters.grammar_type], parameters.grammar)
+
+
 def chooser_from_pb(parameters) -> ChooserParameters:
     """Router parameters with TGI's effective-sampling rule; unset proto floats mean 'off'."""
     chooser = ChooserParameters(
@@ -73,6 +86,7 @@ def chooser_from_pb(parameters) -> ChooserParameters:
         frequency_penalty=parameters.frequency_penalty,
         seed=parameters.seed,
         watermark=parameters.watermark,
+        grammar=grammar_from_pb(parameters),
     )
     return replace(chooser, do_sample=parameters.do_sample or chooser.warpers_active)
 
@@ -107,6 +121,7 @@ def request_from_pb(request, tokenizer, eos_ids: set[int], block_size: int) -> S
         stop_sequences=tuple(stop.stop_sequences),
         ignore_eos_token=stop.ignore_eos_token,
     )
+    # Prompt logprobs are the shard's own (from the router's cache_len on), not the engine's prompt_logprobs.
     params = sampling_params(chooser, stopping, request.top_n_tokens)
     seq = Sequence(Request(str(request.id), None, list(input_ids), params), 0)
     blocks, slots = list(request.blocks), list(request.slots)

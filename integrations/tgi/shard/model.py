@@ -87,6 +87,7 @@ class ShardModel:
         self.memory_fraction = memory_fraction
         self.eos_ids = eos_token_ids(self.tokenizer, getattr(model, "generation_config", None))
         self.sampler = Sampler(self.eos_ids, device=self.device)
+        self.vocab_size = text_config.vocab_size
         self.blocks = RouterBlocks(block_size)
         self.kv_cache: PagedKVCache | None = None
         self.runner: ModelRunner | None = None
@@ -144,6 +145,29 @@ class ShardModel:
                 f"Not enough memory to handle {tokens} prefill tokens. You need to decrease `--max-batch-prefill-tokens`"
             )
 
+    def structured(self):
+        """The engine's structured-output manager (grammar compile cache + batch masks), built on first use."""
+        if self.sampler.structured is None:
+            from paged_backend.structured.manager import StructuredOutputManager
+
+            self.sampler.structured = StructuredOutputManager(
+                self.tokenizer, vocab_size=self.vocab_size, eos_token_ids=self.eos_ids
+            )
+        return self.sampler.structured
+
+    def check_grammars(self, batch: ShardBatch) -> None:
+        """Compile every request's grammar before anything runs (a bad one is refused as INVALID_ARGUMENT)."""
+        for request in batch.requests:
+            constraint = request.seq.request.params.structured_outputs
+            if constraint is not None:
+                self.structured().validate(constraint)
+
+    def _attach_matchers(self, batch: ShardBatch) -> None:
+        for request in batch.requests:
+            constraint = request.seq.request.params.structured_outputs
+            if constraint is not None and request.seq.grammar is None:
+                request.seq.grammar = self.structured().new_matcher(constraint)
+
     @torch.inference_mode()
     def generate_token(self, batch: ShardBatch) -> tuple[list[TokenResult], int]:
         """One forward over `batch` (prefill of new requests, or one decode step); returns results and ns spent."""
@@ -163,6 +187,7 @@ class ShardModel:
         logits = self.runner.forward(ids, positions, metadata, keep)
         row_index = {row: index for index, row in enumerate(keep)}
         sample_logits = logits[[row_index[row] for row in sample_rows]]
+        self._attach_matchers(batch)
         tokens, logprobs = self.sampler(sample_logits, [r.seq for r in batch.requests])
         results = []
         for request, token_id, token_logprobs in zip(batch.requests, tokens, logprobs, strict=True):
@@ -171,8 +196,13 @@ class ShardModel:
                 prefill = self._prompt_logprobs(request, logits, [row_index[r] for r in prompt_rows[request.id]])
             request.num_computed_tokens = request.seq.num_tokens
             request.seq.token_ids.append(token_id)
+            grammar = request.seq.grammar
+            if grammar is not None:
+                grammar.accept(token_id)
             text = request.detokenizer.push(token_id)
             reason = request.stopping(token_id, text)
+            if reason is None and grammar is not None and grammar.is_terminated():
+                reason = "eos_token"  # the grammar is complete: nothing more may follow
             top = sorted(token_logprobs.items(), key=lambda item: item[1], reverse=True)[: request.top_n_tokens]
             results.append(TokenResult(request, token_id, text, token_logprobs[token_id], top, prefill, reason))
         return results, time.perf_counter_ns() - start

@@ -32,7 +32,6 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         # The model and pool are used by one call at a time; the event loop stays free for Health.
         self.lock = asyncio.Lock()
         self.special_ids = set(model.tokenizer.all_special_ids)
-        self.unapplied_reported: set[str] = set()
 
     async def Info(self, request, context):
         return pb.InfoResponse(
@@ -123,16 +122,9 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
     def _batch_from_pb(self, batch) -> ShardBatch:
         model = self.model
         requests = [request_from_pb(r, model.tokenizer, model.eos_ids, model.block_size) for r in batch.requests]
-        self._report_unapplied(requests)
-        return ShardBatch(batch.id, requests, model.block_size)
-
-    def _report_unapplied(self, requests) -> None:
-        """TGI's warmup always asks for typical_p and watermarking, which this shard does not implement: say so once."""
-        asked = {"typical_p": any(r.chooser.typical_p < 1.0 for r in requests)}
-        asked["watermark"] = any(r.chooser.watermark for r in requests)
-        for name in sorted(name for name, used in asked.items() if used and name not in self.unapplied_reported):
-            self.unapplied_reported.add(name)
-            logger.warning("requests ask for %s, which this shard does not apply; sampling proceeds without it", name)
+        shard_batch = ShardBatch(batch.id, requests, model.block_size)
+        model.check_grammars(shard_batch)
+        return shard_batch
 
     def _warmup(self, request) -> pb.WarmupResponse:
         model = self.model
