@@ -1,0 +1,182 @@
+"""vLLM's chat extensions and message shapes on /v1/chat/completions, through the real `openai` client.
+
+The server loads a tiny model whose chat template prints tools, tool calls, tool results and documents, so what
+the template received can be checked: the server's prompt must be exactly the text the template makes of the
+messages as written here (same token count, and the same greedy continuation as that text sent as a raw prompt).
+"""
+
+from __future__ import annotations
+
+import openai
+import pydantic
+import pytest
+
+from paged_backend.models import byte_tokenizer, tiny_model
+from tests._server_helpers import MODEL, running_server
+
+# transformers renders templates with trim_blocks, which eats a newline right after a block tag: hence {{ '\\n' }}.
+TEMPLATE = (
+    "{% if greeting %}{{ greeting }}\n{% endif %}"
+    "{% for tool in tools or [] %}<|bos|>tool {{ tool.function.name }}: {{ tool.function.parameters | tojson }}\n"
+    "{% endfor %}"
+    "{% for document in documents or [] %}<|bos|>document {{ document.title }}: {{ document.text }}\n{% endfor %}"
+    "{% for message in messages %}<|bos|>{{ message.role }}"
+    "{% if message.tool_call_id %} [{{ message.tool_call_id }}]{% endif %}{{ '\\n' }}{{ message.content }}"
+    "{% for call in message.tool_calls or [] %}<call {{ call.id }}>{{ call.function.name }} "
+    "{{ call.function.arguments | tojson }}</call>{% endfor %}<|eos|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
+)
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CONVERSATION = [
+    {"role": "developer", "content": "Be brief."},
+    {"role": "user", "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": "in Paris?"}]},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call-1", "content": "sunny, 21 C"},
+]  # fmt: skip
+# What the template must print for CONVERSATION with WEATHER_TOOL, written out by hand.
+RENDERED = (
+    '<|bos|>tool get_weather: {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}\n'
+    "<|bos|>developer\nBe brief.<|eos|>\n"
+    "<|bos|>user\nWeather\nin Paris?<|eos|>\n"
+    '<|bos|>assistant\n<call call-1>get_weather {"city": "Paris"}</call><|eos|>\n'
+    "<|bos|>tool [call-1]\nsunny, 21 C<|eos|>\n"
+    "<|bos|>assistant\n"
+)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("tools-template-model")
+    tiny_model(seed=3).save_pretrained(model_dir)
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(model_dir)
+    with running_server("--model", str(model_dir), "--served-model-name", MODEL, "--num-blocks", "256",
+                        "--max-model-len", "512") as server:  # fmt: skip
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def prompt_tokens(text: str) -> list[int]:
+    return byte_tokenizer()(text, add_special_tokens=False).input_ids
+
+
+def greedy_chat(client, messages, **kwargs):
+    arguments = dict(model=MODEL, messages=messages, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    return client.chat.completions.create(**{**arguments, **kwargs})
+
+
+def greedy_text(client, prompt: str) -> str:
+    completion = client.completions.create(
+        model=MODEL, prompt=prompt_tokens(prompt), max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    return completion.choices[0].text
+
+
+def test_tools_tool_calls_and_tool_results_render_through_the_template(client):
+    chat = greedy_chat(client, CONVERSATION, tools=[WEATHER_TOOL], tool_choice="none")
+    assert chat.usage.prompt_tokens == len(prompt_tokens(RENDERED))
+    assert chat.choices[0].message.content == greedy_text(client, RENDERED)
+    assert chat.choices[0].message.tool_calls is None and chat.choices[0].finish_reason == "length"
+
+
+def test_chat_template_and_its_kwargs_come_from_the_request(client):
+    template = "{{ greeting }}|{% for message in messages %}{{ message.content }}|{% endfor %}"
+    messages = [{"role": "user", "content": "hi"}]
+    chat = greedy_chat(client, messages, extra_body={"ignore_eos": True, "chat_template": template,
+                                                     "chat_template_kwargs": {"greeting": "Hello"}})  # fmt: skip
+    assert chat.usage.prompt_tokens == len("Hello|hi|")
+    assert chat.choices[0].message.content == greedy_text(client, "Hello|hi|")
+
+
+def test_documents_reach_the_template(client):
+    documents = [{"title": "A", "text": "alpha"}]
+    chat = greedy_chat(client, [{"role": "user", "content": "hi"}],
+                       extra_body={"ignore_eos": True, "documents": documents})  # fmt: skip
+    expected = "<|bos|>document A: alpha\n<|bos|>user\nhi<|eos|>\n<|bos|>assistant\n"
+    assert chat.usage.prompt_tokens == len(prompt_tokens(expected))
+
+
+CONTINUED = [{"role": "user", "content": "Count:"}, {"role": "assistant", "content": "one two"}]
+CONTINUE = {"ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True}
+
+
+def test_continue_final_message_extends_the_last_turn_and_echo_repeats_it(client):
+    open_turn = "<|bos|>user\nCount:<|eos|>\n<|bos|>assistant\none two"  # no end-of-turn after the last message
+    plain = greedy_chat(client, CONTINUED, extra_body=CONTINUE)
+    echoed = greedy_chat(client, CONTINUED, extra_body={**CONTINUE, "echo": True})
+    assert plain.usage.prompt_tokens == len(prompt_tokens(open_turn))
+    assert plain.choices[0].message.content == greedy_text(client, open_turn)
+    assert echoed.choices[0].message.content == "one two" + plain.choices[0].message.content
+    chunks = list(greedy_chat(client, CONTINUED, extra_body={**CONTINUE, "echo": True}, stream=True))
+    assert chunks[0].choices[0].delta.content.startswith("one two")
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == echoed.choices[0].message.content
+
+
+def test_echo_without_a_turn_to_continue_adds_nothing(client):
+    messages = [{"role": "user", "content": "hi"}]
+    assert (greedy_chat(client, messages, extra_body={"ignore_eos": True, "echo": True}).choices[0].message.content
+            == greedy_chat(client, messages).choices[0].message.content)  # fmt: skip
+
+
+class Answer(pydantic.BaseModel):
+    verdict: bool
+    score: int
+
+
+def test_parse_with_a_pydantic_response_format_returns_the_object(client):
+    chat = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Judge."}], response_format=Answer, max_tokens=64, seed=1
+    )
+    assert isinstance(chat.choices[0].message.parsed, Answer)
+
+
+BAD = {
+    "both generation prompt and continuation": (
+        {"messages": CONTINUED, "add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
+    "template syntax error": ({"messages": CONTINUED, "chat_template": "{% for %}"}, "chat template"),
+    "template raises": ({"messages": CONTINUED, "chat_template": "{{ raise_exception('no tools here') }}"},
+                        "no tools here"),
+    "kwargs override an argument": (
+        {"messages": CONTINUED, "chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    "image part": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+                   "image_url"),
+    "tool message without its call id": ({"messages": [{"role": "tool", "content": "21 C"}]}, "tool_call_id"),
+    "assistant with neither content nor calls": ({"messages": [{"role": "assistant", "content": None}]}, "content"),
+    "tool_calls on a user message": (
+        {"messages": [{"role": "user", "content": "hi", "tool_calls": CONVERSATION[2]["tool_calls"]}]}, "tool_calls"),
+    "call arguments not JSON": ({"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{city: Paris"}}]}]}, "arguments"),
+    "auto tool choice without the server flag": (
+        {"messages": CONTINUED, "tools": [WEATHER_TOOL], "tool_choice": "auto"}, "--enable-auto-tool-choice"),
+    "tools default to auto, which needs the flag": (
+        {"messages": CONTINUED, "tools": [WEATHER_TOOL]}, "--enable-auto-tool-choice"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("body, named", BAD.values(), ids=BAD.keys())
+def test_malformed_chat_requests_get_a_400_naming_the_problem(server, body, named):
+    response = server.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert named in response.json()["error"]["message"]
+
+
+def test_the_openai_client_sees_bad_chat_input_as_bad_request(client):
+    with pytest.raises(openai.BadRequestError, match="tool_call_id"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}])
+
+
+def test_every_block_is_free_afterwards(server):
+    server.wait_until_drained()
