@@ -12,13 +12,16 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from paged_backend import __version__
-from paged_backend.server import chat, completions, system_routes
+from paged_backend.server import chat, completions, system_routes, utility_routes
 from paged_backend.server.async_engine import AsyncEngine
 from paged_backend.server.guard import RequestGuard
 from paged_backend.server.metrics import ServerMetrics
 from paged_backend.server.openai_errors import install_error_handlers
+from paged_backend.server.openapi_document import install_openapi
+from paged_backend.server.schemas import strict_fields
 from paged_backend.server.state import EMBEDDED_MODEL_NAME, ServerSettings, ServerState
 
 if TYPE_CHECKING:
@@ -40,8 +43,10 @@ def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="paged-backend", version=__version__, lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
-    for module in (completions, chat, system_routes):
+    install_openapi(app)
+    for module in (completions, chat, utility_routes, system_routes):
         app.include_router(module.router)
+    app.add_middleware(FieldPolicy, strict=settings.strict_fields)
     app.add_middleware(
         RequestGuard,
         api_key=settings.api_key,
@@ -49,3 +54,14 @@ def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         max_concurrent_requests=settings.max_concurrent_requests,
     )
     return app
+
+
+class FieldPolicy:
+    """Pure ASGI: tells the request models, through a context variable, whether unknown fields are a 400."""
+
+    def __init__(self, app: ASGIApp, *, strict: bool) -> None:
+        self.app, self.strict = app, strict
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        strict_fields.set(self.strict)  # this request's task only
+        await self.app(scope, receive, send)

@@ -11,6 +11,14 @@ from paged_backend.errors import PagedBackendError
 from paged_backend.server import engine_args
 from paged_backend.server.engine_args import EngineArgs
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # paged_backend.server.tool_parsers.TOOL_PARSERS' names
+
+
+def _known_tool_call_parser(name: str | None) -> str | None:
+    if name is not None and name not in TOOL_CALL_PARSERS:
+        raise typer.BadParameter(f"unknown tool-call parser {name!r}; choose one of {', '.join(TOOL_CALL_PARSERS)}")
+    return name
+
 
 def serve(
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
@@ -27,6 +35,18 @@ def serve(
     ] = 10.0,
     served_model_name: Annotated[str | None, typer.Option(help="model name in the API; default: --model")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
+    strict_fields: Annotated[
+        bool, typer.Option(help="answer 400 to request fields this server does not know, instead of a logged warning")
+    ] = False,
+    enable_auto_tool_choice: Annotated[
+        bool, typer.Option(help='let tool_choice "auto" parse tool calls out of the model\'s text (needs a parser)')
+    ] = False,
+    tool_call_parser: Annotated[
+        str | None,
+        typer.Option(
+            help=f"tool-call format for auto: {', '.join(TOOL_CALL_PARSERS)}", callback=_known_tool_call_parser
+        ),
+    ] = None,
     model: engine_args.Model = None,
     block_size: engine_args.BlockSize = None,
     num_blocks: engine_args.NumBlocks = None,
@@ -40,7 +60,8 @@ def serve(
     seed: engine_args.Seed = None,
     gpu_memory_utilization: engine_args.GpuMemoryUtilization = None,
 ) -> None:
-    """Serve OpenAI /v1/completions and /v1/chat/completions, /v1/models, /health and /metrics."""
+    """Serve OpenAI /v1/completions and /v1/chat/completions, /v1/models, vLLM's /tokenize, /detokenize and
+    /version, /health and /metrics."""
     import uvicorn
 
     from paged_backend.engine import Engine
@@ -48,6 +69,9 @@ def serve(
     from paged_backend.server.draining_server import DrainingServer
     from paged_backend.server.state import ServerSettings
 
+    if enable_auto_tool_choice and tool_call_parser is None:
+        typer.echo("error: --enable-auto-tool-choice needs --tool-call-parser NAME (the format to parse)", err=True)
+        raise typer.Exit(2)
     args = EngineArgs(
         model=model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, swap_space=swap_space,
@@ -62,7 +86,8 @@ def serve(
     settings = ServerSettings(
         api_key=api_key, max_concurrent_requests=max_concurrent_requests,
         max_request_body_bytes=max_request_body_bytes, drain_timeout=drain_timeout,
-        served_model_name=served_model_name,
+        served_model_name=served_model_name, strict_fields=strict_fields,
+        enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
     )  # fmt: skip
     app = build_app(engine, settings)
     # The engine drains first; uvicorn's own timeout is only a backstop for connections that still hang.

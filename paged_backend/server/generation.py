@@ -71,21 +71,26 @@ class Usage:
 class Generation:
     """Runs the engine requests of one API call and turns their outputs into choice deltas."""
 
-    def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, id_prefix: str) -> None:
+    def __init__(
+        self, async_engine: AsyncEngine, metrics: ServerMetrics, id_prefix: str, request_id: str | None = None
+    ) -> None:
         self.async_engine, self.metrics = async_engine, metrics
-        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.id = f"{id_prefix}-{request_id or uuid.uuid4().hex}"  # vLLM: the client's request_id names the response
+        self._engine_id = uuid.uuid4().hex  # engine ids stay unique even when two clients send one request_id
         self._streams: list[AsyncIterator[RequestOutput]] = []
         self._first_outputs: list[RequestOutput] = []
         self._progress: dict[int, _ChoiceProgress] = {}
         self._final: dict[int, RequestOutput] = {}
         self._n = 1
 
-    async def start(self, prompts: list[str | list[int]], params: SamplingParams) -> None:
+    async def start(self, prompts: list[str | list[int]], params: SamplingParams, priority: int = 0) -> None:
         """Add every prompt and wait for its first output, so bad input fails before any response byte."""
         self._n = params.n
         for index, prompt in enumerate(prompts):
             text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
-            stream = self.async_engine.generate(f"{self.id}-{index}", text, params, prompt_token_ids=token_ids)
+            stream = self.async_engine.generate(
+                f"{self.id}-{index}-{self._engine_id}", text, params, prompt_token_ids=token_ids, priority=priority
+            )
             self._streams.append(self.metrics.track(stream))
         firsts = [asyncio.ensure_future(anext(stream)) for stream in self._streams]
         try:
@@ -131,6 +136,10 @@ class Generation:
             usage.prompt_tokens += len(output.prompt_token_ids)
             usage.completion_tokens += sum(len(completion.token_ids) for completion in output.outputs)
         return usage
+
+    def prompt_output(self, choice_index: int) -> RequestOutput:
+        """The latest engine output of the prompt a choice belongs to (its prompt ids and prompt logprobs)."""
+        return self._final[choice_index // self._n]
 
     def _deltas_of(self, prompt_index: int, output: RequestOutput) -> list[ChoiceDelta]:
         self._final[prompt_index] = output

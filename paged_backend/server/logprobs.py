@@ -1,6 +1,12 @@
-"""Engine logprobs (one {token_id: logprob} dict per output token) in OpenAI's two response shapes."""
+"""Engine logprobs (one {token_id: logprob} dict per token) in OpenAI's response shapes and vLLM's prompt_logprobs.
+
+Tokens are shown as their decoded text, or as "token_id:N" when the request sets vLLM's
+`return_tokens_as_token_ids` (text that does not decode on its own, like half a UTF-8 character, stays exact).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
@@ -9,33 +15,74 @@ def _top(entry: dict[int, float], count: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda item: item[1], reverse=True)[:count]
 
 
+def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int, as_token_ids: bool = False) -> str:
+    return f"token_id:{token_id}" if as_token_ids else tokenizer.decode([token_id])
+
+
 def completion_logprobs(
     tokenizer: PreTrainedTokenizerBase,
-    token_ids: list[int],
-    logprobs: list[dict[int, float]],
+    token_ids: Sequence[int],
+    logprobs: Sequence[dict[int, float] | None],
     num_top: int,
     text_offset: int,
+    *,
+    as_token_ids: bool = False,
 ) -> dict:
-    """The legacy completions shape: parallel lists of tokens, their logprobs, top alternatives, offsets."""
+    """The legacy completions shape: parallel lists of tokens, their logprobs, top alternatives, offsets.
+
+    An entry of None (the first prompt token under echo, which nothing predicts) gives null logprob and top.
+    """
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for token_id, entry in zip(token_ids, logprobs, strict=False):
-        token = tokenizer.decode([token_id])
+        token = token_text(tokenizer, token_id, as_token_ids)
         tokens.append(token)
-        token_logprobs.append(entry.get(token_id))
-        top_logprobs.append({tokenizer.decode([alt]): value for alt, value in _top(entry, num_top)})
+        token_logprobs.append(None if entry is None else entry.get(token_id))
+        top_logprobs.append(
+            None if entry is None
+            else {token_text(tokenizer, alt, as_token_ids): value for alt, value in _top(entry, num_top)}
+        )  # fmt: skip
         offsets.append(text_offset)
         text_offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
+def joined_logprobs(first: dict, second: dict) -> dict:
+    """Two legacy-shape logprob objects, one after the other (the echoed prompt, then the completion)."""
+    return {key: first[key] + second[key] for key in first}
+
+
+def vllm_prompt_logprobs(
+    tokenizer: PreTrainedTokenizerBase, prompt_logprobs: Sequence[dict[int, float] | None], num_top: int
+) -> list[dict[str, dict] | None]:
+    """vLLM's `prompt_logprobs` in a choice: per prompt token None (the first) or {"<token id>": {logprob, rank,
+    decoded_token}} holding the prompt token and its `num_top` alternatives. A rank is given where it is known
+    exactly: for the alternatives, and for the prompt token when it is one of them."""
+    rendered: list[dict[str, dict] | None] = []
+    for entry in prompt_logprobs:
+        if entry is None:
+            rendered.append(None)
+            continue
+        ranked = {token: rank for rank, (token, _) in enumerate(_top(entry, num_top), start=1)}
+        rendered.append({
+            str(token): {"logprob": value, "rank": ranked.get(token), "decoded_token": tokenizer.decode([token])}
+            for token, value in entry.items()
+        })  # fmt: skip
+    return rendered
+
+
 def chat_logprobs(
-    tokenizer: PreTrainedTokenizerBase, token_ids: list[int], logprobs: list[dict[int, float]], num_top: int
+    tokenizer: PreTrainedTokenizerBase,
+    token_ids: list[int],
+    logprobs: list[dict[int, float]],
+    num_top: int,
+    *,
+    as_token_ids: bool = False,
 ) -> dict:
     """The chat shape: one object per token with its bytes and its top alternatives."""
 
     def described(token_id: int, logprob: float | None) -> dict:
-        token = tokenizer.decode([token_id])
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+        token = token_text(tokenizer, token_id, as_token_ids)
+        return {"token": token, "logprob": logprob, "bytes": list(tokenizer.decode([token_id]).encode())}
 
     content = []
     for token_id, entry in zip(token_ids, logprobs, strict=False):

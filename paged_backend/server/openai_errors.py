@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from paged_backend.errors import InvalidRequest, OutOfBlocks, PagedBackendError, PromptTooLong
 from paged_backend.server.async_engine import EngineNotRunning, EngineStepFailed, RequestAborted
 from paged_backend.server.disconnect import ClientDisconnected
+from paged_backend.server.schemas import UNKNOWN_FIELDS_ERROR
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +61,14 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
     """
     first = errors[0]
     kind = first.get("type", "")
+    if kind == UNKNOWN_FIELDS_ERROR:  # --strict-fields: the body's model names them
+        return first.get("msg", "unknown field"), first.get("ctx", {}).get("param")
     if kind == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     location = _field_path(first)
+    missing = list(dict.fromkeys(_dotted(_field_path(error)) for error in errors if error.get("type") == "missing"))
+    if len(missing) > 1 and all(error.get("type") == "missing" for error in errors):  # a body of one of two forms
+        return f"the body needs {' or '.join(repr(name) for name in missing)}", None
     if not location:
         return f"the request body is invalid: {first.get('msg')}", None
     siblings = [_field_path(error) for error in errors if _field_path(error)[:1] == location[:1]]
@@ -78,9 +84,15 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
     return f"invalid value for '{param}': {first.get('msg')}", param
 
 
+def _is_union_member(path: tuple) -> bool:
+    """Whether a path starts with the name pydantic gives a union's model (never a lower-case field name)."""
+    return bool(path) and isinstance(path[0], str) and (path[0][:1].isupper() or path[0].startswith("function-"))
+
+
 def _field_path(error: dict) -> tuple:
     location = tuple(error.get("loc", ()))
-    return location[1:] if location[:1] == ("body",) else location
+    location = location[1:] if location[:1] == ("body",) else location
+    return location[1:] if _is_union_member(location) else location  # the body is one of several models
 
 
 def _common_prefix(paths: list[tuple]) -> tuple:
@@ -109,7 +121,9 @@ async def _http_handler(request: Request, exc: HTTPException) -> JSONResponse:
         return error_response(404, message, "invalid_request_error", None, "not_found")
     if exc.status_code == 405:
         message = f"method {request.method} is not allowed on {request.url.path}"
-        return error_response(405, message, "invalid_request_error", None, "method_not_allowed")
+        response = error_response(405, message, "invalid_request_error", None, "method_not_allowed")
+        response.headers.update(exc.headers or {})  # Starlette's `Allow`: the methods the path does take (RFC 9110)
+        return response
     return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
 
 

@@ -23,6 +23,9 @@ class ServerSettings:
     max_request_body_bytes: int = 1 << 20  # larger bodies get 413
     drain_timeout: float = 10.0  # seconds in-flight requests get to finish on shutdown
     served_model_name: str | None = None  # default: --model, or the embedded model's name
+    strict_fields: bool = False  # unknown request fields are a 400 instead of a logged warning
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" parses calls out of the text (vLLM's flag)
+    tool_call_parser: str | None = None  # which format "auto" parses: hermes, llama3_json or mistral
 
 
 @dataclass

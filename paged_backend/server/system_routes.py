@@ -6,7 +6,7 @@ import time
 from dataclasses import asdict
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from paged_backend.server.state import ServerState, server_state
@@ -15,7 +15,7 @@ router = APIRouter()
 STARTED = int(time.time())
 
 
-@router.get("/health")
+@router.get("/health", responses={503: {"description": "Draining: the server is shutting down"}})
 async def health(server: ServerState = Depends(server_state)) -> JSONResponse:
     """200 while requests are accepted, 503 while draining; the body carries the engine's counters."""
     async_engine = server.async_engine
@@ -24,8 +24,9 @@ async def health(server: ServerState = Depends(server_state)) -> JSONResponse:
     return JSONResponse(body, status_code=200 if async_engine.accepting else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(server: ServerState = Depends(server_state)) -> Response:
+    """Prometheus text exposition (vLLM's metric names)."""
     return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 

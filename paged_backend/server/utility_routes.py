@@ -1,0 +1,82 @@
+"""vLLM's utility routes: POST /tokenize (a prompt, or chat messages through the chat template), POST /detokenize
+and GET /version, with vLLM's request and response shapes."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends
+from fastapi.responses import JSONResponse
+from pydantic import Field
+
+from paged_backend import __version__
+from paged_backend.errors import InvalidRequest
+from paged_backend.server.chat import render_chat_prompt
+from paged_backend.server.chat_schemas import ChatMessage, ChatTool
+from paged_backend.server.schemas import NonEmptyStr, TokenId, _Request
+from paged_backend.server.state import ServerState, server_state
+
+router = APIRouter()
+MAX_DETOKENIZE = 1 << 16
+
+
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: NonEmptyStr
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Request):
+    """Messages as /v1/chat/completions takes them; the tokens are the prompt that route would run."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template writes them
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    documents: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_DETOKENIZE)]
+
+
+TokenizeRequest = Annotated[TokenizeCompletionRequest | TokenizeChatRequest, Field(union_mode="left_to_right")]
+
+
+@router.post("/tokenize")
+async def tokenize(
+    body: Annotated[TokenizeRequest, Body()], server: ServerState = Depends(server_state)
+) -> JSONResponse:
+    """Token ids of a prompt (or of chat messages rendered by the chat template), and the model's context length."""
+    server.check_model(body.model)
+    if isinstance(body, TokenizeChatRequest):
+        tokens = render_chat_prompt(server, body)
+    else:
+        tokens = server.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+    token_strs = server.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    return JSONResponse(
+        {"count": len(tokens), "max_model_len": server.max_model_len, "tokens": tokens, "token_strs": token_strs}
+    )
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, server: ServerState = Depends(server_state)) -> JSONResponse:
+    """The text of a list of token ids."""
+    server.check_model(body.model)
+    vocab_size = server.async_engine.engine.vocab_size
+    outside = [token for token in body.tokens if token >= vocab_size]
+    if outside:
+        raise InvalidRequest(f"tokens must be ids in [0, {vocab_size}); got {outside[0]}")
+    return JSONResponse({"prompt": server.tokenizer.decode(body.tokens)})
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": __version__})
