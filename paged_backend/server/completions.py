@@ -102,7 +102,11 @@ class _ChoiceFormatter:
             )  # fmt: skip
             logprobs = generated if logprobs is None else joined_logprobs(logprobs, generated)
         text = echo_text + delta.text
-        self._text_length[delta.index] = offset + len(text)
+        # Offsets count token strings (as vLLM's do), so streamed pieces agree with the whole response even while
+        # a token's text is held back (half a UTF-8 character).
+        self._text_length[delta.index] = (
+            _end_offset(logprobs) if logprobs and logprobs["tokens"] else offset + len(text)
+        )
         choice = {"index": delta.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
         if body.prompt_logprobs is not None:  # vLLM's field: on a choice's first piece, null afterwards
             choice["prompt_logprobs"] = None if prompt is None else vllm_prompt_logprobs(
@@ -121,6 +125,10 @@ class _ChoiceFormatter:
         if generation is not None:
             response["usage"] = generation.usage().as_dict()
         return response
+
+
+def _end_offset(logprobs: dict) -> int:
+    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
 
 async def _chunks(generation: Generation, formatter: _ChoiceFormatter, body: CompletionRequest) -> AsyncIterator[dict]:

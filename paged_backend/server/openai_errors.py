@@ -74,7 +74,9 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
     siblings = [_field_path(error) for error in errors if _field_path(error)[:1] == location[:1]]
     common = _common_prefix(siblings)
     if len(siblings) > 1 and len(common) < len(location):
-        forms = ", ".join(dict.fromkeys(str(path[len(common)]) for path in siblings if len(path) > len(common)))
+        forms = ", ".join(dict.fromkeys(
+            str(path[len(common)]).replace("constrained-", "") for path in siblings if len(path) > len(common)
+        ))  # fmt: skip
         return f"invalid value for '{_dotted(common)}': it fits none of the accepted forms ({forms})", _dotted(common)
     param = _dotted(location)
     if kind == "extra_forbidden":
