@@ -7,6 +7,8 @@ messages as written here (same token count, and the same greedy continuation as 
 
 from __future__ import annotations
 
+import re
+
 import openai
 import pydantic
 import pytest
@@ -129,6 +131,32 @@ def test_echo_without_a_turn_to_continue_adds_nothing(client):
     messages = [{"role": "user", "content": "hi"}]
     assert (greedy_chat(client, messages, extra_body={"ignore_eos": True, "echo": True}).choices[0].message.content
             == greedy_chat(client, messages).choices[0].message.content)  # fmt: skip
+
+
+def test_chat_streams_usage_on_every_chunk_under_the_clients_request_id(client):
+    chunks = list(greedy_chat(client, [{"role": "user", "content": "hi"}], stream=True,
+                              stream_options={"include_usage": True, "continuous_usage_stats": True},
+                              extra_body={"ignore_eos": True, "request_id": "eval-7"}))  # fmt: skip
+    assert {chunk.id for chunk in chunks} == {"chatcmpl-eval-7"}
+    generated = [chunk.usage.completion_tokens for chunk in chunks]
+    assert generated == sorted(generated) and generated[-1] == 12 and len(set(generated)) > 2
+
+
+def test_chat_prompt_logprobs_and_token_id_logprobs(client, server):
+    chat = greedy_chat(
+        client,
+        [{"role": "user", "content": "hi"}],
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True, "prompt_logprobs": 1, "return_tokens_as_token_ids": True},
+    )
+    rendered = prompt_tokens("<|bos|>user\nhi<|eos|>\n<|bos|>assistant\n")
+    prompt_logprobs = chat.model_extra["prompt_logprobs"]
+    assert len(prompt_logprobs) == len(rendered) and prompt_logprobs[0] is None
+    assert all(str(token) in entry for token, entry in zip(rendered[1:], prompt_logprobs[1:], strict=True))
+    assert all(re.fullmatch(r"token_id:\d+", token.token) for token in chat.choices[0].logprobs.content)
+    streamed = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "prompt_logprobs": 1}
+    assert "prompt_logprobs" in server.post("/v1/chat/completions", json=streamed).json()["error"]["message"]
 
 
 class Answer(pydantic.BaseModel):

@@ -16,7 +16,7 @@ from paged_backend.server import sse
 from paged_backend.server.chat_schemas import ChatCompletionRequest
 from paged_backend.server.disconnect import cancel_on_disconnect
 from paged_backend.server.generation import ChoiceDelta, Generation, output_budget
-from paged_backend.server.logprobs import chat_logprobs
+from paged_backend.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from paged_backend.server.state import ServerState, server_state
 from paged_backend.server.tool_parsers import StreamDelta
 from paged_backend.server.tool_parsers.choice import ToolCallPlan, ToolCallReader, plan_tool_calls
@@ -36,19 +36,31 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, server: ServerState = Depends(server_state)
 ) -> Response:
     server.check_model(body.model)
+    if body.stream and body.prompt_logprobs is not None:
+        raise InvalidRequest("prompt_logprobs cannot be streamed on chat (as in vLLM); drop stream or prompt_logprobs")
     plan = tool_call_plan(server, body)
     prompt = render_chat_prompt(server, body)
+    if body.truncate_prompt_tokens is not None:
+        prompt = prompt[-body.truncate_prompt_tokens :]
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = output_budget(requested, [len(prompt)], server.max_model_len, default=None)
-    generation = Generation(server.async_engine, server.metrics, "chatcmpl")
     params = chat_sampling_params(body, plan, max_tokens)
-    await cancel_on_disconnect(request, generation.start([prompt], params))
+    if body.stream and params.num_sequences > params.n:
+        raise InvalidRequest(
+            f"best_of={body.best_of} cannot be streamed: the best {params.n} are known only at the end; "
+            "drop stream or set best_of to n"
+        )
+    generation = Generation(server.async_engine, server.metrics, "chatcmpl", body.request_id)
+    await cancel_on_disconnect(request, generation.start([prompt], params, body.priority))
     formatter = _ChatFormatter(server, body, generation.id, plan)
     if body.stream:
         chunks = sse.event_stream(_chunks(generation, formatter, body))
         return StreamingResponse(chunks, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
     choices = await cancel_on_disconnect(request, generation.collect())
     response = formatter.envelope("chat.completion", [formatter.choice(delta) for delta in choices])
+    if body.prompt_logprobs is not None:  # vLLM's field, beside the choices
+        prompt_logprobs = generation.prompt_output(0).prompt_logprobs
+        response["prompt_logprobs"] = vllm_prompt_logprobs(server.tokenizer, prompt_logprobs, body.prompt_logprobs)
     response["usage"] = generation.usage().as_dict()
     return JSONResponse(response)
 
@@ -129,7 +141,10 @@ class _ChatFormatter:
     def _logprobs(self, delta: ChoiceDelta) -> dict | None:
         if delta.logprobs is None or not self.body.logprobs:
             return None
-        return chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs, self.body.top_logprobs or 0)
+        return chat_logprobs(
+            self.tokenizer, delta.token_ids, delta.logprobs, self.body.top_logprobs or 0,
+            as_token_ids=bool(self.body.return_tokens_as_token_ids),
+        )  # fmt: skip
 
     def choice(self, delta: ChoiceDelta) -> dict:
         reader = self.plan.reader()
@@ -179,7 +194,8 @@ async def _chunks(
         if choices:
             chunk = formatter.envelope("chat.completion.chunk", choices)
             if body.wants_usage_in_stream:
-                chunk["usage"] = None  # OpenAI: null on every chunk but the last
+                # OpenAI: null on every chunk but the last; vLLM's continuous_usage_stats: the usage so far
+                chunk["usage"] = generation.usage().as_dict() if body.wants_usage_on_every_chunk else None
             yield chunk
     if body.wants_usage_in_stream:
         chunk = formatter.envelope("chat.completion.chunk", [])

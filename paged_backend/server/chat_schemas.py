@@ -14,26 +14,20 @@ from typing import Annotated, Any, Literal
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from paged_backend.server.schemas import _SamplingRequest
+from paged_backend.server.schemas import _Lenient, _SamplingRequest
 
 
-class _Part(BaseModel):
-    """A nested object of the chat body: known keys are typed strictly, unknown ones are ignored."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class ContentPart(_Part):
+class ContentPart(_Lenient):
     type: str
     text: str | None = None
 
 
-class FunctionCall(_Part):
+class FunctionCall(_Lenient):
     name: Annotated[str, Field(min_length=1)]
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class AssistantToolCall(_Part):
+class AssistantToolCall(_Lenient):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -90,7 +84,7 @@ class ChatMessage(BaseModel):
         return rendered
 
 
-class FunctionDefinition(_Part):
+class FunctionDefinition(_Lenient):
     name: Annotated[str, Field(min_length=1)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -107,16 +101,16 @@ class FunctionDefinition(_Part):
         return parameters
 
 
-class ChatTool(_Part):
+class ChatTool(_Lenient):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Part):
+class NamedFunction(_Lenient):
     name: Annotated[str, Field(min_length=1)]
 
 
-class NamedToolChoice(_Part):
+class NamedToolChoice(_Lenient):
     type: Literal["function"]
     function: NamedFunction
 
