@@ -132,17 +132,18 @@ def test_stream_framing_and_last_event(client):
     assert events[-1]["generated_text"] == generate(client, max_new_tokens=3).json()["generated_text"]
 
 
-def test_stream_errors_are_events_with_status_200(client):
+def test_stream_validation_errors_answer_before_the_stream_opens(client):
+    # The document can only promise 4xx for bad input if the stream routes answer it before their 200.
     response = client.post(
         "/generate_stream", json={"inputs": "Hello", "parameters": {"best_of": 2, "do_sample": True}}
     )
-    assert response.status_code == 200
-    assert sse_events(response.text) == [
-        {
-            "error": "Input validation error: `best_of` != 1 is not supported when streaming tokens",
-            "error_type": "validation",
-        }
-    ]
+    assert response.status_code == 422
+    assert response.json() == {
+        "error": "Input validation error: `best_of` != 1 is not supported when streaming tokens",
+        "error_type": "validation",
+    }
+    compat = client.post("/", json={"inputs": "Hello", "parameters": {"temperature": 0}, "stream": True})
+    assert compat.status_code == 422 and "`temperature` must be strictly positive" in compat.json()["error"]
 
 
 def test_stop_sequence_is_kept_in_the_text(client):
@@ -178,9 +179,8 @@ def test_decoder_input_details_returns_the_prompt_with_logprobs(client):
     assert len(prefill) == 11 and prefill[0]["logprob"] is None
     assert all(token["logprob"] <= 0 for token in prefill[1:]) and "".join(t["text"] for t in prefill) == "Hello world"
     stream = client.post("/generate_stream", json={"inputs": "Hi", "parameters": {"decoder_input_details": True}})
-    assert sse_events(stream.text)[0]["error"].endswith(
-        "`decoder_input_details` == true is not supported when streaming tokens"
-    )
+    assert stream.status_code == 422
+    assert stream.json()["error"].endswith("`decoder_input_details` == true is not supported when streaming tokens")
 
 
 def test_chat_stream_ends_with_done_and_matches_plain(client):

@@ -53,6 +53,15 @@ class TemplateError(TgiError):
     error_type = "template_error"
 
 
+class ToolError(TgiError):
+    status_code = 422
+    error_type = "tool_error"
+
+    @property
+    def message(self) -> str:
+        return f"Tool error: {self}"
+
+
 class UnhealthyError(TgiError):
     status_code = 503
     error_type = "healthcheck"

@@ -71,11 +71,20 @@ def validate_grammar(grammar_type: str, value: Any) -> ValidGrammar:
             raise _invalid("a regex grammar needs a non-empty string `value`")
         return ValidGrammar("regex", value)
     if grammar_type == "json_schema":
-        if not isinstance(value, dict) or "schema" not in value:
+        if not isinstance(value, dict):
             raise _invalid('a json_schema grammar needs a `value` of the form {"name": ..., "schema": {...}}')
-        value = value["schema"]
-    schema = _schema(value, empty_means_any_object=grammar_type == "json_object")
+        value = value.get("schema")  # no schema: any JSON object, as OpenAI's json_schema without one
+    schema = _schema(value, empty_means_any_object=grammar_type in ("json_object", "json_schema"))
     return ValidGrammar("json", json.dumps(schema))
+
+
+def response_format_grammar(response_format) -> ValidGrammar | None:
+    """OpenAI's `response_format` (text | json_object | json_schema with `json_schema`) or TGI's (`type`, `value`)."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_schema" and response_format.json_schema is not None:
+        return validate_grammar("json_schema", response_format.json_schema)
+    return validate_grammar(response_format.type, response_format.value)
 
 
 class GrammarCompiler:

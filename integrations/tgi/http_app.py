@@ -13,6 +13,8 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError as PydanticValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from paged_backend import __version__
 from paged_backend.tgi import openai_routes
@@ -20,8 +22,9 @@ from paged_backend.tgi.backend import Backend
 from paged_backend.tgi.errors import TgiError, UnhealthyError
 from paged_backend.tgi.infer import Infer
 from paged_backend.tgi.metrics import TgiMetrics
+from paged_backend.tgi.openapi import openapi_document
 from paged_backend.tgi.responses import generate_json, stream_json, timing_headers
-from paged_backend.tgi.schemas import ChatRequest, CompatGenerateRequest, GenerateRequest
+from paged_backend.tgi.schemas import ChatRequest, CompatGenerateRequest, GenerateRequest, TokenizeRequest
 from paged_backend.tgi.settings import RouterSettings
 from paged_backend.tgi.sse import event, sse_response
 from paged_backend.tgi.validation import validate_stream
@@ -49,15 +52,26 @@ def create_app(backend: Backend, settings: RouterSettings, drain_timeout: float 
 
     @app.exception_handler(RequestValidationError)
     async def body_error(request: Request, error: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in error.errors())
-        message = f"Failed to deserialize the JSON body into the target type: {problems}"
-        return JSONResponse({"error": message, "error_type": "validation"}, status_code=422)
+        errors = error.errors()
+        if any(e["type"] == "json_invalid" for e in errors):  # axum: syntax errors are 400, shape errors 422
+            return _error_response(400, f"Failed to parse the request body as JSON: {errors[0]['msg']}")
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in errors)
+        return _error_response(422, f"Failed to deserialize the JSON body into the target type: {problems}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> Response:
+        headers = dict(error.headers or {})
+        if error.status_code == 405:  # name every method the path serves, not only the first route's
+            headers["Allow"] = ", ".join(_allowed_methods(app, request))
+        if error.status_code == 400:
+            return _error_response(400, f"Failed to parse the request body: {error.detail}", headers)
+        return JSONResponse({"error": str(error.detail), "error_type": "http"}, error.status_code, headers)
 
     @app.middleware("http")
     async def payload_limit(request: Request, call_next):
         length = request.headers.get("content-length")
-        if length is not None and int(length) > settings.payload_limit:
-            return Response(status_code=413)
+        if length is not None and length.isdigit() and int(length) > settings.payload_limit:
+            return _error_response(413, f"the body is larger than the {settings.payload_limit} bytes allowed")
         return await call_next(request)
 
     def require_api_key(request: Request) -> None:
@@ -83,18 +97,23 @@ def create_app(backend: Backend, settings: RouterSettings, drain_timeout: float 
         headers = timing_headers(generation, backend.name, validation_time, time.monotonic() - start)
         return payload, headers
 
-    async def stream_frames(body: GenerateRequest, default_full_text: bool) -> AsyncIterator[str]:
+    def open_stream(body: GenerateRequest, default_full_text: bool, headers: dict | None = None) -> Response:
+        """Validation fails with its status before the stream opens; later failures are error events (as TGI)."""
         params = body.parameters
         full_text = params.return_full_text if params.return_full_text is not None else default_full_text
-        try:
-            with infer.permit():
-                validate_stream(params)
-                request = infer.validate(body.inputs, params)
-                async with contextlib.aclosing(infer.stream(request)) as steps:
-                    async for step in steps:
-                        yield event(stream_json(step, body.inputs if full_text else "", params.details))
-        except TgiError as error:
-            yield event(error.body())
+        validate_stream(params)
+        request = infer.validate(body.inputs, params)
+
+        async def frames() -> AsyncIterator[str]:
+            try:
+                with infer.permit():
+                    async with contextlib.aclosing(infer.stream(request)) as steps:
+                        async for step in steps:
+                            yield event(stream_json(step, body.inputs if full_text else "", params.details))
+            except TgiError as error:
+                yield event(error.body())
+
+        return sse_response(frames(), headers)
 
     @app.post("/generate", dependencies=guarded)
     async def generate(body: GenerateRequest) -> JSONResponse:
@@ -103,17 +122,17 @@ def create_app(backend: Backend, settings: RouterSettings, drain_timeout: float 
 
     @app.post("/generate_stream", dependencies=guarded)
     async def generate_stream(body: GenerateRequest) -> Response:
-        return sse_response(stream_frames(body, default_full_text=False), {"x-compute-type": backend.name})
+        return open_stream(body, default_full_text=False, headers={"x-compute-type": backend.name})
 
     @app.post("/", dependencies=guarded)
     async def compat_generate(body: CompatGenerateRequest) -> Response:
         if body.stream:
-            return sse_response(stream_frames(body, settings.compat_return_full_text))
+            return open_stream(body, settings.compat_return_full_text)
         payload, headers = await generate_response(body, settings.compat_return_full_text)
         return JSONResponse([payload], headers=headers)
 
     @app.post("/tokenize", dependencies=guarded)
-    async def tokenize(body: GenerateRequest) -> JSONResponse:
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
         encoding = infer.tokenizer(body.inputs, return_offsets_mapping=True)
         pieces = [
             {"id": token_id, "text": body.inputs[start:stop], "start": start, "stop": stop}
@@ -126,7 +145,10 @@ def create_app(backend: Backend, settings: RouterSettings, drain_timeout: float 
     @app.post("/invocations", dependencies=guarded)
     async def invocations(request: Request) -> Response:
         """SageMaker's one route: chat bodies (with "messages") go to chat completions, the rest to `/`."""
-        payload = await request.json()
+        try:
+            payload = await request.json()
+        except ValueError as error:
+            return _error_response(400, f"Failed to parse the request body as JSON: {error}")
         model = ChatRequest if isinstance(payload, dict) and "messages" in payload else CompatGenerateRequest
         try:
             body = model.model_validate(payload)
@@ -181,7 +203,27 @@ def create_app(backend: Backend, settings: RouterSettings, drain_timeout: float 
         model = {"id": settings.model_id, "object": "model", "created": 0, "owned_by": settings.model_id}
         return JSONResponse({"object": "list", "data": [model]})
 
+    app.openapi = lambda: app.openapi_schema or _cache_openapi(app, settings)
     return app
+
+
+def _cache_openapi(app: FastAPI, settings: RouterSettings) -> dict:
+    app.openapi_schema = openapi_document(app, settings)
+    return app.openapi_schema
+
+
+def _error_response(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": message, "error_type": "validation"}, status_code=status, headers=headers)
+
+
+def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    """Methods of every route on the request's path (a 405 must list them all in `Allow`)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches({**request.scope, "method": next(iter(getattr(route, "methods", None) or {"GET"}))})
+        if match == Match.FULL:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 class _Unauthorized(Exception):

@@ -3,6 +3,7 @@
 TGI semantics kept: temperature 0 means greedy and an absent temperature samples; `presence_penalty` p
 becomes repetition_penalty p + 2; chat prompts come from the tokenizer's chat template without extra
 special tokens; streams end with `data: [DONE]` and report errors as `{"error": {...}}` events.
+`tools` and `response_format` set the request's grammar (`tools.py`), so replies always parse.
 """
 
 from __future__ import annotations
@@ -13,13 +14,17 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError as PydanticValidationError
 
 from paged_backend import __version__
-from paged_backend.tgi.errors import TemplateError, TgiError, ValidationError
+from paged_backend.tgi.errors import TemplateError, TgiError, ToolError, ValidationError
+from paged_backend.tgi.grammar import ValidGrammar, response_format_grammar
 from paged_backend.tgi.infer import Generation, Infer, StreamStep
-from paged_backend.tgi.schemas import ChatMessage, ChatRequest, CompletionRequest, GenerateParameters
+from paged_backend.tgi.schemas import ChatMessage, ChatRequest, CompletionRequest, GenerateParameters, Grammar
 from paged_backend.tgi.settings import RouterSettings
 from paged_backend.tgi.sse import DONE, event, sse_response
+from paged_backend.tgi.tools import ToolPlan, parse_reply, plan_tools, tool_prompt_text
+from paged_backend.tgi.validation import validate_parameters
 
 SYSTEM_FINGERPRINT = f"{__version__}-paged-backend"
 FINISH_REASONS = {"eos_token": "stop", "length": "length", "stop_sequence": "stop_sequence"}
@@ -35,13 +40,28 @@ def _stop_list(stop: list[str] | str | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
 
 
-def chat_parameters(body: ChatRequest) -> GenerateParameters:
-    if body.tools:
-        raise ValidationError("tools are not supported by paged-backend")
-    if body.response_format is not None:
-        raise ValidationError("grammar is not supported")
+def chat_grammar(body: ChatRequest) -> tuple[ToolPlan | None, ValidGrammar | None]:
+    """The tool plan and the grammar a chat request asks for (tools and response_format exclude each other)."""
+    plan = plan_tools(body.tools, body.tool_choice)
+    if plan is not None and body.response_format is not None:
+        raise ToolError("give either `tools` or `response_format`, not both: each sets the output's grammar")
+    return plan, plan.grammar if plan is not None else response_format_grammar(body.response_format)
+
+
+def _check_range(name: str, value: float | None, low: float, high: float) -> None:
+    if value is not None and not low <= value <= high:
+        raise ValidationError(f"`{name}` must be >= {low} and <= {high}. Given: {value}")
+
+
+def chat_parameters(
+    body: ChatRequest, settings: RouterSettings, grammar: ValidGrammar | None = None
+) -> GenerateParameters:
+    """TGI's generate parameters for a chat request; fields TGI would pass on unchecked are range-checked here."""
+    _check_range("presence_penalty", body.presence_penalty, -2.0, 2.0)  # becomes a repetition penalty of p + 2
+    _check_range("top_logprobs", body.top_logprobs, 0, settings.max_top_n_tokens)
+    _check_range("max_completion_tokens", body.max_completion_tokens, 1, settings.max_total_tokens - 1)
     repetition = body.presence_penalty + 2.0 if body.presence_penalty is not None else None
-    return GenerateParameters(
+    return _parameters(
         **_sampling(body.temperature),
         max_new_tokens=body.max_tokens if body.max_tokens is not None else body.max_completion_tokens,
         top_p=body.top_p,
@@ -51,7 +71,17 @@ def chat_parameters(body: ChatRequest) -> GenerateParameters:
         stop=_stop_list(body.stop),
         top_n_tokens=body.top_logprobs if body.logprobs else None,
         details=True,
+        grammar=None if grammar is None else Grammar(type=grammar.type, value=grammar.text),
     )
+
+
+def _parameters(**fields) -> GenerateParameters:
+    """GenerateParameters from OpenAI fields; a value its own types refuse (a negative seed) is a 422."""
+    try:
+        return GenerateParameters(**fields)
+    except PydanticValidationError as error:
+        problem = error.errors()[0]
+        raise ValidationError(f"`{'.'.join(map(str, problem['loc']))}`: {problem['msg']}") from error
 
 
 def _message_text(message: ChatMessage) -> str:
@@ -65,12 +95,39 @@ def _message_text(message: ChatMessage) -> str:
     return "".join(parts)
 
 
-def chat_prompt(tokenizer, messages: list[ChatMessage]) -> str:
-    turns = [{"role": message.role, "content": _message_text(message)} for message in messages]
+def _turn(message: ChatMessage) -> dict:
+    turn = {"role": message.role, "content": _message_text(message)}
+    if message.tool_calls:
+        turn["tool_calls"] = message.tool_calls
+    if message.tool_call_id is not None:
+        turn["tool_call_id"] = message.tool_call_id
+    return turn
+
+
+def chat_prompt(tokenizer, messages: list[ChatMessage], plan: ToolPlan | None = None, tool_prompt=None) -> str:
+    """The chat template's prompt; tools go to templates that render them, else into the last message's text."""
+    turns = [_turn(message) for message in messages]
+    options = {}
+    if plan is not None:
+        if "tools" in (tokenizer.chat_template or ""):
+            options["tools"] = [{"type": "function", "function": function} for function in plan.functions]
+        elif turns:
+            turns[-1]["content"] = f"{turns[-1]['content']}\n---\n{tool_prompt_text(plan, tool_prompt)}"
     try:
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **options)
     except Exception as error:  # jinja errors of the model's own template
         raise TemplateError(str(error)) from error
+
+
+def _reply_message(generation: Generation, plan: ToolPlan | None) -> tuple[dict, str]:
+    """The assistant message and OpenAI finish reason; with tools, the grammar's JSON becomes `tool_calls`."""
+    finish_reason = FINISH_REASONS[generation.finish_reason]
+    if plan is None:
+        return {"role": "assistant", "content": generation.generated_text}, finish_reason
+    reply = parse_reply(generation.generated_text)
+    if reply.tool_calls is None:
+        return {"role": "assistant", "content": reply.content}, finish_reason
+    return {"role": "assistant", "content": None, "tool_calls": reply.tool_calls}, "tool_calls"
 
 
 def _logprobs_json(generation: Generation) -> dict:
@@ -107,23 +164,32 @@ def register(app: FastAPI, infer: Infer, settings: RouterSettings, guarded: list
             "system_fingerprint": SYSTEM_FINGERPRINT,
         }
 
-    async def stream_openai(
+    def stream_openai(
         prompts: list[str], params: GenerateParameters, chunk, usage_chunk, add_special_tokens: bool
-    ) -> AsyncIterator[str]:
-        """One SSE stream over every prompt, in order; each step becomes `chunk(index, step)`."""
-        try:
-            for index, prompt in enumerate(prompts):
-                with infer.permit():
-                    request = infer.validate(prompt, params, add_special_tokens=add_special_tokens)
-                    async with contextlib.aclosing(infer.stream(request)) as steps:
-                        async for step in steps:
-                            yield event(chunk(index, step))
-                            if step.generation is not None and usage_chunk is not None:
-                                yield event(usage_chunk(step.generation))
-        except TgiError as error:
-            yield event({"error": {"message": error.message, "http_status_code": error.status_code}})
-            return
-        yield DONE
+    ) -> Response:
+        """One SSE stream over every prompt, in order; each step becomes `chunk(index, step)` (None: no frame).
+
+        Every prompt is validated before the stream opens, so bad input gets its status code.
+        """
+        requests = [infer.validate(prompt, params, add_special_tokens=add_special_tokens) for prompt in prompts]
+
+        async def frames() -> AsyncIterator[str]:
+            try:
+                for index, request in enumerate(requests):
+                    with infer.permit():
+                        async with contextlib.aclosing(infer.stream(request)) as steps:
+                            async for step in steps:
+                                frame = chunk(index, step)
+                                if frame is not None:
+                                    yield event(frame)
+                                if step.generation is not None and usage_chunk is not None:
+                                    yield event(usage_chunk(step.generation))
+            except TgiError as error:
+                yield event({"error": {"message": error.message, "http_status_code": error.status_code}})
+                return
+            yield DONE
+
+        return sse_response(frames())
 
     async def generate_one(prompt: str, params: GenerateParameters, add_special_tokens: bool) -> Generation:
         with infer.permit():
@@ -133,13 +199,22 @@ def register(app: FastAPI, infer: Infer, settings: RouterSettings, guarded: list
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(body: ChatRequest) -> Response:
-        params = chat_parameters(body)
-        prompt = chat_prompt(infer.tokenizer, body.messages)
+        plan, grammar = chat_grammar(body)
+        params = chat_parameters(body, settings, grammar)
+        prompt = chat_prompt(infer.tokenizer, body.messages, plan, body.tool_prompt)
         want_logprobs = bool(body.logprobs)
         if body.stream:
 
-            def chunk(index: int, step: StreamStep) -> dict:
+            def chunk(index: int, step: StreamStep) -> dict | None:
                 finished = step.generation
+                if plan is not None:  # a call is only known once its JSON is complete: one delta at the end
+                    if finished is None:
+                        return None
+                    message, finish_reason = _reply_message(finished, plan)
+                    if message.get("tool_calls"):
+                        message["tool_calls"] = [{"index": 0, **call} for call in message["tool_calls"]]
+                    choice = {"index": index, "delta": message, "logprobs": None, "finish_reason": finish_reason}
+                    return {**envelope("chat.completion.chunk"), "choices": [choice], "usage": None}
                 content = "" if step.token.special else step.token.text
                 logprobs = None
                 if want_logprobs:
@@ -158,14 +233,14 @@ def register(app: FastAPI, infer: Infer, settings: RouterSettings, guarded: list
                 return {**envelope("chat.completion.chunk"), "choices": [], "usage": _usage(generation)}
 
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            frames = stream_openai([prompt], params, chunk, usage_chunk if include_usage else None, False)
-            return sse_response(frames)
+            return stream_openai([prompt], params, chunk, usage_chunk if include_usage else None, False)
         generation = await generate_one(prompt, params, add_special_tokens=False)
+        message, finish_reason = _reply_message(generation, plan)
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": generation.generated_text},
+            "message": message,
             "logprobs": _logprobs_json(generation) if want_logprobs else None,
-            "finish_reason": FINISH_REASONS[generation.finish_reason],
+            "finish_reason": finish_reason,
         }
         return JSONResponse({**envelope("chat.completion"), "choices": [choice], "usage": _usage(generation)})
 
@@ -174,11 +249,13 @@ def register(app: FastAPI, infer: Infer, settings: RouterSettings, guarded: list
         if body.suffix is not None:
             raise ValidationError("suffix not supported")
         prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+        if not prompts:
+            raise ValidationError("`prompt` must hold at least one prompt")
         if len(prompts) > settings.max_client_batch_size:
             raise ValidationError(
                 f"batch size exceeded: {len(prompts)} prompts, at most {settings.max_client_batch_size}"
             )
-        params = GenerateParameters(
+        params = _parameters(
             **_sampling(body.temperature),
             max_new_tokens=body.max_tokens,
             top_p=body.top_p,
@@ -200,7 +277,7 @@ def register(app: FastAPI, infer: Infer, settings: RouterSettings, guarded: list
                 }
                 return {**envelope("text_completion"), "choices": [choice]}
 
-            return sse_response(stream_openai(prompts, params, chunk, None, True))
+            return stream_openai(prompts, params, chunk, None, True)
         generations = [await generate_one(prompt, params, add_special_tokens=True) for prompt in prompts]
         choices = [
             {
@@ -220,7 +297,11 @@ def register(app: FastAPI, infer: Infer, settings: RouterSettings, guarded: list
 
     @app.post("/chat_tokenize")
     async def chat_tokenize(body: ChatRequest) -> JSONResponse:
-        prompt = chat_prompt(infer.tokenizer, body.messages)
+        """The chat request's prompt; its sampling fields are checked as chat completions would check them."""
+        plan, grammar = chat_grammar(body)
+        validate_parameters(chat_parameters(body, settings, grammar), settings)
+        _check_range("max_tokens", body.max_tokens, 1, settings.max_total_tokens - 1)
+        prompt = chat_prompt(infer.tokenizer, body.messages, plan, body.tool_prompt)
         encoding = infer.tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
         pieces = [
             {"id": token_id, "text": prompt[start:stop], "start": start, "stop": stop}

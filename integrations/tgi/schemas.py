@@ -1,18 +1,37 @@
 """Request bodies of TGI's HTTP API (router `GenerateRequest`, `CompatGenerateRequest`, `ChatRequest`, ...).
 
-Every field accepts null, unknown keys are ignored, and range checks live in `validation.py` so the
-messages are TGI's own.
+Every field accepts null, unknown keys are ignored, types are strict (no "1" for 1, as serde), and range checks
+live in `validation.py` so the messages are TGI's own (`openapi.py` declares those ranges in the document).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def _whole_number(value: Any) -> Any:
+    """JSON Schema counts 3.0 as an integer, so the document's `integer` fields take it (never "3" or 3.5)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_whole_number)]
+# TGI's Rust integer types bound what deserializes at all (anything larger is a 422 before validation).
+def U32():  # noqa: N802 - reads as the Rust type it mirrors
+    return Field(None, le=2**32 - 1)
+
+
+def I32():  # noqa: N802
+    return Field(None, le=2**31 - 1)
+
+
+def U64():  # noqa: N802
+    return Field(None, ge=0, le=2**64 - 1)
 
 
 class Grammar(_Body):
@@ -21,23 +40,23 @@ class Grammar(_Body):
 
 
 class GenerateParameters(_Body):
-    best_of: int | None = None
+    best_of: Int | None = U32()
     temperature: float | None = None
     repetition_penalty: float | None = None
     frequency_penalty: float | None = None
-    top_k: int | None = None
+    top_k: Int | None = I32()
     top_p: float | None = None
     typical_p: float | None = None
     do_sample: bool = False
-    max_new_tokens: int | None = None
+    max_new_tokens: Int | None = U32()
     return_full_text: bool | None = None
     stop: list[str] | None = None
-    truncate: int | None = None
+    truncate: Int | None = U32()
     watermark: bool = False
     details: bool = False
     decoder_input_details: bool = False
-    seed: int | None = Field(None, ge=0, le=2**64 - 1)
-    top_n_tokens: int | None = None
+    seed: Int | None = U64()
+    top_n_tokens: Int | None = U32()
     grammar: Grammar | None = None
     adapter_id: str | None = None
 
@@ -57,6 +76,13 @@ class GenerateRequest(_Body):
     parameters: GenerateParameters = Field(default_factory=parameters_when_absent)
 
 
+class TokenizeRequest(_Body):
+    """`/tokenize` reads only `inputs`; `parameters` is accepted and unused."""
+
+    inputs: str
+    parameters: dict[str, Any] | None = None
+
+
 class CompatGenerateRequest(GenerateRequest):
     stream: bool = False
 
@@ -66,10 +92,19 @@ class ChatMessage(_Body):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class ResponseFormat(_Body):
+    """OpenAI's (text | json_object | json_schema with `json_schema`) or TGI's (json | regex with `value`)."""
+
+    type: Literal["text", "json_object", "json_schema", "json", "regex"]
+    value: Any = None
+    json_schema: dict[str, Any] | None = None
 
 
 class ChatRequest(_Body):
@@ -78,31 +113,31 @@ class ChatRequest(_Body):
     frequency_penalty: float | None = None
     logit_bias: Any = None  # accepted, unused (as in TGI)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    n: int | None = None
+    top_logprobs: Int | None = U32()
+    max_tokens: Int | None = U32()
+    max_completion_tokens: Int | None = U32()
+    n: Int | None = U32()
     presence_penalty: float | None = None
     stop: list[str] | str | None = None
     stream: bool = False
-    seed: int | None = None
+    seed: Int | None = U64()
     temperature: float | None = None
     top_p: float | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     tool_prompt: str | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     stream_options: StreamOptions | None = None
 
 
 class CompletionRequest(_Body):
     model: str | None = None
     prompt: str | list[str]
-    max_tokens: int | None = None
+    max_tokens: Int | None = U32()
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
-    seed: int | None = None
+    seed: Int | None = U64()
     suffix: str | None = None
     repetition_penalty: float | None = None
     frequency_penalty: float | None = None

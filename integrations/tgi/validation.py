@@ -93,6 +93,8 @@ def validate_parameters(params: GenerateParameters, settings: RouterSettings) ->
     stop = params.stop or []
     if len(stop) > settings.max_stop_sequences:
         raise ValidationError(f"`stop` supports up to {settings.max_stop_sequences} stop sequences. Given: {len(stop)}")
+    if not all(stop):
+        raise ValidationError("`stop` sequences must not be empty")  # an empty one would match at once
     top_n = params.top_n_tokens or 0
     if not 0 <= top_n <= settings.max_top_n_tokens:
         raise ValidationError(f"`top_n_tokens` must be >= 0 and <= {settings.max_top_n_tokens}. Given: {top_n}")
