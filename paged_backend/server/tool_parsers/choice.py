@@ -75,13 +75,19 @@ def plan_tool_calls(
         return ToolCallPlan("auto", parser_name=tool_call_parser, parallel=parallel)
     if tool_choice == "required":
         schema = required_calls_schema(functions, parallel)
-        return ToolCallPlan("required", StructuredOutputsParams(json=schema), parallel=parallel)
+        return ToolCallPlan("required", _forced(schema), parallel=parallel)
     name = tool_choice["name"]
     if name not in functions:
         raise InvalidRequest(
             f"tool_choice names function {name!r}, but tools define only: {', '.join(functions)}; name one of them"
         )
-    return ToolCallPlan("named", StructuredOutputsParams(json=named_call_schema(functions[name])), function_name=name)
+    return ToolCallPlan("named", _forced(named_call_schema(functions[name])), function_name=name)
+
+
+def _forced(schema: dict[str, Any]) -> StructuredOutputsParams:
+    # JSON laid out as json.dumps writes it (what chat templates show models through `tojson`), with no free
+    # whitespace: arguments come out canonical, and a weak model cannot spend its budget on blank space.
+    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
 
 def _show(tool_choice: str | dict) -> str:
