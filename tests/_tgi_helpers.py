@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -132,6 +133,28 @@ def running(*processes: Process):
         for process in processes:
             process.wait_ready()
         yield processes
+
+
+BACKENDS = ("paged", "reference", "grpc")
+# Small prefill budget and eager concatenation so the Python router batches often in short tests.
+ROUTER_ARGS = ["--max-batch-prefill-tokens", "512", "--waiting-served-ratio", "1.2", "--max-waiting-tokens", "3"]
+
+
+@contextmanager
+def every_backend(shard_blocks: int, extra_args: list[str] = ()):
+    """`paged`, `reference` and `grpc` (our router driving our shard) servers, keyed by backend name."""
+    directory = tempfile.mkdtemp(prefix="tgi-", dir="/tmp")  # unix socket paths must stay short
+    uds_path = f"{directory}/shard"
+    shard = Shard(uds_path, ["--num-blocks", str(shard_blocks), "--device", "cpu"])
+    in_process = [TgiServer("paged", extra_args), TgiServer("reference", extra_args)]
+    try:
+        with running(shard, *in_process):
+            # The router warms the shard up at start, so it starts once the shard's socket exists.
+            grpc_args = ["--shard-uds-path", uds_path, *ROUTER_ARGS, *extra_args]
+            with running(TgiServer("grpc", grpc_args)) as (grpc_server,):
+                yield {server.backend: server for server in [*in_process, grpc_server]}
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def greedy_texts(url: str) -> dict[str, str]:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import shutil
-import tempfile
 
 import httpx
 import pytest
@@ -17,24 +15,15 @@ from text_generation import AsyncClient, Client
 from text_generation.errors import ValidationError
 from text_generation.types import Message
 
-from tests._tgi_helpers import MAX_NEW_TOKENS, Shard, TgiServer, greedy_texts, running
+from tests._tgi_helpers import BACKENDS, MAX_NEW_TOKENS, every_backend, greedy_texts
 
-BACKENDS = ("paged", "reference", "grpc")
-ROUTER_ARGS = ["--max-batch-prefill-tokens", "512", "--waiting-served-ratio", "1.2", "--max-waiting-tokens", "3"]
 SHARD_BLOCKS = 257
 
 
 @pytest.fixture(scope="module")
 def servers():
-    directory = tempfile.mkdtemp(prefix="tgi-", dir="/tmp")  # unix socket paths must stay short
-    uds_path = f"{directory}/shard"
-    shard = Shard(uds_path, ["--num-blocks", str(SHARD_BLOCKS), "--device", "cpu"])
-    in_process = [TgiServer("paged"), TgiServer("reference")]
-    with running(shard, *in_process):
-        # The router warms the shard up at start, so it starts once the shard's socket exists.
-        with running(TgiServer("grpc", ["--shard-uds-path", uds_path, *ROUTER_ARGS])) as (grpc_server,):
-            yield {server.backend: server for server in [*in_process, grpc_server]}
-    shutil.rmtree(directory, ignore_errors=True)
+    with every_backend(SHARD_BLOCKS) as servers:
+        yield servers
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -132,7 +121,7 @@ def test_concurrent_requests_and_disconnects_free_every_block(servers, backend):
     assert metrics["tgi_request_success"] > 0 and metrics["tgi_batch_max_total_tokens"] > 0
 
 
-@pytest.mark.parametrize("backend", ["reference", "grpc"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_details_and_top_tokens(servers, backend):
     response = Client(servers[backend].url, timeout=120).generate(
         "Hello world", max_new_tokens=4, decoder_input_details=True, top_n_tokens=3
