@@ -66,14 +66,18 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
     if kind == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     location = _field_path(first)
-    missing = list(dict.fromkeys(_dotted(_field_path(error)) for error in errors if error.get("type") == "missing"))
-    if len(missing) > 1 and all(error.get("type") == "missing" for error in errors):  # a body of one of two forms
-        return f"the body needs {' or '.join(repr(name) for name in missing)}", None
+    if _is_union_member(_body_path(first)):  # the body is one of several models (POST /tokenize) and fits none
+        if all(error.get("type") == "missing" for error in errors):
+            missing = dict.fromkeys(_dotted(_field_path(error)) for error in errors)
+            return f"the body needs {' or '.join(repr(name) for name in missing)}", None
+        errors = _errors_of_the_closest_form(errors)
+        first, kind, location = errors[0], errors[0].get("type", ""), _field_path(errors[0])
     if not location:
         return f"the request body is invalid: {first.get('msg')}", None
     siblings = [_field_path(error) for error in errors if _field_path(error)[:1] == location[:1]]
     common = _common_prefix(siblings)
-    if len(siblings) > 1 and len(common) < len(location):
+    forms_differ = len(siblings) > 1 and len(common) < len(location) and isinstance(location[len(common)], str)
+    if forms_differ:  # one value, several union forms (list indices are items, not forms)
         forms = ", ".join(dict.fromkeys(
             str(path[len(common)]).replace("constrained-", "") for path in siblings if len(path) > len(common)
         ))  # fmt: skip
@@ -91,9 +95,21 @@ def _is_union_member(path: tuple) -> bool:
     return bool(path) and isinstance(path[0], str) and (path[0][:1].isupper() or path[0].startswith("function-"))
 
 
-def _field_path(error: dict) -> tuple:
+def _errors_of_the_closest_form(errors: list[dict]) -> list[dict]:
+    """Of a body union's errors, those of the form the body comes closest to: the one missing fewest fields."""
+    by_form: dict[str, list[dict]] = {}
+    for error in errors:
+        by_form.setdefault(str(_body_path(error)[0]), []).append(error)
+    return min(by_form.values(), key=lambda group: sum(error.get("type") == "missing" for error in group))
+
+
+def _body_path(error: dict) -> tuple:
     location = tuple(error.get("loc", ()))
-    location = location[1:] if location[:1] == ("body",) else location
+    return location[1:] if location[:1] == ("body",) else location
+
+
+def _field_path(error: dict) -> tuple:
+    location = _body_path(error)
     return location[1:] if _is_union_member(location) else location  # the body is one of several models
 
 

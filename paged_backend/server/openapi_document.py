@@ -46,7 +46,9 @@ GENERATION_ERRORS = {
     "429": _error("Too many requests in flight (--max-concurrent-requests), or no room in the KV cache"),
     "503": _error("The server is shutting down"),
 }
-EVENT_STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events"}}}
+# One server-sent event: `data` holds a JSON chunk, and the last one `[DONE]`.
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+EVENT_STREAM = {"text/event-stream": {"schema": SSE_EVENT}}
 
 
 def truthful_document(document: dict[str, Any]) -> dict[str, Any]:

@@ -91,8 +91,24 @@ def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
     return names
 
 
+def _integral_floats_as_ints(value: Any) -> Any:
+    """1.0 -> 1, in a value and the lists within it: JSON Schema counts 1.0 as an integer, strict pydantic not."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral_floats_as_ints(item) for item in value]
+    return value
+
+
 class _Request(_Lenient):
     """A request body: unknown keys anywhere in it are logged once (or refused under --strict-fields)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_integers(cls, body: Any) -> Any:
+        if not isinstance(body, dict):
+            return body
+        return {key: _integral_floats_as_ints(value) for key, value in body.items()}
 
     @model_validator(mode="after")
     def _report_unknown_fields(self) -> _Request:
@@ -125,7 +141,11 @@ class _SamplingRequest(_Request):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     logit_bias: (
-        Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_TOKEN_LIST)] | None
+        Annotated[
+            dict[str, Annotated[float, Field(ge=-100, le=100)]],
+            Field(max_length=MAX_TOKEN_LIST, json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"}}),
+        ]
+        | None
     ) = None
     user: str | None = None  # OpenAI uses it for abuse monitoring only; accepted, not needed here
     # vLLM's sampling extensions
