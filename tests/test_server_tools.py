@@ -158,6 +158,8 @@ BAD = {
     "tool without a name": ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "name"),
     "tool parameters not a schema": (
         {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]}, "schema"),
+    "tool parameters with a bad $schema": (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$schema": []}}}]}, "$schema"),
     "two tools with one name": ({"tools": [TOOLS[0], TOOLS[0]]}, "distinct"),
     "named function missing": (
         {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "get_stock"),

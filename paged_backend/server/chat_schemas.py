@@ -94,6 +94,8 @@ class FunctionDefinition(_Lenient):
     @classmethod
     def _is_a_json_schema(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
         if parameters is not None:
+            if not isinstance(parameters.get("$schema", ""), str):  # jsonschema looks it up as a string
+                raise ValueError("not a valid JSON schema: '$schema' must be a URI string")
             try:
                 jsonschema.validators.validator_for(parameters).check_schema(parameters)
             except jsonschema.SchemaError as error:
