@@ -74,6 +74,8 @@ def _params(field: str, **constraint: Any) -> StructuredOutputsParams:
     if schema is not None:
         if not isinstance(schema, dict):
             raise InvalidRequest(f"{field}: a JSON schema must be an object, got {type(schema).__name__}")
+        if not isinstance(schema.get("$schema", ""), str):  # jsonschema looks the metaschema up by this string
+            raise InvalidRequest(f"{field} is not a valid JSON schema: '$schema' must be a URI string")
         try:
             jsonschema.validators.validator_for(schema).check_schema(schema)
         except jsonschema.SchemaError as error:
