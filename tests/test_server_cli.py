@@ -12,7 +12,8 @@ from paged_backend.server.engine_args import EngineArgs
 ENGINE_FLAGS = ["--model", "--block-size", "--num-blocks", "--max-num-seqs", "--max-num-batched-tokens",
                 "--max-model-len", "--swap-space", "--enable-prefix-caching", "--no-enable-prefix-caching",
                 "--dtype", "--device", "--seed", "--gpu-memory-utilization"]  # fmt: skip
-SERVER_FLAGS = ["--host", "--port", "--api-key", "--max-concurrent-requests", "--max-request-body-bytes"]
+SERVER_FLAGS = ["--host", "--port", "--api-key", "--max-concurrent-requests", "--max-request-body-bytes",
+                "--strict-fields", "--enable-auto-tool-choice", "--tool-call-parser"]  # fmt: skip
 
 
 def test_every_flag_lands_on_its_config_field():
@@ -39,3 +40,23 @@ def test_register_adds_serve_with_every_flag():
     assert result.exit_code == 0
     for flag in ENGINE_FLAGS + SERVER_FLAGS:
         assert flag in result.output
+
+
+def serve_exit(*flags: str):
+    app = typer.Typer()
+    register(app)
+    return CliRunner().invoke(app, list(flags))
+
+
+def test_auto_tool_choice_needs_a_parser_and_the_parser_a_known_name():
+    without_parser = serve_exit("--enable-auto-tool-choice")
+    assert without_parser.exit_code == 2 and "--tool-call-parser" in without_parser.output
+    unknown = serve_exit("--tool-call-parser", "nope")
+    assert unknown.exit_code == 2 and "hermes" in unknown.output
+
+
+def test_the_parser_choices_are_the_registered_parsers():
+    from paged_backend.server.cli import TOOL_CALL_PARSERS
+    from paged_backend.server.tool_parsers import TOOL_PARSERS
+
+    assert set(TOOL_CALL_PARSERS) == set(TOOL_PARSERS)
