@@ -118,6 +118,12 @@ def render_chat_prompt(server: ServerState, body: ChatCompletionRequest) -> list
         raise InvalidRequest(
             f"the chat template could not render these messages: {type(error).__name__}: {error}"
         ) from error
+    try:
+        text.encode()
+    except UnicodeEncodeError as error:  # JSON may carry lone surrogates ("\\ud800"), which no tokenizer encodes
+        raise InvalidRequest(
+            f"the messages hold text that is not valid Unicode ({error.reason}); send UTF-8 text"
+        ) from None
     return tokenizer(text, add_special_tokens=body.add_special_tokens).input_ids
 
 

@@ -1,9 +1,9 @@
 """The /v1/chat/completions request body: messages, tools and vLLM's chat extensions, on the shared sampling fields.
 
-Messages take the shapes vLLM accepts: roles system, developer, user, assistant (content may be null when it
-carries `tool_calls`) and tool (answering a call by `tool_call_id`); content is a string or a list of text parts.
-Keys a message carries beyond these are passed to the chat template, as vLLM does (templates read e.g.
-`reasoning_content`).
+Messages take the shapes vLLM accepts, one model per role so the OpenAPI document states them: system, developer,
+user, assistant (content may be null; it may carry `tool_calls`) and tool (answering a call by `tool_call_id`);
+content is a string or a list of text parts. Keys a message carries beyond these are passed to the chat template,
+as vLLM does (templates read e.g. `reasoning_content`).
 """
 
 from __future__ import annotations
@@ -12,14 +12,17 @@ import json
 from typing import Annotated, Any, Literal
 
 import jsonschema
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paged_backend.server.schemas import _Lenient, _SamplingRequest
 
 
-class ContentPart(_Lenient):
-    type: str
-    text: str | None = None
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+Content = str | list[TextPart]
 
 
 class FunctionCall(_Lenient):
@@ -33,55 +36,79 @@ class AssistantToolCall(_Lenient):
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
+class _Message(BaseModel):
+    """One turn. Keys beyond the declared ones are passed to the chat template, as vLLM does."""
+
     model_config = ConfigDict(extra="allow", strict=True)
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[AssistantToolCall] | None = None
-    tool_call_id: str | None = None
-
-    @model_validator(mode="after")
-    def _shape_fits_role(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(
-                f"a {self.role!r} message needs 'content' (only an assistant turn with tool_calls may omit it)"
-            )
-        for part in self.content if isinstance(self.content, list) else []:
-            if part.type != "text" or part.text is None:
-                raise ValueError(f"content parts must be {{'type': 'text', 'text': ...}}; got type {part.type!r}")
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError(f"only assistant messages carry 'tool_calls', not {self.role!r} ones")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a 'tool' message needs 'tool_call_id', the id of the call it answers")
-        for call in self.tool_calls or []:
-            try:
-                json.loads(call.function.arguments)
-            except ValueError as error:
-                raise ValueError(f"tool call {call.id!r}: 'function.arguments' is not JSON text ({error})") from None
-        return self
 
     def text(self) -> str:
         """The content as one string; text parts are joined by newlines, as vLLM joins them."""
-        if self.content is None:
+        content = getattr(self, "content", None)
+        if content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
+        return content if isinstance(content, str) else "\n".join(part.text for part in content)
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it: tool-call arguments as objects (templates `tojson` them)."""
         rendered: dict[str, Any] = {**(self.model_extra or {}), "role": self.role, "content": self.text()}
         if self.name is not None:
             rendered["name"] = self.name
-        if self.tool_call_id is not None:
-            rendered["tool_call_id"] = self.tool_call_id
+        return rendered
+
+
+class SystemMessage(_Message):
+    role: Literal["system"]
+    content: Content
+
+
+class DeveloperMessage(_Message):
+    role: Literal["developer"]
+    content: Content
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+    content: Content
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: Content | None = None  # null when the turn only calls tools
+    tool_calls: list[AssistantToolCall] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        rendered = super().for_template()
         if self.tool_calls:
             rendered["tool_calls"] = [
                 {"id": call.id, "type": "function",
-                 "function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)}}
+                 "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
                 for call in self.tool_calls
             ]  # fmt: skip
         return rendered
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str  # the call this result answers
+
+    def for_template(self) -> dict[str, Any]:
+        return {**super().for_template(), "tool_call_id": self.tool_call_id}
+
+
+ChatMessage = Annotated[
+    SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
+
+
+def _arguments(text: str) -> Any:
+    """Arguments as an object for the template; text that is not JSON reaches it as the string it is."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class FunctionDefinition(_Lenient):
