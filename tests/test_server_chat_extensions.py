@@ -178,6 +178,7 @@ BAD = {
     "template syntax error": ({"messages": CONTINUED, "chat_template": "{% for %}"}, "chat template"),
     "template raises": ({"messages": CONTINUED, "chat_template": "{{ raise_exception('no tools here') }}"},
                         "no tools here"),
+    "template renders nothing": ({"messages": CONTINUED, "chat_template": "{# nothing #}"}, "empty text"),
     "kwargs override an argument": (
         {"messages": CONTINUED, "chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
     "image part": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

@@ -118,6 +118,8 @@ def render_chat_prompt(server: ServerState, body: ChatCompletionRequest) -> list
         raise InvalidRequest(
             f"the chat template could not render these messages: {type(error).__name__}: {error}"
         ) from error
+    if not text:
+        raise InvalidRequest("the chat template rendered these messages as empty text; check the template")
     try:
         text.encode()
     except UnicodeEncodeError as error:  # JSON may carry lone surrogates ("\\ud800"), which no tokenizer encodes

@@ -158,7 +158,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # vLLM's chat extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template: str | None = None
+    chat_template: Annotated[str, Field(min_length=1)] | None = None  # a Jinja template replacing the model's
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None  # passed to the template, for RAG templates that render them
     echo: bool = False  # prepend the last message's content when it has the response's role (continuing it)
