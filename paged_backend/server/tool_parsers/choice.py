@@ -85,8 +85,8 @@ def plan_tool_calls(
 
 
 def _forced(schema: dict[str, Any]) -> StructuredOutputsParams:
-    # JSON laid out as json.dumps writes it (what chat templates show models through `tojson`), with no free
-    # whitespace: arguments come out canonical, and a weak model cannot spend its budget on blank space.
+    # No free whitespace between JSON tokens: arguments come out compact and canonical, and a weak model cannot
+    # spend its token budget on blank space.
     return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
 
