@@ -25,6 +25,8 @@ from paged_backend.models import embedded_model
 from tests._tgi_helpers import BACKENDS, every_backend
 
 SHARD_BLOCKS = 257
+# Room for tool prompts (the byte tokenizer spends a token per character) within the model's 1024 positions.
+LIMITS = ["--max-total-tokens", "1024", "--max-input-tokens", "900", "--max-batch-prefill-tokens", "1024"]
 PROMPT = "The quick brown fox jumps"  # 25 tokens: one full block, so a repeat hits the paged prefix cache
 GRAMMAR_BACKENDS = ("paged", "grpc")
 needs_grammar_engine = pytest.mark.skipif(
@@ -48,7 +50,7 @@ WEATHER_TOOL = {
         "description": "Weather in a city",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1}},
+            "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1, "maximum": 30}},
             "required": ["city", "days"],
         },
     },
@@ -58,7 +60,7 @@ CLOCK_TOOL = {"type": "function", "function": {"name": "get_time", "parameters":
 
 @pytest.fixture(scope="module")
 def servers():
-    with every_backend(SHARD_BLOCKS) as started:
+    with every_backend(SHARD_BLOCKS, LIMITS) as started:
         yield started
         for backend in ("paged", "grpc"):  # every KV block is free again once the module's requests ended
             started[backend].wait_until_drained()
@@ -176,7 +178,7 @@ def test_grammar_output_validates(servers, backend):
     hub = InferenceClient(model=servers[backend].url, timeout=120)
     for seed in range(3):
         text = client.generate(
-            PROMPT, max_new_tokens=200, do_sample=True, seed=seed, grammar=Grammar(type=GrammarType.Json, value=PERSON)
+            PROMPT, max_new_tokens=400, do_sample=True, seed=seed, grammar=Grammar(type=GrammarType.Json, value=PERSON)
         ).generated_text
         jsonschema.validate(json.loads(text), PERSON)
         pattern = r"[a-c]{2,4}-[0-9]{3}"

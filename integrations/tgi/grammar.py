@@ -24,9 +24,10 @@ class ValidGrammar:
     text: str  # a JSON schema's text or a regular expression
 
     def structured_outputs(self) -> StructuredOutputsParams:
-        """The engine's constraint for this grammar."""
+        """The engine's constraint for this grammar; JSON comes compact (TGI's grammars allow no free whitespace
+        either), so a model cannot spend its token budget on indentation."""
         if self.type == "json":
-            return StructuredOutputsParams(json=self.text)
+            return StructuredOutputsParams(json=self.text, disable_any_whitespace=True)
         return StructuredOutputsParams(regex=self.text)
 
 

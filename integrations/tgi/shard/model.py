@@ -190,10 +190,10 @@ class ShardModel:
         self._attach_matchers(batch)
         tokens, logprobs = self.sampler(sample_logits, [r.seq for r in batch.requests])
         results = []
-        for request, token_id, token_logprobs in zip(batch.requests, tokens, logprobs, strict=True):
+        for index, (request, token_id, token_logprobs) in enumerate(zip(batch.requests, tokens, logprobs, strict=True)):
             prefill = None
-            if request.id in prompt_rows:
-                prefill = self._prompt_logprobs(request, logits, [row_index[r] for r in prompt_rows[request.id]])
+            if index in prompt_rows:
+                prefill = self._prompt_logprobs(request, logits, [row_index[r] for r in prompt_rows[index]])
             request.num_computed_tokens = request.seq.num_tokens
             request.seq.token_ids.append(token_id)
             grammar = request.seq.grammar
@@ -209,11 +209,12 @@ class ShardModel:
 
     @staticmethod
     def _prompt_rows(batch: ShardBatch, query_start_loc: list[int]) -> dict[int, list[int]]:
-        """Packed rows whose logits give prompt logprobs: every new prompt row but the last, per asking request."""
+        """Packed rows whose logits give prompt logprobs: every new prompt row but the last, by position in the batch
+        (not by request id: TGI's warmup sends every request with id 0)."""
         rows = {}
         for index, request in enumerate(batch.requests):
             if request.prefill_logprobs and request.seq.num_output_tokens == 0:
-                rows[request.id] = list(range(query_start_loc[index], query_start_loc[index + 1] - 1))
+                rows[index] = list(range(query_start_loc[index], query_start_loc[index + 1] - 1))
         return rows
 
     @staticmethod
