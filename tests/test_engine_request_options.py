@@ -143,3 +143,12 @@ def test_stop_string_can_stay_in_the_output_and_prompts_can_be_truncated(make_ll
     assert truncated.prompt_token_ids == PROMPT[-10:]
     assert truncated.outputs[0].token_ids == llm.generate([PROMPT[-10:]], SamplingParams(
         temperature=0, max_tokens=4))[0].outputs[0].token_ids
+
+
+def test_extreme_temperature_penalty_and_top_k_sample_without_nan(make_llm):
+    # Found by schemathesis through the TGI face: a temperature past float32's range became inf and -inf / inf NaN.
+    llm = make_llm()
+    params = SamplingParams(max_tokens=4, seed=1, repetition_penalty=3.37e307, temperature=1.03e285, top_p=0.1267,
+                            top_k=2**70, ignore_eos=True)
+    [output] = llm.generate([PROMPT], params)
+    assert len(output.outputs[0].token_ids) == 4

@@ -192,7 +192,13 @@ class Engine:
     def _structured(self):
         """The structured-output manager, built on first use (the grammar backend is imported only then)."""
         if self.sampler.structured is None:
-            from paged_backend.structured.manager import StructuredOutputManager
+            try:
+                from paged_backend.structured.manager import StructuredOutputManager
+            except ImportError as error:
+                raise InvalidRequest(
+                    f"structured outputs need the grammar engine, which is not installed ({error}); "
+                    "install paged-backend[structured]"
+                ) from error
 
             self.sampler.structured = StructuredOutputManager(
                 self.tokenizer, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids

@@ -139,13 +139,15 @@ class Sampler:
     def _probabilities(logits: torch.Tensor, params: list) -> torch.Tensor:
         """Temperature, then top-k, top-p and min-p masks, applied row-wise in one sort."""
         device, vocab = logits.device, logits.shape[-1]
-        temperature = torch.tensor([p.temperature for p in params], device=device)
+        largest = torch.finfo(logits.dtype).max
+        # A temperature past the dtype's range would be inf, and -inf / inf is NaN: keep it finite.
+        temperature = torch.tensor([p.temperature for p in params], device=device).clamp(max=largest)
         # Extreme penalties can overflow to +inf; keep every row finite so softmax never yields NaN.
-        logits = (logits / temperature[:, None]).clamp(max=torch.finfo(logits.dtype).max / 2)
+        logits = (logits / temperature[:, None]).clamp(max=largest / 2)
         if all(p.top_k <= 0 and p.top_p == 1 and p.min_p == 0 and p.typical_p == 1 for p in params):
             return torch.softmax(logits, dim=-1)
         ordered, order = logits.sort(dim=-1, descending=True)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device)
         rank = torch.arange(vocab, device=device)[None, :]
         drop = rank >= top_k[:, None]
         ordered = ordered.masked_fill(drop, float("-inf"))
