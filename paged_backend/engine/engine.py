@@ -171,8 +171,8 @@ class Engine:
         for name, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
             if ids is not None and not all(0 <= t < vocab for t in ids):
                 raise InvalidRequest(f"{name} must name token ids in [0, {vocab})")
-        if params.structured_outputs is not None:
-            self._structured().validate(params.structured_outputs)
+        # Compiling the constraint here refuses a bad one before anything is queued.
+        grammar = None if params.structured_outputs is None else self._structured().new_matcher(params.structured_outputs)
         if len(prompt_token_ids) >= self.max_model_len:
             raise PromptTooLong(
                 f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.max_model_len} "
@@ -182,6 +182,7 @@ class Engine:
         request = Request(request_id, prompt, prompt_token_ids, params, priority, next(self._arrivals))
         request.bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
         request.seqs.append(Sequence(request, 0))
+        request.seqs[0].grammar = grammar
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
 
@@ -307,15 +308,13 @@ class Engine:
             seqs.append(seq)
             for index in range(1, request.params.num_sequences):
                 child = seq.fork(index)
+                if seq.grammar is not None:  # siblings start their own walk through the grammar
+                    child.grammar = self._structured().new_matcher(request.params.structured_outputs)
                 self.block_manager.fork(seq.seq_id, child.seq_id)
                 request.seqs.append(child)
                 self.scheduler.add_running(child)
                 rows.append(row)
                 seqs.append(child)
-        for seq in seqs:
-            params = seq.request.params
-            if params.structured_outputs is not None and seq.grammar is None:
-                seq.grammar = self._structured().new_matcher(params.structured_outputs)
         return rows, seqs
 
     def _append_token(self, seq: Sequence, token: int, logprob: dict[int, float] | None) -> None:

@@ -187,7 +187,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.generator: torch.Generator | None = None  # made by the sampler for seeded requests
         self.cumulative_logprob = 0.0
-        self.grammar = None  # a structured-output matcher, made when the sequence first samples
+        self.grammar = None  # a structured-output matcher: made by add_request, or at the fork for siblings
         # Incremental detokenization: text so far and the token window decoded last time. The window starts a
         # few prompt tokens back so tokenizers that drop a word's leading space alone still render it.
         self.text = ""

@@ -13,12 +13,11 @@ import json
 import re
 from typing import Any
 
-import jsonschema
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from paged_backend.errors import InvalidRequest
-from paged_backend.structured.params import StructuredOutputsParams
+from paged_backend.structured.params import StructuredOutputsParams, json_schema_error
 
 # Whitespace a JSON gap may hold: one optional line break and indentation up to 20 columns. Bounded so a model
 # (random weights, or just unlucky sampling) cannot loop on whitespace forever; it still covers pretty-printing.
@@ -73,11 +72,10 @@ def _schema(value: dict[str, Any] | str) -> dict[str, Any] | bool:
             raise InvalidRequest(f"structured-output json schema is not valid JSON: {error}") from error
     if not isinstance(value, (dict, bool)):
         raise InvalidRequest(f"structured-output json schema must be a JSON object, got {type(value).__name__}")
-    try:
-        jsonschema.validators.validator_for(value, default=jsonschema.Draft202012Validator).check_schema(value)
-    except jsonschema.SchemaError as error:
-        where = "/".join(str(part) for part in error.absolute_path) or "the top level"
-        raise InvalidRequest(f"structured-output json schema is malformed at {where}: {error.message}") from error
+    problem = json_schema_error(value)
+    if problem is not None:
+        message, where = problem
+        raise InvalidRequest(f"structured-output json schema is malformed at {where}: {message}")
     return value
 
 

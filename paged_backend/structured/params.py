@@ -49,3 +49,27 @@ class StructuredOutputsParams:
         if isinstance(value, (dict, list)):
             value = json_module.dumps(value, sort_keys=True)
         return self.kind, value, self.disable_any_whitespace
+
+
+def json_schema_error(schema: Any) -> tuple[str, str] | None:
+    """Why `schema` is not a valid JSON schema of its own draft, as (jsonschema's sentence, where), or None.
+
+    Every face checks schemas through this one function; the grammar engine still refuses what it cannot compile
+    when jsonschema (the `structured` extra) is not installed.
+
+    >>> json_schema_error({"type": "objekt"})[1]
+    'type'
+    >>> json_schema_error({"$schema": []})
+    ("'$schema' must be a URI string", 'the top level')
+    """
+    if isinstance(schema, dict) and not isinstance(schema.get("$schema", ""), str):  # jsonschema looks it up by text
+        return "'$schema' must be a URI string", "the top level"
+    try:
+        import jsonschema
+    except ImportError:
+        return None
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as error:
+        return error.message, "/".join(map(str, error.absolute_path)) or "the top level"
+    return None
