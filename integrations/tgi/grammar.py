@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from paged_backend.errors import InvalidRequest
-from paged_backend.structured.params import StructuredOutputsParams
+from paged_backend.structured.params import StructuredOutputsParams, json_schema_error
 from paged_backend.tgi.errors import ValidationError
 
 GrammarType = Literal["json", "regex"]
@@ -53,16 +53,11 @@ def _schema(value: Any, *, empty_means_any_object: bool) -> dict:
 
 
 def _check_schema(schema: dict) -> None:
-    """Meta-validate against the schema's draft (jsonschema, from the `structured` extra, when installed)."""
-    try:
-        import jsonschema
-    except ImportError:  # the grammar engine still rejects what it cannot compile
-        return
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as error:
-        where = "/".join(map(str, error.absolute_path)) or "the schema root"
-        raise _invalid(f"{error.message} (at {where})") from error
+    """Meta-validate against the schema's own draft."""
+    problem = json_schema_error(schema)
+    if problem is not None:
+        message, where = problem
+        raise _invalid(f"{message} (at {where})")
 
 
 def validate_grammar(grammar_type: str, value: Any) -> ValidGrammar:

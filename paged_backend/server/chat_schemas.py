@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paged_backend.server.schemas import _Lenient, _SamplingRequest
+from paged_backend.structured.params import json_schema_error
 
 
 class TextPart(_Lenient):
@@ -120,13 +120,9 @@ class FunctionDefinition(_Lenient):
     @field_validator("parameters")
     @classmethod
     def _is_a_json_schema(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
-        if parameters is not None:
-            if not isinstance(parameters.get("$schema", ""), str):  # jsonschema looks it up as a string
-                raise ValueError("not a valid JSON schema: '$schema' must be a URI string")
-            try:
-                jsonschema.validators.validator_for(parameters).check_schema(parameters)
-            except jsonschema.SchemaError as error:
-                raise ValueError(f"not a valid JSON schema: {error.message}") from None
+        problem = None if parameters is None else json_schema_error(parameters)
+        if problem is not None:
+            raise ValueError(f"not a valid JSON schema: {problem[0]}")
         return parameters
 
 

@@ -15,10 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import jsonschema
-
 from paged_backend.errors import InvalidRequest
-from paged_backend.structured.params import StructuredOutputsParams
+from paged_backend.structured.params import StructuredOutputsParams, json_schema_error
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -74,12 +72,9 @@ def _params(field: str, **constraint: Any) -> StructuredOutputsParams:
     if schema is not None:
         if not isinstance(schema, dict):
             raise InvalidRequest(f"{field}: a JSON schema must be an object, got {type(schema).__name__}")
-        if not isinstance(schema.get("$schema", ""), str):  # jsonschema looks the metaschema up by this string
-            raise InvalidRequest(f"{field} is not a valid JSON schema: '$schema' must be a URI string")
-        try:
-            jsonschema.validators.validator_for(schema).check_schema(schema)
-        except jsonschema.SchemaError as error:
-            raise InvalidRequest(f"{field} is not a valid JSON schema: {error.message}") from None
+        problem = json_schema_error(schema)
+        if problem is not None:
+            raise InvalidRequest(f"{field} is not a valid JSON schema: {problem[0]}")
         constraint["json"] = schema
     try:
         return StructuredOutputsParams(**constraint)
