@@ -33,7 +33,8 @@ def integers(draw) -> dict:
 def numbers(draw) -> dict:
     low = draw(st.integers(-50, 50))
     return {"type": "number", "minimum": low, "maximum": low + draw(st.integers(0, 50)),
-            "multipleOf": draw(st.sampled_from([0.5, 0.25, 0.1]))}
+            # Binary fractions only: jsonschema divides floats, so it judges 2.8 no multiple of 0.1.
+            "multipleOf": draw(st.sampled_from([0.5, 0.25]))}
 
 
 @st.composite
@@ -82,7 +83,7 @@ def fuzz_llm() -> LLM:
     return LLM_FOR_FUZZ[0]
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(schema=SCHEMAS, seed=st.integers(0, 2**16), compact=st.booleans())
 def test_generated_schemas_always_yield_valid_documents(schema, seed, compact):
     llm = fuzz_llm()
