@@ -14,6 +14,7 @@ from typing import IO
 
 import httpx
 import openai
+import pytest
 
 API_KEY = "test-key"
 MODEL = "paged-backend-tiny"
@@ -117,3 +118,24 @@ def _wait_for_health(server: Server) -> None:
             pass
         time.sleep(0.25)
     raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT} s")
+
+
+def server_fixture(*flags: str):
+    """A module-scoped fixture running the server with `flags`: `server = server_fixture("--num-blocks", "64")`."""
+
+    @pytest.fixture(scope="module")
+    def server():
+        with running_server(*flags) as running:
+            yield running
+
+    return server
+
+
+def client_fixture():
+    """A module-scoped fixture: the module's `server` fixture's OpenAI client (`client = client_fixture()`)."""
+
+    @pytest.fixture(scope="module")
+    def client(server):
+        return server.client()
+
+    return client

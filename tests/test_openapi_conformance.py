@@ -20,9 +20,8 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
 
-from tests._server_helpers import API_KEY, running_server
+from tests._server_helpers import API_KEY, server_fixture
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 MAX_EXAMPLES = 25  # per operation and phase; the whole run stays around 30 s on a 2-core box
@@ -50,10 +49,7 @@ def assert_conforms(base_url: str, tmp_path: Path, *, headers: dict[str, str] | 
     assert result.returncode == 0, f"schemathesis found disagreements:\n{result.stdout[-20000:]}\n{result.stderr}"
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_server("--num-blocks", "64", "--max-model-len", "64") as server:
-        yield server
+server = server_fixture("--num-blocks", "64", "--max-model-len", "64")
 
 
 def test_schemathesis_checks_all_pass(server, tmp_path):

@@ -12,19 +12,17 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
-from tests._server_helpers import API_KEY, MODEL, running_server
+from tests._server_helpers import API_KEY, MODEL, server_fixture
 
 MAX_BODY = 4096
 MAX_CONCURRENT = 3
 MAX_MODEL_LEN = 64
 
 
-@pytest.fixture(scope="module")
-def server():
-    flags = ("--num-blocks", "64", "--max-model-len", str(MAX_MODEL_LEN), "--max-request-body-bytes", str(MAX_BODY),
-             "--max-concurrent-requests", str(MAX_CONCURRENT))  # fmt: skip
-    with running_server(*flags) as server:
-        yield server
+server = server_fixture(
+    "--num-blocks", "64", "--max-model-len", str(MAX_MODEL_LEN), "--max-request-body-bytes", str(MAX_BODY),
+    "--max-concurrent-requests", str(MAX_CONCURRENT),
+)  # fmt: skip
 
 
 def assert_openai_error(response: httpx.Response, status: int) -> dict:

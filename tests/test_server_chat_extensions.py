@@ -15,7 +15,7 @@ import pydantic
 import pytest
 
 from paged_backend.models import byte_tokenizer, tiny_model
-from tests._server_helpers import MODEL, running_server
+from tests._server_helpers import MODEL, client_fixture, running_server
 
 # transformers renders templates with trim_blocks, which eats a newline right after a block tag: hence {{ '\\n' }}.
 TEMPLATE = (
@@ -67,9 +67,7 @@ def server(tmp_path_factory):
         yield server
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
+client = client_fixture()
 
 
 def prompt_tokens(text: str) -> list[int]:

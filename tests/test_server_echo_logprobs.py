@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from paged_backend.models import embedded_model
-from tests._server_helpers import MODEL, running_server
+from tests._server_helpers import MODEL, client_fixture, server_fixture
 
 TOLERANCE = 1e-4
 # Two prompts sharing their first 40 tokens (more than two 16-token blocks), so the second can hit the prefix cache.
@@ -23,15 +23,10 @@ PROMPTS = [SHARED + [10, 11, 12, 13], SHARED + [20, 21, 22]]
 TEXT_PROMPT = "Paged attention keeps the KV cache in blocks."
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_server("--num-blocks", "256", "--max-model-len", "256") as server:
-        yield server
+server = server_fixture("--num-blocks", "256", "--max-model-len", "256")
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
+client = client_fixture()
 
 
 @pytest.fixture(scope="module")

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
-
-from tests._server_helpers import MODEL, running_server
+from tests._server_helpers import MODEL, client_fixture, server_fixture
 
 PROMPT = "The paged cache says:"
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_server("--num-blocks", "512", "--max-model-len", "512") as server:
-        yield server
+server = server_fixture("--num-blocks", "512", "--max-model-len", "512")
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
+client = client_fixture()
 
 
 def sampled(client, **kwargs):

@@ -11,21 +11,16 @@ import openai
 import pytest
 
 from paged_backend.models import byte_tokenizer
-from tests._server_helpers import MODEL, running_server
+from tests._server_helpers import MODEL, client_fixture, server_fixture
 
 PROMPT = "The paged cache says:"
 ABCDE = [ord(letter) for letter in "ABCDE"]  # byte-level tokenizer: one token per ASCII letter
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_server("--num-blocks", "512", "--max-model-len", "256") as server:
-        yield server
+server = server_fixture("--num-blocks", "512", "--max-model-len", "256")
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
+client = client_fixture()
 
 
 def greedy(client, **kwargs):

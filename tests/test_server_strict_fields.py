@@ -5,13 +5,9 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests._server_helpers import MODEL, running_server
+from tests._server_helpers import MODEL, server_fixture
 
-
-@pytest.fixture(scope="module")
-def server():
-    with running_server("--strict-fields", "--num-blocks", "64", "--max-model-len", "64") as server:
-        yield server
+server = server_fixture("--strict-fields", "--num-blocks", "64", "--max-model-len", "64")
 
 
 def error_of(response) -> dict:

@@ -15,7 +15,7 @@ import pytest
 from paged_backend.errors import InvalidRequest
 from paged_backend.server.schemas import CompletionRequest
 from paged_backend.server.structured_fields import structured_outputs_params
-from tests._server_helpers import MODEL, running_server
+from tests._server_helpers import MODEL, server_fixture
 
 SCHEMA = {
     "type": "object",
@@ -75,10 +75,7 @@ def test_ambiguous_or_broken_constraints_are_refused_by_name(fields, message):
         mapped(**fields)
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_server("--num-blocks", "256", "--max-model-len", "256") as server:
-        yield server
+server = server_fixture("--num-blocks", "256", "--max-model-len", "256")
 
 
 def complete(server, **fields):

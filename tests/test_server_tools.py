@@ -13,7 +13,7 @@ import re
 import jsonschema
 import pytest
 
-from tests._server_helpers import MODEL, running_server
+from tests._server_helpers import MODEL, client_fixture, server_fixture
 
 PARAMETERS = {
     "get_weather": {
@@ -36,16 +36,12 @@ TOOLS = [{"type": "function", "function": {"name": name, "parameters": schema}} 
 MESSAGES = [{"role": "user", "content": "What is the weather in Rome?"}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    flags = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    with running_server("--num-blocks", "256", "--max-model-len", "1024", *flags) as server:
-        yield server
+server = server_fixture(
+    "--num-blocks", "256", "--max-model-len", "1024", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"
+)
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
+client = client_fixture()
 
 
 def chat(client, **kwargs):

@@ -7,16 +7,13 @@ import pytest
 
 from paged_backend import __version__
 from paged_backend.models import byte_tokenizer
-from tests._server_helpers import MODEL, running_server
+from tests._server_helpers import MODEL, server_fixture
 
 MAX_MODEL_LEN = 128
 MESSAGES = [{"role": "user", "content": "Hello"}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_server("--num-blocks", "64", "--max-model-len", str(MAX_MODEL_LEN)) as server:
-        yield server
+server = server_fixture("--num-blocks", "64", "--max-model-len", str(MAX_MODEL_LEN))
 
 
 def test_tokenize_a_prompt_in_vllms_shape(server):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -15,7 +14,7 @@ from paged_backend.errors import InvalidRequest
 from paged_backend.server import sse
 from paged_backend.server.chat_schemas import ChatCompletionRequest
 from paged_backend.server.disconnect import cancel_on_disconnect
-from paged_backend.server.generation import ChoiceDelta, Generation, output_budget
+from paged_backend.server.generation import ChoiceDelta, Generation, check_streamable, output_budget
 from paged_backend.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from paged_backend.server.state import ServerState, server_state
 from paged_backend.server.tool_parsers import StreamDelta
@@ -45,11 +44,7 @@ async def create_chat_completion(
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = output_budget(requested, [len(prompt)], server.max_model_len, default=None)
     params = chat_sampling_params(body, plan, max_tokens)
-    if body.stream and params.num_sequences > params.n:
-        raise InvalidRequest(
-            f"best_of={body.best_of} cannot be streamed: the best {params.n} are known only at the end; "
-            "drop stream or set best_of to n"
-        )
+    check_streamable(params, body.stream, body.best_of)
     generation = Generation(server.async_engine, server.metrics, "chatcmpl", body.request_id)
     await cancel_on_disconnect(request, generation.start([prompt], params, body.priority))
     formatter = _ChatFormatter(server, body, generation.id, plan)
@@ -69,11 +64,10 @@ def tool_call_plan(server: ServerState, body: ChatCompletionRequest) -> ToolCall
     functions = {tool.function.name: tool.function.parameters for tool in body.tools or []}
     choice = body.tool_choice
     named = choice if isinstance(choice, str) or choice is None else {"name": choice.function.name}
-    settings = server.settings  # the auto-tool flags may be absent from older settings objects
     return plan_tool_calls(
         functions, named, body.parallel_tool_calls,
-        enable_auto_tool_choice=getattr(settings, "enable_auto_tool_choice", False),
-        tool_call_parser=getattr(settings, "tool_call_parser", None),
+        enable_auto_tool_choice=server.settings.enable_auto_tool_choice,
+        tool_call_parser=server.settings.tool_call_parser,
     )  # fmt: skip
 
 
@@ -129,11 +123,6 @@ def render_chat_prompt(server: ServerState, body: ChatCompletionRequest) -> list
     return tokenizer(text, add_special_tokens=body.add_special_tokens).input_ids
 
 
-@dataclass
-class _ChoiceStream:
-    reader: ToolCallReader | None
-
-
 class _ChatFormatter:
     def __init__(
         self, server: ServerState, body: ChatCompletionRequest, completion_id: str, plan: ToolCallPlan
@@ -144,7 +133,7 @@ class _ChatFormatter:
         last = body.messages[-1]
         # vLLM's echo: the answer starts with the message it continues (one in the answer's own role).
         self.echo = last.text() if body.echo and last.role == self.role else ""
-        self._streams: dict[int, _ChoiceStream] = {}
+        self._readers: dict[int, ToolCallReader | None] = {}  # per streamed choice
 
     def _logprobs(self, delta: ChoiceDelta) -> dict | None:
         if delta.logprobs is None or not self.body.logprobs:
@@ -170,15 +159,17 @@ class _ChatFormatter:
 
     def chunk_choice(self, delta: ChoiceDelta) -> dict | None:
         """One choice's part of a chunk, or None when it has nothing to say yet (a parser holds text back)."""
-        stream = self._streams.setdefault(delta.index, _ChoiceStream(self.plan.reader()))
+        if delta.index not in self._readers:
+            self._readers[delta.index] = self.plan.reader()
+        reader = self._readers[delta.index]
         finish_reason = delta.finish_reason
-        if stream.reader is None:
+        if reader is None:
             piece = StreamDelta(content=delta.text)
         else:
-            piece = stream.reader.feed(delta.text)
+            piece = reader.feed(delta.text)
             if delta.finish_reason is not None:
-                piece += stream.reader.finish()
-                finish_reason = self.plan.finish_reason(delta.finish_reason, stream.reader.called)
+                piece += reader.finish()
+                finish_reason = self.plan.finish_reason(delta.finish_reason, reader.called)
         message: dict = {"role": self.role} if delta.is_first else {}
         content = (self.echo if delta.is_first else "") + piece.content
         if content or (delta.is_first and not piece.tool_calls):

@@ -17,7 +17,7 @@ from paged_backend.engine.request import SamplingParams
 from paged_backend.errors import InvalidRequest
 from paged_backend.server import sse
 from paged_backend.server.disconnect import cancel_on_disconnect
-from paged_backend.server.generation import ChoiceDelta, Generation, output_budget
+from paged_backend.server.generation import ChoiceDelta, Generation, check_streamable, output_budget
 from paged_backend.server.logprobs import completion_logprobs, joined_logprobs, vllm_prompt_logprobs
 from paged_backend.server.schemas import CompletionRequest
 from paged_backend.server.state import ServerState, server_state
@@ -44,11 +44,7 @@ async def create_completion(
         0 if body.max_tokens == 0 else output_budget(body.max_tokens, lengths, server.max_model_len, DEFAULT_MAX_TOKENS)
     )
     params = completion_sampling_params(body, max_tokens)
-    if body.stream and params.num_sequences > params.n:
-        raise InvalidRequest(
-            f"best_of={body.best_of} cannot be streamed: the best {params.n} are known only at the end; "
-            "drop stream or set best_of to n"
-        )
+    check_streamable(params, body.stream, body.best_of)
     generation = Generation(server.async_engine, server.metrics, "cmpl", body.request_id)
     await cancel_on_disconnect(request, generation.start(prompts, params, body.priority))
     sent_as_text = [p if isinstance(p, str) and body.truncate_prompt_tokens is None else None for p in body.prompts()]

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from paged_backend.engine.request import CompletionOutput, RequestOutput, SamplingParams
-from paged_backend.errors import PromptTooLong
+from paged_backend.errors import InvalidRequest, PromptTooLong
 from paged_backend.server.async_engine import AsyncEngine
 from paged_backend.server.metrics import ServerMetrics
 
@@ -66,6 +66,15 @@ class Usage:
     def as_dict(self) -> dict:
         total = self.prompt_tokens + self.completion_tokens
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
+
+
+def check_streamable(params: SamplingParams, stream: bool | None, best_of: int | None) -> None:
+    """best_of candidates beyond n cannot be streamed: which n are best is known only at the end."""
+    if stream and params.num_sequences > params.n:
+        raise InvalidRequest(
+            f"best_of={best_of} cannot be streamed: the best {params.n} are known only at the end; "
+            "drop stream or set best_of to n"
+        )
 
 
 class Generation:

@@ -81,8 +81,9 @@ def chat_logprobs(
     """The chat shape: one object per token with its bytes and its top alternatives."""
 
     def described(token_id: int, logprob: float | None) -> dict:
-        token = token_text(tokenizer, token_id, as_token_ids)
-        return {"token": token, "logprob": logprob, "bytes": list(tokenizer.decode([token_id]).encode())}
+        text = tokenizer.decode([token_id])
+        token = f"token_id:{token_id}" if as_token_ids else text
+        return {"token": token, "logprob": logprob, "bytes": list(text.encode())}
 
     content = []
     for token_id, entry in zip(token_ids, logprobs, strict=False):

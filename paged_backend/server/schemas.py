@@ -31,7 +31,7 @@ SAMPLING_FIELDS = (
     "bad_words", "prompt_logprobs",
 )  # fmt: skip
 
-# Set per request by the app (RequestGuard): whether unknown fields are a 400 (`--strict-fields`) or a warning.
+# Set per request by the app (its FieldPolicy middleware): whether unknown fields are a 400 (`--strict-fields`) or a warning.
 strict_fields: ContextVar[bool] = ContextVar("strict_fields", default=False)
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
