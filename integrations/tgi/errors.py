@@ -8,10 +8,15 @@ class TgiError(Exception):
 
     status_code = 500
     error_type = "unknown"
+    prefix = ""  # what TGI's router writes before the error's own text
+    default_message = ""  # the text when none is given
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(self.default_message if message is None else message)
 
     @property
     def message(self) -> str:
-        return str(self)
+        return f"{self.prefix}{self}"
 
     def body(self) -> dict[str, str]:
         return {"error": self.message, "error_type": self.error_type}
@@ -20,27 +25,19 @@ class TgiError(Exception):
 class ValidationError(TgiError):
     status_code = 422
     error_type = "validation"
-
-    @property
-    def message(self) -> str:
-        return f"Input validation error: {self}"
+    prefix = "Input validation error: "
 
 
 class GenerationError(TgiError):
     status_code = 424
     error_type = "generation"
-
-    @property
-    def message(self) -> str:
-        return f"Request failed during generation: Server error: {self}"
+    prefix = "Request failed during generation: Server error: "
 
 
 class OverloadedError(TgiError):
     status_code = 429
     error_type = "overloaded"
-
-    def __init__(self, message: str = "Model is overloaded") -> None:
-        super().__init__(message)
+    default_message = "Model is overloaded"
 
 
 class IncompleteGenerationError(TgiError):
@@ -56,15 +53,10 @@ class TemplateError(TgiError):
 class ToolError(TgiError):
     status_code = 422
     error_type = "tool_error"
-
-    @property
-    def message(self) -> str:
-        return f"Tool error: {self}"
+    prefix = "Tool error: "
 
 
 class UnhealthyError(TgiError):
     status_code = 503
     error_type = "healthcheck"
-
-    def __init__(self, message: str = "unhealthy") -> None:
-        super().__init__(message)
+    default_message = "unhealthy"

@@ -48,16 +48,11 @@ def _schema(value: Any, *, empty_means_any_object: bool) -> dict:
             raise _invalid(f"`value` is not JSON: {error}") from error
     if not isinstance(value, dict):
         raise _invalid(f"a JSON schema must be an object, got {type(value).__name__}")
-    _check_schema(value)
-    return value
-
-
-def _check_schema(schema: dict) -> None:
-    """Meta-validate against the schema's own draft."""
-    problem = json_schema_error(schema)
+    problem = json_schema_error(value)  # meta-validated against the schema's own draft
     if problem is not None:
         message, where = problem
         raise _invalid(f"{message} (at {where})")
+    return value
 
 
 def validate_grammar(grammar_type: str, value: Any) -> ValidGrammar:

@@ -220,8 +220,8 @@ def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
     """Methods of every route on the request's path (a 405 must list them all in `Allow`)."""
     methods: set[str] = set()
     for route in app.router.routes:
-        match, _ = route.matches({**request.scope, "method": next(iter(getattr(route, "methods", None) or {"GET"}))})
-        if match == Match.FULL:
+        match, _ = route.matches(request.scope)  # PARTIAL: the path matches, the method does not
+        if match is not Match.NONE:
             methods |= set(getattr(route, "methods", None) or ())
     return sorted(methods)
 

@@ -24,6 +24,7 @@ NO_TOOL_FUNCTION = {
         "required": ["content"],
     },
 }
+TOOL_CHOICE_FORMS = 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
 # Added to the prompt when the chat template cannot render tools itself.
 DEFAULT_TOOL_PROMPT = (
     "You can call the functions listed below. Reply with one JSON object that calls the function which best "
@@ -70,12 +71,11 @@ def _chosen(functions: list[dict], tool_choice: Any) -> list[dict] | None:
     if isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type") == "function" else None
         if not isinstance(name, str):
-            raise ToolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
-                            '{"name": ...}}')
+            raise ToolError(TOOL_CHOICE_FORMS)
     elif isinstance(tool_choice, str):
         name = tool_choice  # TGI also takes a bare function name
     else:
-        raise ToolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {...}}')
+        raise ToolError(TOOL_CHOICE_FORMS)
     named = [function for function in functions if function["name"] == name]
     if not named:
         offered = ", ".join(function["name"] for function in functions)
