@@ -7,6 +7,7 @@ CI, where a missing Prometheus fails.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -213,3 +214,22 @@ def send_traffic(serve, launch) -> tuple[int, int, int, int, int, int]:
         tgi_prompt += int(response.headers["x-prompt-tokens"])
         tgi_generated += int(response.headers["x-generated-tokens"])
     return len(SERVE_REQUESTS), prompt_tokens, generated, len(TGI_PROMPTS), tgi_prompt, tgi_generated
+
+
+@pytest.mark.parametrize("face", ["serve", "launch"])
+def test_bench_serve_against_a_live_server(faces, face, tmp_path):
+    """`paged-backend bench serve` against serve's /v1 and launch's TGI /v1: table, JSON and PNG."""
+    from paged_backend.bench.serve import main
+
+    server = dict(zip(("serve", "launch"), faces, strict=True))[face]
+    json_path, png_path = tmp_path / "serve.json", tmp_path / "serve.png"
+    summaries = main(["--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "4", "--request-rate", "inf,8",
+                      "--max-concurrency", "2", "--random-input-len", "6", "--random-output-len", "4",
+                      "--goodput", "ttft:60000", "tpot:60000", "--output-json", str(json_path), "--plot", str(png_path)])  # fmt: skip
+    assert [s.completed for s in summaries] == [4, 4] and all(s.failed == 0 for s in summaries)
+    assert all(s.goodput == pytest.approx(s.request_throughput) for s in summaries)  # generous SLOs: all good
+    written = json.loads(json_path.read_text())
+    assert [r["request_rate"] for r in written["results"]] == [math.inf, 8.0]
+    assert set(written["results"][0]["latency_ms"]) == {"ttft", "tpot", "itl", "e2el"}
+    assert written["results"][0]["latency_ms"]["ttft"]["p99"] > 0
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
