@@ -24,7 +24,7 @@ import yaml
 
 from paged_backend.dashboards import DASHBOARDS, dashboard, export, panel_queries
 from paged_backend.dashboards.render import promql, render
-from tests._server_helpers import API_KEY, MODEL, running_server
+from tests._server_helpers import API_KEY, MODEL, running_server, wait_for_ok
 from tests._tgi_helpers import TgiServer, free_port
 
 SCRAPE_INTERVAL = "1s"
@@ -66,16 +66,7 @@ class Prometheus:
         self.popen = subprocess.Popen([prometheus_binary(), *args], stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.popen.poll() is None, self.output()
-            try:
-                if httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"prometheus not ready:\n{self.output()}")
+        wait_for_ok(f"{self.url}/-/ready", self.popen, self.output, timeout)
 
     def output(self) -> str:
         self.log.seek(0)
