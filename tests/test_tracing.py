@@ -132,3 +132,11 @@ def test_serve_exports_over_otlp_to_a_real_receiver(monkeypatch):
     assert attributes["gen_ai.usage.completion_tokens"].int_value == 2
     assert attributes["gen_ai.usage.prompt_tokens"].int_value == 2
     assert attributes["gen_ai.latency.e2e"].double_value > 0
+
+
+def test_an_unknown_otlp_protocol_is_named(monkeypatch):
+    from paged_backend.tracing import otlp_tracer
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
+    with pytest.raises(RuntimeError, match="OTLP protocol 'http/json' is not supported; use grpc or http/protobuf"):
+        otlp_tracer("http://127.0.0.1:4318/v1/traces", "paged-backend")
