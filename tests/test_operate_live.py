@@ -208,7 +208,7 @@ def send_traffic(serve, launch) -> tuple[int, int, int, int, int, int]:
 
 
 @pytest.mark.parametrize("face", ["serve", "launch"])
-def test_bench_serve_against_a_live_server(faces, face, tmp_path):
+def test_bench_serve_against_a_live_server(faces, face, tmp_path, capsys):
     """`paged-backend bench serve` against serve's /v1 and launch's TGI /v1: table, JSON and PNG."""
     from paged_backend.bench.serve import main
 
@@ -224,3 +224,5 @@ def test_bench_serve_against_a_live_server(faces, face, tmp_path):
     assert set(written["results"][0]["latency_ms"]) == {"ttft", "tpot", "itl", "e2el"}
     assert written["results"][0]["latency_ms"]["ttft"]["p99"] > 0
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert "| rate (req/s) | concurrency | done | failed | req/s | out tok/s | goodput (req/s) |" in table
