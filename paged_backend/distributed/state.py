@@ -2,8 +2,8 @@
 
 Ranks are laid out as vLLM lays them: `rank = pp_rank * tp_size + tp_rank`, so the tensor-parallel group of a
 stage is a run of consecutive ranks (on one machine when tp_size divides the GPUs per node). Rank 0 is the
-driver. Two kinds of groups: the control group (gloo, no practical timeout) carries each step's metadata and
-lets idle workers wait for the next step as long as the server is idle; the compute groups (NCCL on GPU, gloo on
+driver. Two kinds of groups: the control group (gloo) carries each step's metadata, and its workers wait on it
+with no practical timeout (as long as the server is idle); the compute groups (NCCL on GPU, gloo on
 CPU) carry all-reduces and stage hand-offs and time out after `distributed_timeout_seconds`, which is how a hung
 rank turns into an error instead of a hang.
 """
@@ -88,7 +88,9 @@ def init_rank(rank: int, topology: Topology, init_method: str, device: torch.dev
     dist.init_process_group(
         compute_backend, init_method=init_method, rank=rank, world_size=topology.world_size, timeout=compute_timeout
     )
-    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    # Timeouts are each process's own: workers wait for the next step as long as the server idles, while the
+    # driver's broadcast to a rank that stopped answering fails after the compute timeout.
+    control = dist.new_group(backend="gloo", timeout=compute_timeout if rank == 0 else IDLE_TIMEOUT)
     tp_groups = [
         dist.new_group([topology.rank(stage, tp) for tp in range(topology.tp_size)], timeout=compute_timeout)
         for stage in range(topology.pp_size)
