@@ -68,8 +68,20 @@ def close_and_check(llm: LLM) -> None:
     assert_no_children()
 
 
+OTHER_LAUNCHES: set[int] = set()  # pids of launchers a test started on purpose (torchrun nodes) and their trees
+
+
+def engine_processes() -> list[psutil.Process]:
+    """Processes the engines of this test process started (its descendants outside `OTHER_LAUNCHES`)."""
+    return [
+        child
+        for child in psutil.Process(os.getpid()).children(recursive=True)
+        if not ({child.pid} | {parent.pid for parent in child.parents()}) & OTHER_LAUNCHES
+    ]
+
+
 def assert_no_children(timeout: float = 10.0) -> None:
-    """No process this test process started is still alive (zombies reaped)."""
-    gone, alive = psutil.wait_procs(psutil.Process(os.getpid()).children(recursive=True), timeout=timeout)
+    """No process an engine of this test process started is still alive."""
+    _, alive = psutil.wait_procs(engine_processes(), timeout=timeout)
     alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"left behind: {alive}"

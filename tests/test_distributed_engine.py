@@ -5,21 +5,27 @@ Ranks are forked worker processes of one thread each (gloo); each case checks bl
 The near-tie argument is in tests/_distributed_helpers.py.
 """
 
+import json
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 from paged_backend.distributed.driver import WorkerFailed
+from paged_backend.distributed.executor import free_port
 from paged_backend.engine import LLM, SamplingParams
 from paged_backend.errors import InvalidRequest, UnsupportedModel
 from tests._distributed_helpers import (
     MODELS,
+    OTHER_LAUNCHES,
     PROMPTS,
     assert_no_children,
     close_and_check,
+    engine_processes,
     generate,
     reference,
     save_models,
@@ -30,6 +36,39 @@ from tests._distributed_helpers import (
 def model_dirs(tmp_path_factory):
     torch.set_num_threads(1)
     return save_models(tmp_path_factory.mktemp("tp-models"))
+
+
+@pytest.fixture(scope="module")
+def torchrun_nodes(model_dirs, tmp_path_factory):
+    """Two torchrun "nodes" on localhost (one rank each, c10d rendezvous on 127.0.0.1), started when the module
+    begins so their start-up overlaps the other cases; the last case collects them."""
+    out = tmp_path_factory.mktemp("torchrun") / "tokens.json"
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "tests/_torchrun_generate.py", str(out),
+               *model_dirs.values()]  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            [*command[:7], "--node-rank", str(rank), *command[7:]],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=Path(__file__).parents[1],
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    OTHER_LAUNCHES.update(node.pid for node in nodes)
+    yield nodes, out
+    for node in nodes:
+        node.kill()
+        node.wait()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def start_torchrun_early(torchrun_nodes):
+    return torchrun_nodes
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -65,7 +104,7 @@ def test_killed_worker_fails_the_batch_and_leaves_nothing(model_dirs):
     )
     for _ in range(3):
         engine.step()
-    [worker] = psutil.Process(os.getpid()).children()
+    [worker] = engine_processes()
     worker.send_signal(signal.SIGKILL)
     with pytest.raises(WorkerFailed, match=rf"worker rank 1 \(pid {worker.pid}\) was killed by signal 9"):
         llm.generate(PROMPTS, SamplingParams(max_tokens=50))  # joins the running request, then the step fails
@@ -80,7 +119,7 @@ def test_hung_worker_fails_after_the_timeout(model_dirs):
     llm = LLM(
         model_dirs["llama-gqa"], device="cpu", num_blocks=64, tensor_parallel_size=2, distributed_timeout_seconds=2
     )
-    [worker] = psutil.Process(os.getpid()).children()
+    [worker] = engine_processes()
     worker.suspend()  # SIGSTOP: alive but silent
     with pytest.raises(WorkerFailed, match="stopped answering within distributed_timeout_seconds"):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4))
@@ -96,3 +135,14 @@ def test_unsupported_layouts_are_refused_before_starting(model_dirs):
     with pytest.raises(InvalidRequest, match="unknown engine option"):
         LLM(model_dirs["qwen2"], device="cpu", tensor_parallel_sise=2)
     assert_no_children()
+
+
+def test_torchrun_two_nodes_equal_one_process_and_hf(torchrun_nodes, model_dirs):
+    """`torchrun --nnodes 2` on localhost: each node runs the same script; the engine finds torchrun's
+    environment, rank 0 drives and rank 1 serves inside `LLM()`. Greedy tokens equal HF for the three models."""
+    nodes, out = torchrun_nodes
+    for node in nodes:
+        output, _ = node.communicate(timeout=240)
+        assert node.returncode == 0, output
+    tokens = json.loads(out.read_text())
+    assert tokens == {model_dirs[name]: reference(name) for name in MODELS}

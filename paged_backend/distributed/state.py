@@ -10,6 +10,7 @@ rank turns into an error instead of a hang.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,6 +22,7 @@ from paged_backend.config import ParallelConfig
 
 IDLE_TIMEOUT = timedelta(days=365)  # an idle server's workers wait this long for the next step
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_generations = itertools.count()
 
 
 def torchrun_rank() -> int | None:
@@ -85,8 +87,11 @@ def init_rank(rank: int, topology: Topology, init_method: str, device: torch.dev
     if device.type == "cuda":
         torch.cuda.set_device(device)
     compute_timeout = timedelta(seconds=timeout)
+    store, _, _ = next(dist.rendezvous(init_method, rank=rank, world_size=topology.world_size, timeout=compute_timeout))
+    # torchrun's store outlives an engine: each engine of this process gets fresh keys (every rank counts alike).
+    store = dist.PrefixStore(f"paged_backend/{next(_generations)}", store)
     dist.init_process_group(
-        compute_backend, init_method=init_method, rank=rank, world_size=topology.world_size, timeout=compute_timeout
+        compute_backend, store=store, rank=rank, world_size=topology.world_size, timeout=compute_timeout
     )
     # Timeouts are each process's own: workers wait for the next step as long as the server idles, while the
     # driver's broadcast to a rank that stopped answering fails after the compute timeout.
