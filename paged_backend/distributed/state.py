@@ -88,8 +88,10 @@ def init_rank(rank: int, topology: Topology, init_method: str, device: torch.dev
         torch.cuda.set_device(device)
     compute_timeout = timedelta(seconds=timeout)
     store, _, _ = next(dist.rendezvous(init_method, rank=rank, world_size=topology.world_size, timeout=compute_timeout))
-    # torchrun's store outlives an engine: each engine of this process gets fresh keys (every rank counts alike).
-    store = dist.PrefixStore(f"paged_backend/{next(_generations)}", store)
+    # torchrun's store outlives an engine: each engine of the job gets fresh keys (every rank counts alike). A tcp://
+    # address is a new store per engine already (and a spawned rank's count would start over).
+    generation = next(_generations) if init_method == "env://" else 0
+    store = dist.PrefixStore(f"paged_backend/{generation}", store)
     dist.init_process_group(
         compute_backend, store=store, rank=rank, world_size=topology.world_size, timeout=compute_timeout
     )
