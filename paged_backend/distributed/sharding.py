@@ -3,8 +3,10 @@
 The layout is the model's own tensor-parallel plan (`config.base_model_tp_plan`, the one transformers'
 `tp_plan="auto"` applies), or ours for architectures that ship none: column-parallel q/k/v/gate/up, row-parallel
 o/down, an all-reduce after each row-parallel layer. We apply the plan with plain tensors instead of
-transformers' DTensor path because its even chunking cannot express one case we must serve: fewer KV heads than
-ranks, where each rank keeps the one KV head its query heads read (vLLM's replication). Embeddings, norms and the
+transformers' DTensor path (`apply_tensor_parallelism`) because its even chunking cannot express one case we must
+serve: fewer KV heads than ranks, where each rank keeps the one KV head its query heads read (vLLM's replication).
+Checked on CPU + gloo with transformers 5.23: its path matches the whole model for 2 KV heads at TP=2, and for 1
+KV head it splits that head's dimensions across the ranks and the attention reshape fails. Embeddings, norms and the
 LM head stay whole on every rank, so each rank computes the same logits.
 
 The attention function then sees only the rank's local heads, and a rank's KV pool holds only its local KV heads
