@@ -42,6 +42,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--skip", default="", help="comma list of systems to skip: engine,static,hf-cb")
     parser.add_argument("--dataset", default=None,
                         help='JSONL workload: {"prompt": text or token ids, "max_tokens": n} per line')  # fmt: skip
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="also run the engine at TP=1 and TP=N and report the share of time in collectives")  # fmt: skip
     parser.add_argument("--output-json", default="bench-throughput.json")
     parser.add_argument("--plot", default="bench-throughput.png", help="PNG of the throughputs ('' for none)")
     parser.add_argument(
@@ -207,6 +209,13 @@ def main(argv: list[str] | None = None) -> dict:
               f"({run.forward_time:.2f} s forward of {run.elapsed:.2f} s)", flush=True)  # fmt: skip
         if args.profile:
             profile_engine(copy.deepcopy(base), prompts, outputs, **kwargs)
+    tensor_parallel = None
+    if args.tensor_parallel_size > 1:
+        from paged_backend.bench.parallel import compare_tensor_parallel
+
+        tensor_parallel = compare_tensor_parallel(
+            base, prompts, outputs, args.tensor_parallel_size, run_engine, make_engine, **kwargs
+        )
     run_static(base, prompts[:2], [2, 2], 2)  # warm up kernels once
     if "static" not in skip:
         for size in map(int, sizes.split(",")):
@@ -234,6 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
                            f"{r['output_tokens_per_s']:.1f}"] for r in results]))  # fmt: skip
     payload = {"model": description, "num_requests": num_requests, "prompt_tokens": sum(map(len, prompts)),
                "output_tokens": useful, "results": results, "speedup": speedups}  # fmt: skip
+    if tensor_parallel:
+        payload["tensor_parallel"] = tensor_parallel
     write_json(args.output_json, payload)
 
     def figure(plt):

@@ -62,6 +62,10 @@ def serve(
     device: engine_args.Device = None,
     seed: engine_args.Seed = None,
     gpu_memory_utilization: engine_args.GpuMemoryUtilization = None,
+    tensor_parallel_size: engine_args.TensorParallelSize = None,
+    pipeline_parallel_size: engine_args.PipelineParallelSize = None,
+    distributed_executor_backend: engine_args.DistributedExecutorBackend = None,
+    distributed_timeout_seconds: engine_args.DistributedTimeoutSeconds = None,
 ) -> None:
     """Serve OpenAI /v1/completions and /v1/chat/completions, /v1/models, vLLM's /tokenize, /detokenize and
     /version, /health and /metrics."""
@@ -79,7 +83,9 @@ def serve(
         model=model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, swap_space=swap_space,
         enable_prefix_caching=enable_prefix_caching, dtype=dtype, device=device, seed=seed,
-        gpu_memory_utilization=gpu_memory_utilization,
+        gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size, distributed_executor_backend=distributed_executor_backend,
+        distributed_timeout_seconds=distributed_timeout_seconds,
     )  # fmt: skip
     try:
         engine = Engine(args.to_engine_config())
@@ -100,7 +106,13 @@ def serve(
         raise typer.Exit(2) from error
     # The engine drains first; uvicorn's own timeout is only a backstop for connections that still hang.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    DrainingServer(config, app.state.server.async_engine, drain_timeout).run()
+    server = DrainingServer(config, app.state.server.async_engine, drain_timeout)
+    try:
+        server.run()
+    finally:
+        engine.close()  # stops the worker ranks of a parallel engine
+    if server.exit_code:
+        raise typer.Exit(server.exit_code)
 
 
 def register(app: typer.Typer) -> None:

@@ -37,6 +37,23 @@ GpuMemoryUtilization = Annotated[
     float | None, typer.Option("--gpu-memory-utilization", help="fraction of free device memory for the KV pool")
 ]
 
+TensorParallelSize = Annotated[
+    int | None, typer.Option("--tensor-parallel-size", "-tp", help="ranks that split every layer's heads and MLP")
+]
+PipelineParallelSize = Annotated[
+    int | None, typer.Option("--pipeline-parallel-size", "-pp", help="stages that split the decoder layers")
+]
+DistributedExecutorBackend = Annotated[
+    str | None,
+    typer.Option(
+        "--distributed-executor-backend", help="mp | ray; default: mp, or torchrun's ranks when run under torchrun"
+    ),
+]
+DistributedTimeoutSeconds = Annotated[
+    float | None,
+    typer.Option("--distributed-timeout-seconds", help="seconds a collective waits for a rank before failing"),
+]
+
 
 @dataclass
 class EngineArgs:
@@ -54,6 +71,10 @@ class EngineArgs:
     device: str | None = None
     seed: int | None = None
     gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    distributed_executor_backend: str | None = None
+    distributed_timeout_seconds: float | None = None
 
     def to_engine_config(self) -> EngineConfig:
         """The config with every given flag set on the field of the same name."""
