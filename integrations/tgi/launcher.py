@@ -42,12 +42,19 @@ def engine_config(args: argparse.Namespace):
         dtype=args.dtype,
         device=args.device,
         gpu_memory_utilization=args.cuda_memory_fraction,
+        **placement_flags(args),
     )
     config = engine_args.to_engine_config()
     config.tokenizer = args.tokenizer_name
     if args.kv_cache_dtype:
         config.cache.cache_dtype = _kv_cache_dtype(args.kv_cache_dtype)
     return config
+
+
+def placement_flags(args: argparse.Namespace) -> dict:
+    """accelerate's placement flags (device map, memory limits, offload) that were given."""
+    names = ("device_map", "max_memory", "cpu_offload_gb", "offload_folder")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def _kv_cache_dtype(name: str) -> str:
@@ -71,8 +78,9 @@ def build_backend(args: argparse.Namespace):
         from paged_backend.tgi.reference import ReferenceBackend
 
         model, tokenizer = load_model(
-            model_to_load(args.model_id), tokenizer=args.tokenizer_name, dtype=args.dtype or "auto", device=args.device
-        )
+            model_to_load(args.model_id), tokenizer=args.tokenizer_name, dtype=args.dtype or "auto",
+            device=args.device, **placement_flags(args),
+        )  # fmt: skip
         max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", 2048)
         return ReferenceBackend(model, tokenizer, max_positions)
     from paged_backend.tgi.router.backend import GrpcBackend

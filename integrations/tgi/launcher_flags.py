@@ -16,6 +16,7 @@ from typing import Any
 BACKENDS = ("paged", "reference", "grpc")
 ALL = frozenset(BACKENDS)
 ROUTER = frozenset({"grpc"})  # knobs of the batching loop, which only our Python router runs
+LOADERS = frozenset({"paged", "reference"})  # backends that load the weights in this process
 NONE: frozenset[str] = frozenset()
 
 
@@ -57,6 +58,11 @@ FLAGS: list[Flag] = [
         "auto | cpu | cuda | cuda:N (paged-backend addition)",
         frozenset({"paged", "reference"}),
     ),
+    # accelerate's placement of a model bigger than one device (paged_backend.offload).
+    Flag("--device-map", str, None, "accelerate placement: auto | balanced | sequential | JSON", LOADERS),
+    Flag("--max-memory", str, None, "accelerate's memory per device: 0=20GiB,cpu=60GiB", LOADERS),
+    Flag("--cpu-offload-gb", float, None, "GiB of weights moved off the device (vLLM's name)", LOADERS),
+    Flag("--offload-folder", str, None, "folder for disk-offloaded weights", LOADERS),
     Flag("--hostname", str, "0.0.0.0", "address to listen on"),
     Flag("--port", int, 3000, "HTTP port", short="-p"),
     Flag("--max-concurrent-requests", int, 128, "requests in flight before 429 overloaded"),

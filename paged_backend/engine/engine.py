@@ -26,6 +26,7 @@ from paged_backend.kv_cache import (
     resolve_kv_dtype,
 )
 from paged_backend.models import load_model
+from paged_backend.offload import input_device, layer_devices
 
 CPU_DEFAULT_KV_BYTES = 512 << 20  # on CPU "free memory" is the whole machine: default to 512 MiB (or 10%)
 
@@ -83,8 +84,11 @@ class Engine:
     ) -> None:
         self.config = config = config or EngineConfig()
         if model is None:
-            model, tokenizer = load_model(config.model, tokenizer=config.tokenizer, dtype=config.dtype,
-                                          device=config.device)
+            model, tokenizer = load_model(
+                config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=config.device,
+                device_map=config.device_map, max_memory=config.max_memory, cpu_offload_gb=config.cpu_offload_gb,
+                offload_folder=config.offload_folder,
+            )  # fmt: skip
         elif tokenizer is None:
             raise InvalidRequest("a model object was given without its tokenizer; pass tokenizer=...")
         model.set_attn_implementation(register_paged_attention())
@@ -92,7 +96,7 @@ class Engine:
         cache = config.cache
         num_layers, kv_heads, head_dim, max_positions = _model_shape(model.config)
         kv_dtype = resolve_kv_dtype(cache.cache_dtype, model.dtype)
-        device = model.device
+        device = input_device(model)  # accelerate-dispatched models: each layer's KV on its own device
         num_blocks = self._num_blocks(cache, (num_layers, kv_heads, head_dim, cache.block_size, kv_dtype), device)
         block_bytes = bytes_per_block(num_layers, kv_heads, head_dim, cache.block_size, kv_dtype)
         num_cpu_blocks = int(cache.swap_space * (1 << 30)) // block_bytes
@@ -103,6 +107,7 @@ class Engine:
         self.kv_cache = PagedKVCache(
             num_layers, kv_heads, head_dim, num_blocks, cache.block_size,
             dtype=kv_dtype, device=device, num_cpu_blocks=num_cpu_blocks,
+            layer_devices=layer_devices(model, num_layers),
         )
         # A sequence must fit the pool on its own (and, unchunked, one step's budget), or it could never be
         # scheduled again after a preemption.

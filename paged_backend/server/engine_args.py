@@ -37,6 +37,23 @@ GpuMemoryUtilization = Annotated[
     float | None, typer.Option("--gpu-memory-utilization", help="fraction of free device memory for the KV pool")
 ]
 
+# Bigger than one device, through accelerate (paged_backend.offload).
+DeviceMap = Annotated[
+    str | None,
+    typer.Option("--device-map", help="accelerate placement: auto | balanced | sequential | JSON {module: device}"),
+]
+MaxMemory = Annotated[
+    str | None, typer.Option("--max-memory", help="accelerate's memory per device: 0=20GiB,cpu=60GiB (or JSON)")
+]
+CpuOffloadGb = Annotated[
+    float | None,
+    typer.Option("--cpu-offload-gb", help="GiB of weights moved off the device: GPU -> CPU memory (on CPU: -> disk)"),
+]
+OffloadFolder = Annotated[
+    str | None,
+    typer.Option("--offload-folder", help="folder for disk-offloaded weights of non-safetensors checkpoints"),
+]
+
 
 @dataclass
 class EngineArgs:
@@ -54,6 +71,10 @@ class EngineArgs:
     device: str | None = None
     seed: int | None = None
     gpu_memory_utilization: float | None = None
+    device_map: str | None = None
+    max_memory: str | None = None
+    cpu_offload_gb: float | None = None
+    offload_folder: str | None = None
 
     def to_engine_config(self) -> EngineConfig:
         """The config with every given flag set on the field of the same name."""
