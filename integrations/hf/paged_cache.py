@@ -22,7 +22,7 @@ from .cache_stats import CacheStats
 from .forward_step import ForwardStep, gather_slots, paged_metadata
 from .identical_rows import identical_rows
 from .layer_handle import PagedLayerKV
-from .model_support import check_update_shapes, kv_geometry
+from .model_support import check_update_shapes, kv_geometry, rank_geometry
 
 
 def _placeholder_tokens(n: int) -> list[int]:
@@ -69,7 +69,8 @@ class PagedCache(Cache):
     ) -> None:
         super().__init__(layers=[])
         self.config, model_dtype, model_device, devices = _model_facts(model_or_config)
-        self.geometry = kv_geometry(self.config)
+        # Under transformers' tensor parallelism (tp_plan) each rank's pool holds only its own KV heads.
+        self.geometry = rank_geometry(kv_geometry(self.config), getattr(model_or_config, "tp_size", None))
         dtype = dtype or model_dtype
         device_given = device is not None
         device = torch.device(device or model_device)
