@@ -40,6 +40,19 @@ class SchedulerConfig(_Config):
     )
 
 
+class ParallelConfig(_Config):
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks that split every layer's heads and MLP columns")
+    pipeline_parallel_size: int = Field(1, ge=1, description="stages that split the decoder layers")
+    distributed_executor_backend: Literal["mp", "ray"] | None = Field(
+        None, description="mp: worker processes on this machine; ray: Ray actors; None: mp, or join torchrun's ranks"
+    )
+    distributed_timeout_seconds: float = Field(300.0, gt=0, description="seconds a collective may wait for a rank")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
 class EngineConfig(_Config):
     model: str | None = Field(None, description="local directory or hub id; None = the embedded tiny model")
     tokenizer: str | None = None
@@ -54,6 +67,7 @@ class EngineConfig(_Config):
     attention_backend: Literal["auto", "torch", "cpu", "triton", "cuda"] = "auto"
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
 
     @field_validator("device_map", mode="before")
     @classmethod

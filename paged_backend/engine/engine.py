@@ -11,7 +11,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from paged_backend.attention import register_paged_attention
 from paged_backend.block_manager import BlockManager
-from paged_backend.config import CacheConfig, EngineConfig, SchedulerConfig
+from paged_backend.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from paged_backend.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
 from paged_backend.engine.request import Request, RequestOutput, SamplingParams, Sequence, SequenceStatus
 from paged_backend.engine.runner import ModelRunner
@@ -92,22 +92,29 @@ class Engine:
         elif tokenizer is None:
             raise InvalidRequest("a model object was given without its tokenizer; pass tokenizer=...")
         model.set_attn_implementation(register_paged_attention())
-        self.model, self.tokenizer = model.eval(), tokenizer
         cache = config.cache
         num_layers, kv_heads, head_dim, max_positions = _model_shape(model.config)
-        kv_dtype = resolve_kv_dtype(cache.cache_dtype, model.dtype)
         device = input_device(model)  # accelerate-dispatched models: each layer's KV on its own device
-        num_blocks = self._num_blocks(cache, (num_layers, kv_heads, head_dim, cache.block_size, kv_dtype), device)
-        block_bytes = bytes_per_block(num_layers, kv_heads, head_dim, cache.block_size, kv_dtype)
-        num_cpu_blocks = int(cache.swap_space * (1 << 30)) // block_bytes
+        self.parallel = None
+        if config.parallel.world_size > 1:  # rank 0 of a TP x PP group: its shard, its per-rank pool, the workers
+            from paged_backend.distributed.driver import ParallelDriver
+
+            self.parallel = ParallelDriver(config, model)
+            model, self.kv_cache = self.parallel.model, self.parallel.kv_cache
+        else:
+            kv_dtype = resolve_kv_dtype(cache.cache_dtype, model.dtype)
+            num_blocks, num_cpu_blocks = kv_pool_blocks(cache, num_layers, kv_heads, head_dim, kv_dtype, device)
+            self.kv_cache = PagedKVCache(
+                num_layers, kv_heads, head_dim, num_blocks, cache.block_size,
+                dtype=kv_dtype, device=device, num_cpu_blocks=num_cpu_blocks,
+                layer_devices=layer_devices(model, num_layers),
+            )
+        self.model, self.tokenizer = model.eval(), tokenizer
+        num_blocks = self.kv_cache.num_blocks
+        num_cpu_blocks = self.kv_cache.cpu_kvs[0].shape[2] if self.kv_cache.cpu_kvs else 0
         self.block_manager = BlockManager(
             num_blocks, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
             watermark=cache.watermark, num_cpu_blocks=num_cpu_blocks,
-        )
-        self.kv_cache = PagedKVCache(
-            num_layers, kv_heads, head_dim, num_blocks, cache.block_size,
-            dtype=kv_dtype, device=device, num_cpu_blocks=num_cpu_blocks,
-            layer_devices=layer_devices(model, num_layers),
         )
         # A sequence must fit the pool on its own (and, unchunked, one step's budget), or it could never be
         # scheduled again after a preemption.
@@ -118,13 +125,21 @@ class Engine:
         mode = config.scheduler.preemption_mode or ("swap" if num_cpu_blocks else "recompute")
         self.scheduler = Scheduler(config.scheduler, self.block_manager, mode)
         backend = None if config.attention_backend == "auto" else config.attention_backend
-        self.runner = ModelRunner(model, self.kv_cache, self.block_manager, backend)
+        if self.parallel is None:
+            self.runner = ModelRunner(model, self.kv_cache, self.block_manager, backend)
+        else:
+            self.runner = self.parallel.runner(self.block_manager, backend)
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=device)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._counters = dict(prompt_tokens=0, generation_tokens=0, num_steps=0, step_time=0.0, forward_time=0.0)
         self._peak_kv_usage = 0.0
+
+    def close(self) -> None:
+        """Stop the worker ranks of a parallel engine (a no-op for one process); idempotent."""
+        if self.parallel is not None:
+            self.parallel.close()
 
     @staticmethod
     def _num_blocks(cache: CacheConfig, shape: tuple, device: torch.device) -> int:
@@ -470,6 +485,16 @@ class LLM:
         return [finished[request_id] for request_id in ids]
 
 
+def kv_pool_blocks(
+    cache: CacheConfig, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> tuple[int, int]:
+    """(device blocks, CPU swap blocks) of a pool of this shape under the cache config's budget."""
+    num_blocks = Engine._num_blocks(cache, (num_layers, kv_heads, head_dim, cache.block_size, dtype), device)
+    return num_blocks, int(cache.swap_space * (1 << 30)) // bytes_per_block(
+        num_layers, kv_heads, head_dim, cache.block_size, dtype
+    )
+
+
 def _progress(total: int):
     from tqdm.auto import tqdm
 
@@ -482,10 +507,10 @@ def engine_config(**kwargs) -> EngineConfig:
     >>> engine_config(block_size=8, max_num_seqs=4).scheduler.max_num_seqs
     4
     """
-    cache_fields, scheduler_fields = CacheConfig.model_fields, SchedulerConfig.model_fields
-    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in cache_fields}
-    scheduler = {k: kwargs.pop(k) for k in list(kwargs) if k in scheduler_fields}
+    groups = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+    nested = {name: cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in cls.model_fields})
+              for name, cls in groups.items()}
     unknown = set(kwargs) - set(EngineConfig.model_fields)
     if unknown:
         raise InvalidRequest(f"unknown engine option(s): {', '.join(sorted(unknown))}")
-    return EngineConfig(cache=CacheConfig(**cache), scheduler=SchedulerConfig(**scheduler), **kwargs)
+    return EngineConfig(**nested, **kwargs)

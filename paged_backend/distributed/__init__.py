@@ -1,0 +1,8 @@
+"""Scale-out on torch.distributed: tensor and pipeline parallelism, driver/worker executors (mp, torchrun, Ray).
+
+The driver (rank 0) owns the Scheduler and BlockManager and broadcasts each step; only the driver samples.
+"""
+
+from paged_backend.distributed.sharding import check_shardable, local_num_kv_heads, shard_model, tp_plan
+
+__all__ = ["check_shardable", "local_num_kv_heads", "shard_model", "tp_plan"]

@@ -1,0 +1,102 @@
+"""Who is who among the ranks: the TP x PP grid, its process groups, and the torchrun environment.
+
+Ranks are laid out as vLLM lays them: `rank = pp_rank * tp_size + tp_rank`, so the tensor-parallel group of a
+stage is a run of consecutive ranks (on one machine when tp_size divides the GPUs per node). Rank 0 is the
+driver. Two kinds of groups: the control group (gloo, no practical timeout) carries each step's metadata and
+lets idle workers wait for the next step as long as the server is idle; the compute groups (NCCL on GPU, gloo on
+CPU) carry all-reduces and stage hand-offs and time out after `distributed_timeout_seconds`, which is how a hung
+rank turns into an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from paged_backend.config import ParallelConfig
+
+IDLE_TIMEOUT = timedelta(days=365)  # an idle server's workers wait this long for the next step
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_rank() -> int | None:
+    """This process's rank when started by torchrun (or any launcher setting its variables), else None."""
+    if all(name in os.environ for name in TORCHRUN_VARS):
+        return int(os.environ["RANK"])
+    return None
+
+
+@dataclass(frozen=True)
+class Topology:
+    tp_size: int
+    pp_size: int
+
+    @classmethod
+    def of(cls, parallel: ParallelConfig) -> Topology:
+        return cls(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def rank(self, pp_rank: int, tp_rank: int) -> int:
+        return pp_rank * self.tp_size + tp_rank
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(pp_rank, tp_rank) of a global rank."""
+        return divmod(rank, self.tp_size)
+
+
+@dataclass
+class RankContext:
+    """One process's place in the grid and the groups it talks on."""
+
+    rank: int
+    topology: Topology
+    device: torch.device
+    control_group: object  # gloo, step metadata
+    compute_group: object  # every rank, compute timeout: stage hand-offs and logits
+    tp_group: object  # this stage's ranks, compute timeout: all-reduces
+
+    @property
+    def pp_rank(self) -> int:
+        return self.topology.coords(self.rank)[0]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.topology.coords(self.rank)[1]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.topology.pp_size - 1
+
+
+def init_rank(rank: int, topology: Topology, init_method: str, device: torch.device, timeout: float) -> RankContext:
+    """Join the process group (blocks until every rank has joined, at most `timeout` s) and build the groups."""
+    compute_backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    compute_timeout = timedelta(seconds=timeout)
+    dist.init_process_group(
+        compute_backend, init_method=init_method, rank=rank, world_size=topology.world_size, timeout=compute_timeout
+    )
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    tp_groups = [
+        dist.new_group([topology.rank(stage, tp) for tp in range(topology.tp_size)], timeout=compute_timeout)
+        for stage in range(topology.pp_size)
+    ]  # every rank creates every group, in the same order, as new_group requires
+    pp_rank, _ = topology.coords(rank)
+    return RankContext(rank, topology, device, control, dist.group.WORLD, tp_groups[pp_rank])
+
+
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """The device a rank computes on: its own GPU (cuda:local_rank), or the CPU."""
+    return torch.device("cuda", local_rank) if device.type == "cuda" else device

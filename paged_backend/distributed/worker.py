@@ -1,0 +1,129 @@
+"""One rank: its shard of the model, its KV pool and its pipeline stage, running the steps the driver broadcasts.
+
+The driver (rank 0) runs the same `RankWorker` for its own shard; workers loop in `serve_steps` until the driver
+broadcasts the stop message (None). A step carries the packed batch the driver's `ModelRunner.prepare` built and
+the block copies/swaps the scheduler asked for, so every rank's pool mirrors the driver's BlockManager.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paged_backend.attention import PagedMetadata, register_paged_attention
+from paged_backend.config import EngineConfig
+from paged_backend.distributed.pipeline import PipelineStage, StageKVCache, stage_layers
+from paged_backend.distributed.sharding import local_num_kv_heads, shard_model
+from paged_backend.distributed.state import RankContext, Topology, init_rank, rank_device
+from paged_backend.engine.runner import ModelRunner
+from paged_backend.kv_cache import resolve_kv_dtype
+
+
+@dataclass
+class StepInput:
+    """What crosses the control group each step: the packed batch (CPU tensors) and the pool operations."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    rows: list[int]  # packed positions whose logits the driver samples from
+    kv_ops: list[tuple[str, list[tuple[int, int]]]]  # (PagedKVCache method, block pairs), in order
+
+    @classmethod
+    def pack(cls, ids, positions, metadata: PagedMetadata, rows, kv_ops) -> StepInput:
+        fields = (ids, positions, metadata.slot_mapping, metadata.block_tables, metadata.seq_lens,
+                  metadata.query_start_loc)  # fmt: skip
+        return cls(*(tensor.cpu() for tensor in fields), list(rows), kv_ops)
+
+    def unpack(self, device: torch.device, backend: str | None):
+        to = lambda tensor: tensor.to(device, non_blocking=True)  # noqa: E731
+        metadata = PagedMetadata(to(self.slot_mapping), to(self.block_tables), to(self.seq_lens),
+                                 to(self.query_start_loc), backend=backend)  # fmt: skip
+        return to(self.input_ids), to(self.positions), metadata
+
+
+def kv_shape(config) -> tuple[int, int]:
+    """(decoder layers, head dim) of a model config."""
+    text = config.get_text_config()
+    return text.num_hidden_layers, getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+class RankWorker:
+    """This rank's slice of the model (its stage's layers, its tensor-parallel heads) and its KV pool."""
+
+    def __init__(self, ctx: RankContext, config: EngineConfig, model: nn.Module, cache_cls=StageKVCache) -> None:
+        from paged_backend.engine.engine import kv_pool_blocks  # the engine imports this package lazily
+
+        self.ctx, topology, cache = ctx, ctx.topology, config.cache
+        model.set_attn_implementation(register_paged_attention())
+        num_layers, head_dim = kv_shape(model.config)
+        layers = stage_layers(num_layers, topology.pp_size, ctx.pp_rank)
+        self.stage = PipelineStage(ctx, model, layers, model.config.get_text_config().hidden_size)
+        self.model = shard_model(model.eval(), ctx.tp_rank, topology.tp_size, group=ctx.tp_group)
+        kv_heads = local_num_kv_heads(model.config, topology.tp_size)
+        kv_dtype = resolve_kv_dtype(cache.cache_dtype, model.dtype)
+        # The budget is per rank; the BlockManager is global, so every rank takes the smallest count.
+        counts = torch.tensor(kv_pool_blocks(cache, len(layers), kv_heads, head_dim, kv_dtype, ctx.device))
+        dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=ctx.control_group)
+        num_blocks, num_cpu_blocks = counts.tolist()
+        self.kv_cache = cache_cls(layers, kv_heads, head_dim, num_blocks, cache.block_size, dtype=kv_dtype,
+                                  device=ctx.device, num_cpu_blocks=num_cpu_blocks)  # fmt: skip
+        self.backend = None if config.attention_backend == "auto" else config.attention_backend
+        self.runner = ModelRunner(model, self.kv_cache, block_manager=None, attention_backend=self.backend)
+        self.vocab_size = model.get_output_embeddings().out_features
+        self.logits_rank = topology.rank(topology.pp_size - 1, 0)  # the last stage's first rank
+
+    def run(self, step: StepInput, replay_kv_ops: bool = True) -> torch.Tensor | None:
+        """Run this rank's part of a step. On the driver, returns the logits of `step.rows`."""
+        if replay_kv_ops:
+            for name, pairs in step.kv_ops:
+                getattr(self.kv_cache, name)(pairs)
+        ids, positions, metadata = step.unpack(self.ctx.device, self.backend)
+        logits = self.stage.run(lambda: self.runner.forward(ids, positions, metadata, step.rows), ids.shape[1])
+        if self.logits_rank == 0:
+            return logits
+        group = self.ctx.compute_group
+        if self.ctx.rank == self.logits_rank:
+            dist.send(logits, dst=0, group=group)
+        elif self.ctx.rank == 0:
+            logits = torch.empty(len(step.rows), self.vocab_size, device=self.ctx.device)
+            dist.recv(logits, src=self.logits_rank, group=group)
+        return logits
+
+
+def serve_steps(worker: RankWorker) -> None:
+    """A worker's loop: run every step the driver broadcasts until it broadcasts None."""
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=worker.ctx.control_group)
+        if box[0] is None:
+            return
+        worker.run(box[0])
+
+
+def worker_main(
+    rank: int,
+    topology: Topology,
+    init_method: str,
+    config: EngineConfig,
+    model: nn.Module | None = None,
+    local_rank: int = 0,
+    num_threads: int | None = None,
+) -> None:
+    """Entry point of a worker process or actor: join the group, load and shard the model, serve steps."""
+    from paged_backend.models import load_model, resolve_device
+
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    device = rank_device(resolve_device(config.device), local_rank)
+    ctx = init_rank(rank, topology, init_method, device, config.parallel.distributed_timeout_seconds)
+    if model is None:
+        model, _ = load_model(config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=str(device))
+    serve_steps(RankWorker(ctx, config, model.to(device)))
+    dist.destroy_process_group()
