@@ -3,6 +3,8 @@
 paged-backend launch --model-id PATH --backend paged      # this engine, in-process (default)
 paged-backend launch --model-id PATH --backend reference  # HF generate, contiguous KV (A/B baseline)
 paged-backend launch --backend grpc --shard-uds-path /tmp/text-generation-server   # drive a v3 shard
+paged-backend launch --backend grpc --num-shard 2   # start 2 tensor-parallel shards, drive them as one
+paged-backend launch --backend paged --num-shard 2  # the engine's own tensor parallelism (2 ranks)
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def engine_config(args: argparse.Namespace):
     )
     config = engine_args.to_engine_config()
     config.tokenizer = args.tokenizer_name
+    config.parallel.tensor_parallel_size = num_shards(args) or 1
     if args.kv_cache_dtype:
         config.cache.cache_dtype = _kv_cache_dtype(args.kv_cache_dtype)
     return config
@@ -64,6 +67,25 @@ def _kv_cache_dtype(name: str) -> str:
     if name == "fp8_e5m2":
         raise LaunchError("--kv-cache-dtype fp8_e5m2 is not supported; use fp8_e4m3fn")
     return name
+
+
+def num_shards(args: argparse.Namespace) -> int | None:
+    """Shards asked for with TGI's `--num-shard` / `--sharded`; None when neither was given."""
+    sharded = None if args.sharded is None else args.sharded.strip().lower() in {"1", "true", "yes"}
+    count = args.num_shard
+    if sharded is False and count is not None and count > 1:
+        raise LaunchError("Sharding is disabled (--sharded false) but --num-shard is > 1")
+    if sharded and count is None:
+        import torch
+
+        count = torch.cuda.device_count()
+        if count < 2:
+            raise LaunchError("--sharded needs --num-shard N here: fewer than 2 GPUs are visible to count shards on")
+    if count is not None and count < 1:
+        raise LaunchError(f"--num-shard must be at least 1, got {count}")
+    if count is not None and count > 1 and args.backend == "reference":
+        raise LaunchError("--num-shard needs --backend paged or grpc; the reference backend runs one process")
+    return count
 
 
 def build_backend(args: argparse.Namespace):
@@ -123,8 +145,22 @@ def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> N
     ignored = ignored_flags(args)
     if ignored:
         logger.warning("ignoring %s: no meaning for --backend %s", ", ".join(ignored), args.backend)
-    backend = build_backend(args)
-    settings = router_settings(args, backend.max_model_len)
-    app = create_app(backend, settings, drain_timeout=float(args.graceful_termination_timeout))
-    logger.info("TGI API on %s:%d, backend %s, model %s", args.hostname, args.port, backend.name, settings.model_id)
-    uvicorn.run(app, host=args.hostname, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    count = num_shards(args)
+    shards = None
+    if args.backend == "grpc" and count is not None:  # TGI's layout: this launcher starts the shards itself
+        from paged_backend.tgi.shard_processes import ShardProcesses
+
+        shards = ShardProcesses(args, count)
+    try:
+        if shards is not None:
+            shards.wait_ready()
+        backend = build_backend(args)
+        settings = router_settings(args, backend.max_model_len)
+        app = create_app(backend, settings, drain_timeout=float(args.graceful_termination_timeout))
+        logger.info("TGI API on %s:%d, backend %s, model %s", args.hostname, args.port, backend.name, settings.model_id)
+        uvicorn.run(app, host=args.hostname, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        if shards is not None:
+            shards.stop()
+    if shards is not None and shards.failure:
+        raise LaunchError(shards.failure)

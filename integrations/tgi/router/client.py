@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from paged_backend.tgi.generated import generate_pb2 as pb
 from paged_backend.tgi.generated import generate_pb2_grpc as pb_grpc
 
 MAX_MESSAGE_BYTES = 2**31 - 1
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
 
 
 class ShardClient:
     def __init__(self, url: str) -> None:
-        options = [
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ]
-        self.channel = grpc.aio.insecure_channel(url, options=options)
+        self.channel = grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.TextGenerationServiceStub(self.channel)
 
     async def close(self) -> None:
@@ -38,3 +40,33 @@ class ShardClient:
 
     async def decode(self, batches: list[pb.CachedBatch]) -> pb.DecodeResponse:
         return await self.stub.Decode(pb.DecodeRequest(batches=batches))
+
+
+class ShardedClient:
+    """Every shard of a sharded model, driven as one: each call goes to all shards at once (they run the same batch,
+    SPMD, and their all-reduces pair up), and rank 0's answer is the one kept, as TGI's router does."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.clients = [ShardClient(url) for url in urls]
+
+    async def _all(self, name: str, *args):
+        results = await asyncio.gather(*(getattr(client, name)(*args) for client in self.clients))
+        return results[0]
+
+    async def close(self) -> None:
+        await asyncio.gather(*(client.close() for client in self.clients))
+
+    async def health(self) -> None:
+        await self._all("health")
+
+    async def clear_cache(self, batch_id: int | None = None) -> None:
+        await self._all("clear_cache", batch_id)
+
+    async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch:
+        return await self._all("filter_batch", batch_id, request_ids)
+
+    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
+        return await self._all("prefill", batch)
+
+    async def decode(self, batches: list[pb.CachedBatch]) -> pb.DecodeResponse:
+        return await self._all("decode", batches)
