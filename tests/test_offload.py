@@ -135,3 +135,15 @@ def test_pool_keeps_each_layer_on_its_own_device():
     cache.layer(2)[1][1].fill_(7.0)
     cache.copy_blocks([(1, 3)])  # every device's tensor copies
     assert bool((cache.layer(2)[1][3] == 7.0).all()) and not bool(cache.layer(0)[1][3].any())
+
+
+def test_serve_and_launch_map_the_placement_flags_onto_the_engine_config():
+    from paged_backend.server.engine_args import EngineArgs
+    from paged_backend.tgi.launcher import engine_config as launch_config
+    from paged_backend.tgi.launcher_flags import parse_flags
+
+    flags = ["--device-map", json.dumps(DISK_MAP), "--max-memory", "cpu=1GiB", "--offload-folder", "/tmp/off"]
+    config = launch_config(parse_flags(flags))
+    assert (config.device_map, config.max_memory, config.offload_folder) == (DISK_MAP, {"cpu": "1GiB"}, "/tmp/off")
+    config = EngineArgs(device_map="sequential", cpu_offload_gb=2.5).to_engine_config()
+    assert (config.device_map, config.cpu_offload_gb) == ("sequential", 2.5)
