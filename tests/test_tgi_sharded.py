@@ -1,6 +1,6 @@
 """TGI's sharded layout: `launch --num-shard 2 --backend grpc` starts two tensor-parallel shards and drives them as
-one; greedy tokens through the text-generation client equal one process and HF generate, and no child is left
-behind. `--backend paged` hands --num-shard to the engine's own tensor parallelism (tested in the engine's tests).
+one; greedy tokens through the text-generation client equal one process and HF generate; a shard that dies takes
+the launcher down (exit 1) and no child is left behind. `--backend paged` hands --num-shard to the engine's own tensor parallelism (tested in the engine's tests).
 
 The model is the embedded tiny Llama (8 query heads, 2 KV heads: one KV head per rank). A 2-way fp32 all-reduce can
 differ from one process by rounding (~1e-6); the smallest gap between the top two logits over these prompts' greedy
@@ -39,7 +39,7 @@ def client_tokens(url: str) -> list[list[int]]:
     ]
 
 
-def test_launch_num_shard_2_matches_one_process_and_hf_generate():
+def test_launch_num_shard_2_matches_one_process_and_hf_generate_and_goes_down_with_a_shard():
     directory = tempfile.mkdtemp(prefix="tgi-", dir="/tmp")  # unix socket paths must stay short
     grpc_args = ["--num-shard", "2", "--shard-uds-path", f"{directory}/shard", "--master-port", str(free_port()),
                  "--num-blocks", "128", *ROUTER_ARGS]  # fmt: skip
@@ -50,9 +50,12 @@ def test_launch_num_shard_2_matches_one_process_and_hf_generate():
             assert len(children) == 2  # one shard per rank
             grpc_tokens = client_tokens(server.url)
             server.wait_until_drained()  # every KV slot back in the router's pool
+            # A shard that dies takes the launcher down, non-zero, with the other shard (TGI's launcher does too).
+            children[1].kill()
+            assert server.process.wait(timeout=60) == 1
+            assert "exited with code -9" in server.output()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    assert server.process.returncode == 0
     _, still_running = psutil.wait_procs(children, timeout=15)
     assert not still_running, f"children left behind: {still_running}"
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS)

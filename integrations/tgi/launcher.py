@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import signal
 import sys
 
 from paged_backend.tgi.launcher_flags import ignored_flags, parse_flags
@@ -134,6 +135,10 @@ def router_settings(args: argparse.Namespace, max_model_len: int) -> RouterSetti
     )
 
 
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> None:
     """Parse TGI flags, build the backend, serve until interrupted."""
     import uvicorn
@@ -151,6 +156,8 @@ def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> N
         from paged_backend.tgi.shard_processes import ShardProcesses
 
         shards = ShardProcesses(args, count)
+        # uvicorn re-raises the SIGTERM it caught once it has shut down; as an exception it still runs `finally`.
+        signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         if shards is not None:
             shards.wait_ready()
@@ -162,5 +169,5 @@ def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> N
     finally:
         if shards is not None:
             shards.stop()
-    if shards is not None and shards.failure:
-        raise LaunchError(shards.failure)
+            if shards.failure:
+                raise LaunchError(shards.failure)
