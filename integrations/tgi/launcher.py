@@ -89,8 +89,8 @@ def num_shards(args: argparse.Namespace) -> int | None:
     return count
 
 
-def build_backend(args: argparse.Namespace):
-    """The backend object the HTTP face drives."""
+def build_backend(args: argparse.Namespace, shards=None):
+    """The backend object the HTTP face drives (`shards`: the shard processes this launcher started, grpc)."""
     if args.backend == "paged":
         from paged_backend.engine import Engine
         from paged_backend.tgi.paged import PagedBackend
@@ -108,7 +108,7 @@ def build_backend(args: argparse.Namespace):
         return ReferenceBackend(model, tokenizer, max_positions)
     from paged_backend.tgi.router.backend import GrpcBackend
 
-    return GrpcBackend.from_flags(args)
+    return GrpcBackend.from_flags(args, shards_ready=None if shards is None else shards.wait_ready)
 
 
 def router_settings(args: argparse.Namespace, max_model_len: int) -> RouterSettings:
@@ -159,9 +159,7 @@ def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> N
         # uvicorn re-raises the SIGTERM it caught once it has shut down; as an exception it still runs `finally`.
         signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
-        if shards is not None:
-            shards.wait_ready()
-        backend = build_backend(args)
+        backend = build_backend(args, shards)
         settings = router_settings(args, backend.max_model_len)
         app = create_app(backend, settings, drain_timeout=float(args.graceful_termination_timeout))
         logger.info("TGI API on %s:%d, backend %s, model %s", args.hostname, args.port, backend.name, settings.model_id)

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
@@ -133,10 +133,13 @@ class GrpcBackend:
         self._task: asyncio.Task | None = None
 
     @classmethod
-    def from_flags(cls, args: argparse.Namespace) -> GrpcBackend:
-        """Connect to the master shard and run TGI's start-up sequence (blocking, before serving)."""
+    def from_flags(cls, args: argparse.Namespace, shards_ready: Callable[[], None] | None = None) -> GrpcBackend:
+        """Connect to the master shard and run TGI's start-up sequence (blocking, before serving). `shards_ready`
+        waits for shards this process started; the tokenizer loads meanwhile."""
         master = args.master_shard_uds_path or f"{args.shard_uds_path}-0"
         tokenizer = load_tokenizer(args.model_id, args.tokenizer_name)
+        if shards_ready is not None:
+            shards_ready()
         with grpc.insecure_channel(f"unix://{master}") as channel:
             grpc.channel_ready_future(channel).result(timeout=60)
             urls = list(pb_grpc.TextGenerationServiceStub(channel).ServiceDiscovery(pb.ServiceDiscoveryRequest()).urls)
