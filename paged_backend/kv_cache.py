@@ -142,19 +142,21 @@ class PagedKVCache:
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy GPU blocks to CPU blocks, (gpu, cpu) pairs."""
-        for kv, cpu_kv in zip(self.kvs, self.cpu_kvs or [None] * len(self.kvs), strict=True):
+        for kv, cpu_kv in self._swap_pools(pairs):
             self._transfer(pairs, kv, cpu_kv)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy CPU blocks back to GPU blocks, (cpu, gpu) pairs."""
-        for kv, cpu_kv in zip(self.kvs, self.cpu_kvs or [None] * len(self.kvs), strict=True):
+        for kv, cpu_kv in self._swap_pools(pairs):
             self._transfer(pairs, cpu_kv, kv)
 
-    def _transfer(self, pairs, src_pool, dst_pool) -> None:
-        if not pairs:
-            return
-        if src_pool is None or dst_pool is None:
+    def _swap_pools(self, pairs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device pool, its CPU swap pool) per device; nothing to do without pairs."""
+        if pairs and not self.cpu_kvs:
             raise InvalidRequest("no CPU swap space was allocated; construct the cache with num_cpu_blocks > 0")
+        return list(zip(self.kvs, self.cpu_kvs, strict=True)) if pairs else []
+
+    def _transfer(self, pairs, src_pool, dst_pool) -> None:
         src = torch.tensor([s for s, _ in pairs])
         dst = torch.tensor([d for _, d in pairs])
         moved = self._raw(src_pool)[:, :, src.to(src_pool.device)].to(dst_pool.device, non_blocking=True)
