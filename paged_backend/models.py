@@ -206,6 +206,8 @@ def load_model(
     except ValueError as exc:
         if not dispatched:
             raise
-        raise InvalidRequest(f"accelerate could not place the model ({exc}); check --device-map / --max-memory / "
-                             f"--cpu-offload-gb, and give --offload-folder for checkpoints that are not safetensors") from exc
+        raise InvalidRequest(
+            f"accelerate could not place the model ({exc}); check --device-map / --max-memory / "
+            f"--cpu-offload-gb, and give --offload-folder for checkpoints that are not safetensors"
+        ) from exc
     return (loaded if dispatched else loaded.to(target)).eval(), tok
