@@ -43,18 +43,27 @@ class ShardClient:
 
 
 class ShardedClient:
-    """Every shard of a sharded model, driven as one: each call goes to all shards at once (they run the same batch,
-    SPMD, and their all-reduces pair up), and rank 0's answer is the one kept, as TGI's router does."""
+    """Every shard of a sharded model, driven as one, as TGI's router does. Each call goes to all shards at once
+    (they run the same batch, SPMD, so their all-reduces pair up). A shard answers Prefill / Decode with the
+    generations of its own requests (`request.id % world_size == rank`); the answers are merged, with the slowest
+    shard's timings. The other calls answer the same on every shard: rank 0's is kept."""
 
     def __init__(self, urls: list[str]) -> None:
         self.clients = [ShardClient(url) for url in urls]
 
-    async def _all(self, name: str, *args):
-        results = await asyncio.gather(*(getattr(client, name)(*args) for client in self.clients))
-        return results[0]
+    async def _all(self, name: str, *args) -> list:
+        return await asyncio.gather(*(getattr(client, name)(*args) for client in self.clients))
+
+    async def _merged(self, name: str, *args):
+        responses = await self._all(name, *args)
+        merged = type(responses[0])()
+        merged.CopyFrom(max(responses, key=lambda response: response.total_ns))
+        del merged.generations[:]
+        merged.generations.extend(generation for response in responses for generation in response.generations)
+        return merged
 
     async def close(self) -> None:
-        await asyncio.gather(*(client.close() for client in self.clients))
+        await self._all("close")
 
     async def health(self) -> None:
         await self._all("health")
@@ -63,10 +72,10 @@ class ShardedClient:
         await self._all("clear_cache", batch_id)
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch:
-        return await self._all("filter_batch", batch_id, request_ids)
+        return (await self._all("filter_batch", batch_id, request_ids))[0]
 
     async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
-        return await self._all("prefill", batch)
+        return await self._merged("prefill", batch)
 
     async def decode(self, batches: list[pb.CachedBatch]) -> pb.DecodeResponse:
-        return await self._all("decode", batches)
+        return await self._merged("decode", batches)
