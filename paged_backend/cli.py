@@ -1,4 +1,5 @@
-"""`paged-backend` command line: `version` and `run` here; `serve` / `launch` register from their own modules."""
+"""`paged-backend` command line: `version` and `run` here; `serve`, `launch`, `dashboards` and `bench` register from
+their own modules."""
 
 from __future__ import annotations
 
@@ -11,10 +12,17 @@ from typing import Annotated
 
 import typer
 
+from paged_backend.server import engine_args
+
 app = typer.Typer(help="paged-backend: paged KV cache + continuous batching", no_args_is_help=True)
 
-# Faces that add their own subcommands through `register(app)`; a face that is not installed is skipped.
-COMMAND_MODULES = ("paged_backend.server.cli", "paged_backend.tgi.cli")
+# Modules that add their own subcommands through `register(app)`; one whose extra is not installed is skipped.
+COMMAND_MODULES = (
+    "paged_backend.server.cli",
+    "paged_backend.tgi.cli",
+    "paged_backend.dashboards.cli",
+    "paged_backend.bench.cli",
+)
 
 
 @app.command()
@@ -125,6 +133,10 @@ def run(
     top_k: Annotated[int, typer.Option(help="default top-k (0 = off)")] = 0,
     ignore_eos: Annotated[bool, typer.Option(help="keep generating past EOS")] = False,
     progress: Annotated[bool, typer.Option(help="show a progress bar on stderr")] = True,
+    tensor_parallel_size: engine_args.TensorParallelSize = None,
+    pipeline_parallel_size: engine_args.PipelineParallelSize = None,
+    distributed_executor_backend: engine_args.DistributedExecutorBackend = None,
+    distributed_timeout_seconds: engine_args.DistributedTimeoutSeconds = None,
 ) -> None:
     """Offline batch generation: prompts in, JSONL results out, a throughput summary on stderr."""
     from pydantic import ValidationError
@@ -138,7 +150,9 @@ def run(
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, swap_space=swap_space,
         enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill, policy=policy,
         dtype=dtype, device=device, seed=seed, device_map=device_map, max_memory=max_memory,
-        cpu_offload_gb=cpu_offload_gb, offload_folder=offload_folder,
+        cpu_offload_gb=cpu_offload_gb, offload_folder=offload_folder, tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size, distributed_executor_backend=distributed_executor_backend,
+        distributed_timeout_seconds=distributed_timeout_seconds,
     )  # fmt: skip
     defaults = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
     text = input.read_text() if input is not None and str(input) != "-" else sys.stdin.read()
@@ -154,6 +168,12 @@ def run(
     except (PagedBackendError, ValidationError, TypeError) as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from error
+    except RuntimeError as error:
+        if not getattr(error, "fatal", False):
+            raise
+        typer.echo(f"error: {error}", err=True)  # a parallel rank failed: its workers are already stopped
+        raise typer.Exit(1) from error
+    llm.engine.close()
     lines = "".join(_result_line(i, o) + "\n" for i, o in enumerate(outputs))
     if output is None:
         sys.stdout.write(lines)

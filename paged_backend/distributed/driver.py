@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 class WorkerFailed(RuntimeError):
     """A worker rank died, hung past the collective timeout, or failed to start; the parallel engine is down."""
 
+    fatal = True  # the engine cannot step again: a server stops (exit code 1) instead of serving errors
+
 
 def parallel_requested(config: EngineConfig) -> bool:
     return config.parallel.world_size > 1

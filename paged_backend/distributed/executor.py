@@ -61,7 +61,7 @@ class MultiprocExecutor:
                 continue
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
             states.append(f"worker rank {rank} (pid {process.pid}) {how}")
-        return "; ".join(states) or "every worker process is still running (a collective timed out)"
+        return "; ".join(states) or "no worker process exited, one stopped answering within distributed_timeout_seconds"
 
     def stop(self, graceful: bool) -> None:
         for process in self.processes:
@@ -122,7 +122,7 @@ class RayExecutor:
                 states.append(f"worker rank {rank} left")
             except Exception as error:  # the actor's own failure, as Ray reports it
                 states.append(f"worker rank {rank} failed: {type(error).__name__}: {str(error).splitlines()[0]}")
-        return "; ".join(states) or "every worker actor is still running (a collective timed out)"
+        return "; ".join(states) or "no worker actor exited, one stopped answering within distributed_timeout_seconds"
 
     def stop(self, graceful: bool) -> None:
         from ray.util.placement_group import remove_placement_group

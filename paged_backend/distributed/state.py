@@ -2,14 +2,15 @@
 
 Ranks are laid out as vLLM lays them: `rank = pp_rank * tp_size + tp_rank`, so the tensor-parallel group of a
 stage is a run of consecutive ranks (on one machine when tp_size divides the GPUs per node). Rank 0 is the
-driver. Two kinds of groups: the control group (gloo, no practical timeout) carries each step's metadata and
-lets idle workers wait for the next step as long as the server is idle; the compute groups (NCCL on GPU, gloo on
+driver. Two kinds of groups: the control group (gloo) carries each step's metadata, and its workers wait on it
+with no practical timeout (as long as the server is idle); the compute groups (NCCL on GPU, gloo on
 CPU) carry all-reduces and stage hand-offs and time out after `distributed_timeout_seconds`, which is how a hung
 rank turns into an error instead of a hang.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,6 +22,7 @@ from paged_backend.config import ParallelConfig
 
 IDLE_TIMEOUT = timedelta(days=365)  # an idle server's workers wait this long for the next step
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_generations = itertools.count()
 
 
 def torchrun_rank() -> int | None:
@@ -85,10 +87,17 @@ def init_rank(rank: int, topology: Topology, init_method: str, device: torch.dev
     if device.type == "cuda":
         torch.cuda.set_device(device)
     compute_timeout = timedelta(seconds=timeout)
+    store, _, _ = next(dist.rendezvous(init_method, rank=rank, world_size=topology.world_size, timeout=compute_timeout))
+    # torchrun's store outlives an engine: each engine of the job gets fresh keys (every rank counts alike). A tcp://
+    # address is a new store per engine already (and a spawned rank's count would start over).
+    generation = next(_generations) if init_method == "env://" else 0
+    store = dist.PrefixStore(f"paged_backend/{generation}", store)
     dist.init_process_group(
-        compute_backend, init_method=init_method, rank=rank, world_size=topology.world_size, timeout=compute_timeout
+        compute_backend, store=store, rank=rank, world_size=topology.world_size, timeout=compute_timeout
     )
-    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    # Timeouts are each process's own: workers wait for the next step as long as the server idles, while the
+    # driver's broadcast to a rank that stopped answering fails after the compute timeout.
+    control = dist.new_group(backend="gloo", timeout=compute_timeout if rank == 0 else IDLE_TIMEOUT)
     tp_groups = [
         dist.new_group([topology.rank(stage, tp) for tp in range(topology.tp_size)], timeout=compute_timeout)
         for stage in range(topology.pp_size)

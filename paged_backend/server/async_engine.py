@@ -57,6 +57,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._accepting = False
         self._idle = asyncio.Event()
+        self.on_fatal: Callable[[BaseException], None] | None = None  # told, from the engine thread, of a dead engine
 
     async def start(self) -> None:
         """Start the engine thread; requests are accepted from now on."""
@@ -179,6 +180,10 @@ class AsyncEngine:
             except Exception as error:  # a broken step fails its requests; the loop itself keeps serving
                 logger.exception("engine step failed; failing %d request(s) in flight", len(self._live_request_ids))
                 self._fail_live_requests(error)
+                if getattr(error, "fatal", False):  # the engine cannot step again (a parallel rank is gone)
+                    self._accepting = False
+                    if self.on_fatal is not None:
+                        self.on_fatal(error)
 
     def _drain_commands(self, block: bool) -> bool:
         """Run queued commands (waiting for one when idle); False once the stop sentinel arrives."""

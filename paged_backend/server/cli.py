@@ -47,6 +47,9 @@ def serve(
             help=f"tool-call format for auto: {', '.join(TOOL_CALL_PARSERS)}", callback=_known_tool_call_parser
         ),
     ] = None,
+    otlp_traces_endpoint: Annotated[
+        str | None, typer.Option(help="OTLP endpoint for one trace span per request (pip install paged-backend[otel])")
+    ] = None,
     model: engine_args.Model = None,
     block_size: engine_args.BlockSize = None,
     num_blocks: engine_args.NumBlocks = None,
@@ -63,6 +66,10 @@ def serve(
     max_memory: engine_args.MaxMemory = None,
     cpu_offload_gb: engine_args.CpuOffloadGb = None,
     offload_folder: engine_args.OffloadFolder = None,
+    tensor_parallel_size: engine_args.TensorParallelSize = None,
+    pipeline_parallel_size: engine_args.PipelineParallelSize = None,
+    distributed_executor_backend: engine_args.DistributedExecutorBackend = None,
+    distributed_timeout_seconds: engine_args.DistributedTimeoutSeconds = None,
 ) -> None:
     """Serve OpenAI /v1/completions and /v1/chat/completions, /v1/models, vLLM's /tokenize, /detokenize and
     /version, /health and /metrics."""
@@ -81,7 +88,9 @@ def serve(
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, swap_space=swap_space,
         enable_prefix_caching=enable_prefix_caching, dtype=dtype, device=device, seed=seed,
         gpu_memory_utilization=gpu_memory_utilization, device_map=device_map, max_memory=max_memory,
-        cpu_offload_gb=cpu_offload_gb, offload_folder=offload_folder,
+        cpu_offload_gb=cpu_offload_gb, offload_folder=offload_folder, tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size, distributed_executor_backend=distributed_executor_backend,
+        distributed_timeout_seconds=distributed_timeout_seconds,
     )  # fmt: skip
     try:
         engine = Engine(args.to_engine_config())
@@ -93,11 +102,22 @@ def serve(
         max_request_body_bytes=max_request_body_bytes, drain_timeout=drain_timeout,
         served_model_name=served_model_name, strict_fields=strict_fields,
         enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+        otlp_traces_endpoint=otlp_traces_endpoint,
     )  # fmt: skip
-    app = build_app(engine, settings)
+    try:
+        app = build_app(engine, settings)
+    except RuntimeError as error:  # tracing asked for without the SDK, or an unknown OTLP protocol
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from error
     # The engine drains first; uvicorn's own timeout is only a backstop for connections that still hang.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    DrainingServer(config, app.state.server.async_engine, drain_timeout).run()
+    server = DrainingServer(config, app.state.server.async_engine, drain_timeout)
+    try:
+        server.run()
+    finally:
+        engine.close()  # stops the worker ranks of a parallel engine
+    if server.exit_code:
+        raise typer.Exit(server.exit_code)
 
 
 def register(app: typer.Typer) -> None:

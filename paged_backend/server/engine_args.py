@@ -53,6 +53,22 @@ OffloadFolder = Annotated[
     str | None,
     typer.Option("--offload-folder", help="folder for disk-offloaded weights of non-safetensors checkpoints"),
 ]
+TensorParallelSize = Annotated[
+    int | None, typer.Option("--tensor-parallel-size", "-tp", help="ranks that split every layer's heads and MLP")
+]
+PipelineParallelSize = Annotated[
+    int | None, typer.Option("--pipeline-parallel-size", "-pp", help="stages that split the decoder layers")
+]
+DistributedExecutorBackend = Annotated[
+    str | None,
+    typer.Option(
+        "--distributed-executor-backend", help="mp | ray; default: mp, or torchrun's ranks when run under torchrun"
+    ),
+]
+DistributedTimeoutSeconds = Annotated[
+    float | None,
+    typer.Option("--distributed-timeout-seconds", help="seconds a collective waits for a rank before failing"),
+]
 
 
 @dataclass
@@ -75,6 +91,10 @@ class EngineArgs:
     max_memory: str | None = None
     cpu_offload_gb: float | None = None
     offload_folder: str | None = None
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    distributed_executor_backend: str | None = None
+    distributed_timeout_seconds: float | None = None
 
     def to_engine_config(self) -> EngineConfig:
         """The config with every given flag set on the field of the same name."""

@@ -1,0 +1,87 @@
+"""Shared pieces of the scale-out tests: three tiny models saved to directories, their HF greedy reference, and the
+checks every case ends with (blocks all free, no child process left).
+
+Near-ties: a TP rank sums partial products in another order than one process does, so fp32 logits differ in
+the last bits. The seeds below were picked so that every greedy step of every prompt has a top-1/top-2 logit
+margin of at least 1e-3 (`reference` asserts at least 5e-4), three orders above that noise: no flip is possible.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import psutil
+import torch
+
+from paged_backend.engine import LLM, SamplingParams
+from paged_backend.models import byte_tokenizer, tiny_model
+
+# name -> (architecture, KV heads, seed); 4 query heads each, so TP=2 splits KV heads 2 -> 1 and replicates 1.
+MODELS = {"llama-gqa": ("llama", 2, 0), "llama-kv1": ("llama", 1, 2), "qwen2": ("qwen2", 2, 2)}
+MIN_MARGIN = 5e-4
+MAX_TOKENS = 12
+_rng = random.Random(0)
+PROMPTS = [[_rng.randrange(253) for _ in range(_rng.randint(3, 20))] for _ in range(4)]
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def save_models(root: Path) -> dict[str, str]:
+    """Each model and the byte tokenizer saved under `root`; returns name -> directory."""
+    dirs = {}
+    for name, (arch, kv_heads, seed) in MODELS.items():
+        path = root / name
+        tiny_model(arch, seed=seed, num_kv_heads=kv_heads).save_pretrained(path)
+        byte_tokenizer().save_pretrained(path)
+        dirs[name] = str(path)
+    return dirs
+
+
+@torch.no_grad()
+def reference(name: str) -> list[list[int]]:
+    """HF generate (sdpa, DynamicCache) greedy tokens per prompt, after asserting the logit margin premise."""
+    arch, kv_heads, seed = MODELS[name]
+    model = tiny_model(arch, seed=seed, num_kv_heads=kv_heads)
+    outputs = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        for scores in out.scores:
+            top = scores[0].topk(2).values
+            assert top[0] - top[1] > MIN_MARGIN, f"{name}: a near-tie; pick another seed"
+        outputs.append(out.sequences[0, len(prompt) :].tolist())
+    return outputs
+
+
+def generate(llm: LLM, params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)]
+
+
+def close_and_check(llm: LLM) -> None:
+    """Every block free again, the worker ranks stopped, no child process left behind."""
+    manager = llm.engine.block_manager
+    assert not llm.engine.has_unfinished_requests()
+    assert manager.num_free_blocks == manager.num_blocks - 1
+    llm.engine.close()
+    assert_no_children()
+
+
+OTHER_LAUNCHES: set[int] = set()  # pids of launchers a test started on purpose (torchrun nodes) and their trees
+
+
+def engine_processes() -> list[psutil.Process]:
+    """Processes the engines of this test process started (its descendants outside `OTHER_LAUNCHES`)."""
+    return [
+        child
+        for child in psutil.Process(os.getpid()).children(recursive=True)
+        if not ({child.pid} | {parent.pid for parent in child.parents()}) & OTHER_LAUNCHES
+    ]
+
+
+def assert_no_children(timeout: float = 10.0) -> None:
+    """No process an engine of this test process started is still alive."""
+    _, alive = psutil.wait_procs(engine_processes(), timeout=timeout)
+    alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left behind: {alive}"

@@ -1,0 +1,43 @@
+"""The Ray executor: worker ranks are Ray actors in a placement group on a local Ray instance (one session for
+every case: Ray's start-up is the slow part). Greedy tokens with TP=2 equal HF for the three models.
+The near-tie argument is in tests/_distributed_helpers.py."""
+
+import psutil
+import pytest
+import torch
+
+from paged_backend.engine import LLM
+from tests._distributed_helpers import generate, reference, save_models
+
+ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    torch.set_num_threads(1)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    return save_models(tmp_path_factory.mktemp("ray-models"))
+
+
+def ray_worker_processes() -> list[psutil.Process]:
+    """Processes running our worker actors (Ray titles them after the actor class)."""
+    return [p for p in psutil.process_iter(["cmdline"]) if "RayWorker" in " ".join(p.info["cmdline"] or [])]
+
+
+@pytest.mark.parametrize("name", ["llama-kv1", "qwen2"])  # the GQA split runs under mp and torchrun
+def test_ray_tp2_greedy_equals_hf(ray_session, model_dirs, name):
+    llm = LLM(model_dirs[name], device="cpu", num_blocks=64, block_size=4, tensor_parallel_size=2,
+              distributed_executor_backend="ray")  # fmt: skip
+    assert len(ray_worker_processes()) == 1
+    assert generate(llm) == reference(name)
+    manager = llm.engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks - 1
+    llm.engine.close()
+    _, alive = psutil.wait_procs(ray_worker_processes(), timeout=10)
+    assert not alive, f"worker actors left behind: {alive}"
