@@ -1,6 +1,7 @@
 """TGI's sharded layout: `launch --num-shard 2 --backend grpc` starts two tensor-parallel shards and drives them as
 one; greedy tokens through the text-generation client equal one process and HF generate; a shard that dies takes
-the launcher down (exit 1) and no child is left behind. `--backend paged` hands --num-shard to the engine's own tensor parallelism (tested in the engine's tests).
+the launcher down (exit 1) and no child is left behind. `--backend paged --num-shard 2` runs the engine's own tensor
+parallelism (a second rank process) behind the same HTTP face.
 
 The model is the embedded tiny Llama (8 query heads, 2 KV heads: one KV head per rank). A 2-way fp32 all-reduce can
 differ from one process by rounding (~1e-6); the smallest gap between the top two logits over these prompts' greedy
@@ -18,7 +19,7 @@ from text_generation import Client
 
 from paged_backend.engine import LLM, SamplingParams
 from paged_backend.models import embedded_model
-from tests._tgi_helpers import MAX_NEW_TOKENS, PROMPTS, ROUTER_ARGS, TgiServer, free_port, running
+from tests._tgi_helpers import MAX_NEW_TOKENS, PROMPTS, ROUTER_ARGS, TgiServer, free_port, running, serving_in_thread
 
 
 def hf_greedy_tokens() -> list[list[int]]:
@@ -63,6 +64,28 @@ def test_launch_num_shard_2_matches_one_process_and_hf_generate_and_goes_down_wi
     expected = hf_greedy_tokens()
     assert one_process == expected
     assert grpc_tokens == expected
+
+
+def test_launch_paged_num_shard_2_runs_the_engine_tensor_parallel():
+    from paged_backend.tgi.http_app import create_app
+    from paged_backend.tgi.launcher import build_backend, router_settings
+    from paged_backend.tgi.launcher_flags import parse_flags
+
+    args = parse_flags(["--num-shard", "2", "--device", "cpu", "--num-blocks", "64", "--max-total-tokens", "512"])
+    backend = build_backend(args)
+    engine = backend.async_engine.engine
+    try:
+        assert engine.config.parallel.tensor_parallel_size == 2
+        workers = psutil.Process().children(recursive=True)
+        assert workers  # the second rank runs in its own process
+        with serving_in_thread(create_app(backend, router_settings(args, backend.max_model_len))) as url:
+            tokens = client_tokens(url)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks - 1
+    finally:
+        engine.close()
+    _, still_running = psutil.wait_procs(workers, timeout=15)
+    assert not still_running, f"ranks left behind: {still_running}"
+    assert tokens == hf_greedy_tokens()
 
 
 def test_sharded_shard_refuses_a_launcher_environment_that_does_not_add_up(monkeypatch):
