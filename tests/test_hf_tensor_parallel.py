@@ -35,3 +35,14 @@ def test_paged_cache_under_tp_plan_matches_dynamic_cache_and_single_process(tmp_
     assert report["dynamic"] == single.tolist()
     assert report["sdpa"] == report["paged_backend"] == report["dynamic"]
     assert report["sdpa_blocks_back"] and report["paged_backend_blocks_back"]
+
+
+def test_kv_heads_that_do_not_split_over_the_ranks_are_refused():
+    import pytest
+
+    from paged_backend.errors import UnsupportedModel
+    from paged_backend.hf.model_support import KVGeometry, rank_geometry
+
+    with pytest.raises(UnsupportedModel, match="3 KV heads.*size 2"):
+        rank_geometry(KVGeometry(2, 3, 16, (None, None)), 2)
+    assert rank_geometry(KVGeometry(2, 4, 16, (None, None)), None).num_kv_heads == 4
