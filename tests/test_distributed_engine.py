@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,26 @@ def test_killed_worker_fails_the_batch_and_leaves_nothing(model_dirs):
     assert_no_children()
     with pytest.raises(WorkerFailed):  # the engine stays down and says why
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))
+
+
+def test_worker_that_dies_while_starting_fails_the_start(model_dirs):
+    killed = threading.Event()
+
+    def kill_the_worker_as_it_starts():
+        while not killed.wait(0.005):
+            for process in engine_processes():
+                process.kill()
+                killed.set()
+
+    killer = threading.Thread(target=kill_the_worker_as_it_starts)
+    killer.start()
+    try:
+        with pytest.raises(WorkerFailed, match=r"the workers failed to start: worker rank 1 .* killed by signal 9"):
+            LLM(model_dirs["qwen2"], device="cpu", num_blocks=16, tensor_parallel_size=2, distributed_timeout_seconds=3)
+    finally:
+        killed.set()
+        killer.join()
+    assert_no_children()
 
 
 def test_hung_worker_fails_after_the_timeout(model_dirs):
