@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -36,6 +36,18 @@ class PagedMetadata:
     query_start_loc: torch.Tensor  # [B+1] int32, rows of each sequence in the packed query
     row_index: torch.Tensor | None = None  # real rows of the flattened [batch * q_len] layout; None = all
     backend: str | None = None
+    _copies: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def on(self, device: torch.device) -> PagedMetadata:
+        """This metadata on `device`, copied once per forward (a device map runs layers on several devices)."""
+        if self.slot_mapping.device == device:
+            return self
+        if device not in self._copies:
+            names = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")
+            moved = {name: getattr(self, name).to(device) for name in names}
+            row_index = None if self.row_index is None else self.row_index.to(device)
+            self._copies[device] = replace(self, **moved, row_index=row_index, _copies={})
+        return self._copies[device]
 
 
 def block_table_tensor(tables: list[list[int]], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -93,6 +105,7 @@ def attend_packed(
     """Store this layer's new K/V, then paged attention. Returns `[B, q, Hq, D]` (zeros on non-real rows)."""
     batch, num_heads, q_len, head_dim = query.shape
     key_cache, value_cache = cache.layer(layer_idx)
+    metadata = metadata.on(key_cache.device)
     k_scale, v_scale = cache.k_scales[layer_idx], cache.v_scales[layer_idx]
     with torch.profiler.record_function(PROFILE_LABEL):  # a no-op unless a profiler is running
         reshape_and_cache(

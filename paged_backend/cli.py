@@ -119,6 +119,14 @@ def run(
     dtype: Annotated[str | None, typer.Option(help="auto | float32 | float16 | bfloat16")] = None,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | cuda:N")] = None,
     seed: Annotated[int | None, typer.Option(help="engine seed for unseeded sampling")] = None,
+    device_map: Annotated[
+        str | None, typer.Option(help="accelerate placement: auto | balanced | sequential | JSON {module: device}")
+    ] = None,
+    max_memory: Annotated[str | None, typer.Option(help="accelerate's memory per device: 0=20GiB,cpu=60GiB")] = None,
+    cpu_offload_gb: Annotated[
+        float | None, typer.Option(help="GiB of weights moved off the device: GPU -> CPU memory (on CPU: -> disk)")
+    ] = None,
+    offload_folder: Annotated[str | None, typer.Option(help="folder for disk-offloaded weights")] = None,
     max_tokens: Annotated[int, typer.Option(help="default max new tokens per prompt")] = 16,
     temperature: Annotated[float, typer.Option(help="default temperature (0 = greedy)")] = 0.0,
     top_p: Annotated[float, typer.Option(help="default nucleus probability")] = 1.0,
@@ -141,7 +149,8 @@ def run(
         gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, swap_space=swap_space,
         enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill, policy=policy,
-        dtype=dtype, device=device, seed=seed, tensor_parallel_size=tensor_parallel_size,
+        dtype=dtype, device=device, seed=seed, device_map=device_map, max_memory=max_memory,
+        cpu_offload_gb=cpu_offload_gb, offload_folder=offload_folder, tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size, distributed_executor_backend=distributed_executor_backend,
         distributed_timeout_seconds=distributed_timeout_seconds,
     )  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Config(BaseModel):
@@ -58,8 +58,27 @@ class EngineConfig(_Config):
     tokenizer: str | None = None
     dtype: str = Field("auto", description="auto | float32 | float16 | bfloat16")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    # Bigger than one device (accelerate places the weights; each layer's KV sits on its execution device).
+    device_map: str | dict | None = Field(None, description="auto | balanced | sequential | {module: device}")
+    max_memory: dict | None = Field(None, description="{device: size}, e.g. {0: '20GiB', 'cpu': '60GiB'}")
+    cpu_offload_gb: float = Field(0.0, ge=0, description="GiB of weights moved off the device (GPU->CPU, CPU->disk)")
+    offload_folder: str | None = Field(None, description="where disk-offloaded weights go (non-safetensors)")
     seed: int = 0
     attention_backend: Literal["auto", "torch", "cpu", "triton", "cuda"] = "auto"
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+
+    @field_validator("device_map", mode="before")
+    @classmethod
+    def _parse_device_map(cls, value):
+        from paged_backend.offload import parse_device_map
+
+        return parse_device_map(value)
+
+    @field_validator("max_memory", mode="before")
+    @classmethod
+    def _parse_max_memory(cls, value):
+        from paged_backend.offload import parse_max_memory
+
+        return parse_max_memory(value)

@@ -1,8 +1,9 @@
 """PagedKVCache: per-layer K/V block pools in the NHD layout, plus the copies the BlockManager asks for.
 
 Layout per layer: ``key_cache`` / ``value_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]``
-(the layout FlashInfer and TGI's flashdecoding read). All layers live in one tensor so a block copy or a
-swap is one indexed copy for the whole model.
+(the layout FlashInfer and TGI's flashdecoding read). All layers of one device live in one tensor so a block
+copy or a swap is one indexed copy per device; `layer_devices` spreads layers over devices (accelerate's device
+maps run each layer on its own device, so its KV lives there too).
 """
 
 from __future__ import annotations
@@ -87,22 +88,32 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
         num_cpu_blocks: int = 0,
+        layer_devices: list[torch.device | str] | None = None,
     ) -> None:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dtype, self.device = dtype, torch.device(device)
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.key_caches = [self.kv[layer, 0] for layer in range(num_layers)]
-        self.value_caches = [self.kv[layer, 1] for layer in range(num_layers)]
+        layers_on: dict[torch.device, list[int]] = {}
+        for layer, layer_device in enumerate(layer_devices or [self.device] * num_layers):
+            layers_on.setdefault(torch.device(layer_device), []).append(layer)
+        block = (block_size, num_kv_heads, head_dim)
+        # One tensor [layers on the device, 2, num_blocks, ...] per device; `kv` / `cpu_kv` when there is one.
+        self.kvs = [torch.zeros((len(ls), 2, num_blocks, *block), dtype=dtype, device=d) for d, ls in layers_on.items()]
+        self.key_caches: list[torch.Tensor] = [None] * num_layers
+        self.value_caches: list[torch.Tensor] = [None] * num_layers
+        for kv, layers in zip(self.kvs, layers_on.values(), strict=True):
+            for index, layer in enumerate(layers):
+                self.key_caches[layer], self.value_caches[layer] = kv[index, 0], kv[index, 1]
         # Per-layer dequantization scales; only meaningful for fp8 pools.
         self.k_scales = [1.0] * num_layers
         self.v_scales = [1.0] * num_layers
-        self.cpu_kv = None
+        self.cpu_kvs = []
         if num_cpu_blocks:
-            pin = self.device.type == "cuda"
-            cpu_shape = (num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim)
-            self.cpu_kv = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
+            pin = any(kv.device.type == "cuda" for kv in self.kvs)
+            self.cpu_kvs = [torch.zeros((kv.shape[0], 2, num_cpu_blocks, *block), dtype=dtype, pin_memory=pin)
+                            for kv in self.kvs]  # fmt: skip
+        self.kv = self.kvs[0] if len(self.kvs) == 1 else None
+        self.cpu_kv = self.cpu_kvs[0] if len(self.cpu_kvs) == 1 else None
 
     @property
     def bytes_per_block(self) -> int:
@@ -110,7 +121,7 @@ class PagedKVCache:
 
     @property
     def total_bytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return sum(kv.numel() * kv.element_size() for kv in self.kvs)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.key_caches[layer_idx], self.value_caches[layer_idx]
@@ -123,24 +134,29 @@ class PagedKVCache:
         """Copy whole blocks src -> dst in every layer (copy-on-write)."""
         if not pairs:
             return
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
-        raw = self._raw(self.kv)
-        raw[:, :, dst] = raw[:, :, src]
+        for kv in self.kvs:
+            src = torch.tensor([s for s, _ in pairs], device=kv.device)
+            dst = torch.tensor([d for _, d in pairs], device=kv.device)
+            raw = self._raw(kv)
+            raw[:, :, dst] = raw[:, :, src]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy GPU blocks to CPU blocks, (gpu, cpu) pairs."""
-        self._transfer(pairs, self.kv, self.cpu_kv)
+        for kv, cpu_kv in self._swap_pools(pairs):
+            self._transfer(pairs, kv, cpu_kv)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy CPU blocks back to GPU blocks, (cpu, gpu) pairs."""
-        self._transfer(pairs, self.cpu_kv, self.kv)
+        for kv, cpu_kv in self._swap_pools(pairs):
+            self._transfer(pairs, cpu_kv, kv)
+
+    def _swap_pools(self, pairs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device pool, its CPU swap pool) per device; nothing to do without pairs."""
+        if pairs and not self.cpu_kvs:
+            raise InvalidRequest("no CPU swap space was allocated; construct the cache with num_cpu_blocks > 0")
+        return list(zip(self.kvs, self.cpu_kvs, strict=True)) if pairs else []
 
     def _transfer(self, pairs, src_pool, dst_pool) -> None:
-        if not pairs:
-            return
-        if self.cpu_kv is None:
-            raise InvalidRequest("no CPU swap space was allocated; construct the cache with num_cpu_blocks > 0")
         src = torch.tensor([s for s, _ in pairs])
         dst = torch.tensor([d for _, d in pairs])
         moved = self._raw(src_pool)[:, :, src.to(src_pool.device)].to(dst_pool.device, non_blocking=True)

@@ -27,6 +27,7 @@ from transformers import (
 )
 
 from paged_backend.errors import InvalidRequest
+from paged_backend.offload import dispatch_kwargs, uses_accelerate
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ARCHITECTURES = {
@@ -167,14 +168,24 @@ def load_model(
     tokenizer: str | None = None,
     dtype: str = "auto",
     device: str = "auto",
+    device_map: str | dict | None = None,
+    max_memory: str | dict | None = None,
+    cpu_offload_gb: float = 0.0,
+    offload_folder: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """Load `(model, tokenizer)` from a local HF directory or hub id; None gives the embedded tiny model.
+
+    `device_map` / `max_memory` / `cpu_offload_gb` / `offload_folder` place the model with accelerate
+    (`paged_backend.offload`) instead of moving it whole to `device`.
 
     >>> model, tok = load_model(None, device="cpu")
     >>> type(model).__name__
     'LlamaForCausalLM'
     """
     target = resolve_device(device)
+    dispatched = uses_accelerate(device_map, max_memory, cpu_offload_gb)
+    if dispatched and model is None:
+        raise InvalidRequest("device maps and offload load a checkpoint: give --model (a directory or hub id)")
     if model is None:
         loaded, tok = embedded_model(resolve_dtype(dtype, target))
         return loaded.to(target), tok
@@ -184,8 +195,19 @@ def load_model(
     try:
         config_dtype = getattr(AutoConfig.from_pretrained(source), "dtype", None)
         torch_dtype = resolve_dtype(dtype, target, config_dtype)
-        loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+        placement = {}
+        if dispatched:
+            placement = dispatch_kwargs(source, torch_dtype, target, device_map=device_map, max_memory=max_memory,
+                                        cpu_offload_gb=cpu_offload_gb, offload_folder=offload_folder)  # fmt: skip
+        loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **placement)
         tok = AutoTokenizer.from_pretrained(os.path.expanduser(tokenizer) if tokenizer else source)
     except OSError as exc:
         raise InvalidRequest(f"model path or id '{model}' not found: {exc}") from exc
-    return loaded.to(target).eval(), tok
+    except ValueError as exc:
+        if not dispatched:
+            raise
+        raise InvalidRequest(
+            f"accelerate could not place the model ({exc}); check --device-map / --max-memory / "
+            f"--cpu-offload-gb, and give --offload-folder for checkpoints that are not safetensors"
+        ) from exc
+    return (loaded if dispatched else loaded.to(target)).eval(), tok

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from paged_backend.errors import UnsupportedModel
 
@@ -63,6 +63,22 @@ def kv_geometry(config) -> KVGeometry:
             config.sliding_window if layer_type == "sliding_attention" else None for layer_type in _layer_types(config)
         ),
     )
+
+
+def rank_geometry(geometry: KVGeometry, tp_size: int | None) -> KVGeometry:
+    """The KV one tensor-parallel rank stores: its share of the KV heads (transformers' `tp_plan` splits them).
+
+    >>> rank_geometry(KVGeometry(2, 4, 16, (None, None)), 2).num_kv_heads
+    2
+    """
+    if not tp_size or tp_size == 1:
+        return geometry
+    if geometry.num_kv_heads % tp_size:
+        raise UnsupportedModel(
+            f"the model has {geometry.num_kv_heads} KV heads, which tensor parallelism of size {tp_size} cannot split "
+            f"evenly; load it with a tp_size that divides {geometry.num_kv_heads}"
+        )
+    return replace(geometry, num_kv_heads=geometry.num_kv_heads // tp_size)
 
 
 def check_update_shapes(key, value, geometry: KVGeometry, layer_idx: int) -> None:

@@ -15,13 +15,14 @@ from paged_backend.attention import ATTN_IMPLEMENTATION, PagedMetadata, attend_p
 from paged_backend.block_manager import BlockManager
 from paged_backend.errors import InvalidRequest, OutOfBlocks
 from paged_backend.kv_cache import PagedKVCache, num_blocks_for_budget
+from paged_backend.offload import input_device, layer_devices
 from paged_backend.ops import reshape_and_cache
 
 from .cache_stats import CacheStats
 from .forward_step import ForwardStep, gather_slots, paged_metadata
 from .identical_rows import identical_rows
 from .layer_handle import PagedLayerKV
-from .model_support import check_update_shapes, kv_geometry
+from .model_support import check_update_shapes, kv_geometry, rank_geometry
 
 
 def _placeholder_tokens(n: int) -> list[int]:
@@ -29,14 +30,17 @@ def _placeholder_tokens(n: int) -> list[int]:
     return [0] * n
 
 
-def _model_facts(model_or_config) -> tuple[object, torch.dtype, torch.device]:
+def _model_facts(model_or_config) -> tuple[object, torch.dtype, torch.device, list[torch.device] | None]:
+    """(text config, dtype, input device, per-layer devices of an accelerate-dispatched model or None)."""
     if isinstance(model_or_config, torch.nn.Module):
-        param = next(model_or_config.parameters())
-        return model_or_config.config.get_text_config(decoder=True), param.dtype, param.device
+        config = model_or_config.config.get_text_config(decoder=True)
+        devices = layer_devices(model_or_config, config.num_hidden_layers)
+        dtype = next(model_or_config.parameters()).dtype
+        return config, dtype, input_device(model_or_config), devices
     config = model_or_config.get_text_config(decoder=True)
     dtype = getattr(config, "dtype", None)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    return config, dtype or torch.float32, torch.device("cpu")
+    return config, dtype or torch.float32, torch.device("cpu"), None
 
 
 class PagedCache(Cache):
@@ -64,15 +68,18 @@ class PagedCache(Cache):
         backend: str | None = None,
     ) -> None:
         super().__init__(layers=[])
-        self.config, model_dtype, model_device = _model_facts(model_or_config)
-        self.geometry = kv_geometry(self.config)
+        self.config, model_dtype, model_device, devices = _model_facts(model_or_config)
+        # Under transformers' tensor parallelism (tp_plan) each rank's pool holds only its own KV heads.
+        self.geometry = rank_geometry(kv_geometry(self.config), getattr(model_or_config, "tp_size", None))
         dtype = dtype or model_dtype
+        device_given = device is not None
         device = torch.device(device or model_device)
         num_blocks = self._resolve_num_blocks(max_tokens, num_blocks, memory_bytes, block_size, dtype)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         g = self.geometry
         self.kv_cache = PagedKVCache(
-            g.num_layers, g.num_kv_heads, g.head_dim, num_blocks, block_size, dtype=dtype, device=device
+            g.num_layers, g.num_kv_heads, g.head_dim, num_blocks, block_size, dtype=dtype, device=device,
+            layer_devices=None if device_given else devices,
         )
         self.backend = backend
         self._next_seq_id = 0
@@ -160,7 +167,7 @@ class PagedCache(Cache):
         key_cache, value_cache = self.kv_cache.layer(layer_idx)
         reshape_and_cache(
             _token_rows(key_states), _token_rows(value_states), key_cache, value_cache,
-            step.metadata.slot_mapping, backend=self.backend,
+            step.metadata.on(key_cache.device).slot_mapping, backend=self.backend,
         )
         if step.fresh:  # contiguous like DynamicCache's concatenation: kernels round by memory layout
             return key_states.contiguous(), value_states.contiguous()
@@ -383,7 +390,7 @@ class PagedCache(Cache):
     def _gather(self, pool: torch.Tensor, dtype: torch.dtype, columns: int) -> torch.Tensor:
         """[B, Hkv, columns, D] contiguous K or V of the last `columns` columns, read through the block tables."""
         flat = pool.view(-1, pool.shape[-2], pool.shape[-1])
-        slots = self._step.gather_slots[:, -columns:]
+        slots = self._step.gather_slots[:, -columns:].to(pool.device)
         rows = torch.index_select(flat, 0, slots.flatten())  # several times faster than advanced indexing on CPU
         return rows.view(*slots.shape, *flat.shape[1:]).transpose(1, 2).contiguous().to(dtype)
 

@@ -3,6 +3,8 @@
 paged-backend launch --model-id PATH --backend paged      # this engine, in-process (default)
 paged-backend launch --model-id PATH --backend reference  # HF generate, contiguous KV (A/B baseline)
 paged-backend launch --backend grpc --shard-uds-path /tmp/text-generation-server   # drive a v3 shard
+paged-backend launch --backend grpc --num-shard 2   # start 2 tensor-parallel shards, drive them as one
+paged-backend launch --backend paged --num-shard 2  # the engine's own tensor parallelism (2 ranks)
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import signal
 import sys
 
 from paged_backend.tgi.launcher_flags import ignored_flags, parse_flags
@@ -42,12 +45,20 @@ def engine_config(args: argparse.Namespace):
         dtype=args.dtype,
         device=args.device,
         gpu_memory_utilization=args.cuda_memory_fraction,
+        **placement_flags(args),
     )
     config = engine_args.to_engine_config()
     config.tokenizer = args.tokenizer_name
+    config.parallel.tensor_parallel_size = num_shards(args) or 1
     if args.kv_cache_dtype:
         config.cache.cache_dtype = _kv_cache_dtype(args.kv_cache_dtype)
     return config
+
+
+def placement_flags(args: argparse.Namespace) -> dict:
+    """accelerate's placement flags (device map, memory limits, offload) that were given."""
+    names = ("device_map", "max_memory", "cpu_offload_gb", "offload_folder")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def _kv_cache_dtype(name: str) -> str:
@@ -59,8 +70,27 @@ def _kv_cache_dtype(name: str) -> str:
     return name
 
 
-def build_backend(args: argparse.Namespace):
-    """The backend object the HTTP face drives."""
+def num_shards(args: argparse.Namespace) -> int | None:
+    """Shards asked for with TGI's `--num-shard` / `--sharded`; None when neither was given."""
+    sharded = None if args.sharded is None else args.sharded.strip().lower() in {"1", "true", "yes"}
+    count = args.num_shard
+    if sharded is False and count is not None and count > 1:
+        raise LaunchError("Sharding is disabled (--sharded false) but --num-shard is > 1")
+    if sharded and count is None:
+        import torch
+
+        count = torch.cuda.device_count()
+        if count < 2:
+            raise LaunchError("--sharded needs --num-shard N here: fewer than 2 GPUs are visible to count shards on")
+    if count is not None and count < 1:
+        raise LaunchError(f"--num-shard must be at least 1, got {count}")
+    if count is not None and count > 1 and args.backend == "reference":
+        raise LaunchError("--num-shard needs --backend paged or grpc; the reference backend runs one process")
+    return count
+
+
+def build_backend(args: argparse.Namespace, shards=None):
+    """The backend object the HTTP face drives (`shards`: the shard processes this launcher started, grpc)."""
     if args.backend == "paged":
         from paged_backend.engine import Engine
         from paged_backend.tgi.paged import PagedBackend
@@ -71,13 +101,14 @@ def build_backend(args: argparse.Namespace):
         from paged_backend.tgi.reference import ReferenceBackend
 
         model, tokenizer = load_model(
-            model_to_load(args.model_id), tokenizer=args.tokenizer_name, dtype=args.dtype or "auto", device=args.device
-        )
+            model_to_load(args.model_id), tokenizer=args.tokenizer_name, dtype=args.dtype or "auto",
+            device=args.device, **placement_flags(args),
+        )  # fmt: skip
         max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", 2048)
         return ReferenceBackend(model, tokenizer, max_positions)
     from paged_backend.tgi.router.backend import GrpcBackend
 
-    return GrpcBackend.from_flags(args)
+    return GrpcBackend.from_flags(args, shards_ready=None if shards is None else shards.wait_ready)
 
 
 def router_settings(args: argparse.Namespace, max_model_len: int) -> RouterSettings:
@@ -104,6 +135,10 @@ def router_settings(args: argparse.Namespace, max_model_len: int) -> RouterSetti
     )
 
 
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> None:
     """Parse TGI flags, build the backend, serve until interrupted."""
     import uvicorn
@@ -116,12 +151,26 @@ def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> N
     ignored = ignored_flags(args)
     if ignored:
         logger.warning("ignoring %s: no meaning for --backend %s", ", ".join(ignored), args.backend)
-    backend = build_backend(args)
-    settings = router_settings(args, backend.max_model_len)
+    count = num_shards(args)
+    shards = None
+    if args.backend == "grpc" and count is not None:  # TGI's layout: this launcher starts the shards itself
+        from paged_backend.tgi.shard_processes import ShardProcesses
+
+        shards = ShardProcesses(args, count)
+        # uvicorn re-raises the SIGTERM it caught once it has shut down; as an exception it still runs `finally`.
+        signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
-        tracer = otlp_tracer(args.otlp_endpoint, args.otlp_service_name) if args.otlp_endpoint else None
-    except RuntimeError as error:  # the [otel] extra is missing, or an unknown OTLP protocol
-        raise SystemExit(f"error: {error}") from error
-    app = create_app(backend, settings, drain_timeout=float(args.graceful_termination_timeout), tracer=tracer)
-    logger.info("TGI API on %s:%d, backend %s, model %s", args.hostname, args.port, backend.name, settings.model_id)
-    uvicorn.run(app, host=args.hostname, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+        backend = build_backend(args, shards)
+        settings = router_settings(args, backend.max_model_len)
+        try:
+            tracer = otlp_tracer(args.otlp_endpoint, args.otlp_service_name) if args.otlp_endpoint else None
+        except RuntimeError as error:  # the [otel] extra is missing, or an unknown OTLP protocol
+            raise SystemExit(f"error: {error}") from error
+        app = create_app(backend, settings, drain_timeout=float(args.graceful_termination_timeout), tracer=tracer)
+        logger.info("TGI API on %s:%d, backend %s, model %s", args.hostname, args.port, backend.name, settings.model_id)
+        uvicorn.run(app, host=args.hostname, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        if shards is not None:
+            shards.stop()
+            if shards.failure:
+                raise LaunchError(shards.failure)

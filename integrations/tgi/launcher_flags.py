@@ -16,6 +16,8 @@ from typing import Any
 BACKENDS = ("paged", "reference", "grpc")
 ALL = frozenset(BACKENDS)
 ROUTER = frozenset({"grpc"})  # knobs of the batching loop, which only our Python router runs
+SHARDED = frozenset({"paged", "grpc"})  # backends that run tensor-parallel shards
+LOADERS = frozenset({"paged", "reference"})  # backends that load the weights in this process
 NONE: frozenset[str] = frozenset()
 
 
@@ -46,17 +48,21 @@ FLAGS: list[Flag] = [
     Flag("--backend", str, "paged", "paged | reference | grpc: which engine serves the TGI API", env="TGI_BACKEND"),
     Flag("--model-id", str, None, "local directory or hub id; omit for the embedded tiny model"),
     Flag("--tokenizer-name", str, None, "tokenizer directory or id when it differs from the model"),
-    Flag(
-        "--dtype", str, None, "float16 | bfloat16 | float32 (default: auto)", used_by=frozenset({"paged", "reference"})
-    ),
+    # grpc: passed on to the shards this launcher starts (--num-shard).
+    Flag("--dtype", str, None, "float16 | bfloat16 | float32 (default: auto)", used_by=ALL),
     Flag("--kv-cache-dtype", str, None, "KV pool dtype: fp8 | fp8_e4m3fn | float16 | bfloat16", frozenset({"paged"})),
     Flag(
         "--device",
         str,
         "auto",
         "auto | cpu | cuda | cuda:N (paged-backend addition)",
-        frozenset({"paged", "reference"}),
+        ALL,
     ),
+    # accelerate's placement of a model bigger than one device (paged_backend.offload).
+    Flag("--device-map", str, None, "accelerate placement: auto | balanced | sequential | JSON", LOADERS),
+    Flag("--max-memory", str, None, "accelerate's memory per device: 0=20GiB,cpu=60GiB", LOADERS),
+    Flag("--cpu-offload-gb", float, None, "GiB of weights moved off the device (vLLM's name)", LOADERS),
+    Flag("--offload-folder", str, None, "folder for disk-offloaded weights", LOADERS),
     Flag("--hostname", str, "0.0.0.0", "address to listen on"),
     Flag("--port", int, 3000, "HTTP port", short="-p"),
     Flag("--max-concurrent-requests", int, 128, "requests in flight before 429 overloaded"),
@@ -85,14 +91,14 @@ FLAGS: list[Flag] = [
     # Accepted so TGI command lines keep working; reported as ignored when given.
     Flag("--revision", str, None, "hub revision", NONE),
     Flag("--json-output", None, False, "JSON log lines", NONE),
-    Flag("--sharded", str, None, "tensor parallelism", NONE),
-    Flag("--num-shard", int, None, "tensor parallel shards", NONE),
+    Flag("--sharded", str, None, "true | false: tensor parallelism", SHARDED),
+    Flag("--num-shard", int, None, "tensor-parallel shards (grpc: shard processes; paged: engine ranks)", SHARDED),
     Flag("--quantize", str, None, "weight quantization", NONE),
     Flag("--speculate", int, None, "speculative decoding", NONE),
     Flag("--trust-remote-code", None, False, "run model code from the hub", NONE),
     Flag("--cuda-graphs", str, None, "CUDA graph batch sizes", NONE),
-    Flag("--master-addr", str, None, "torch.distributed address", NONE),
-    Flag("--master-port", int, None, "torch.distributed port", NONE),
+    Flag("--master-addr", str, None, "torch.distributed address of the shards (default localhost)", ROUTER),
+    Flag("--master-port", int, None, "torch.distributed port of the shards (default 29500)", ROUTER),
     Flag("--huggingface-hub-cache", str, None, "hub cache dir", NONE),
     Flag("--weights-cache-override", str, None, "weights cache dir", NONE),
     Flag("--disable-custom-kernels", None, False, "custom CUDA kernels", NONE),

@@ -26,6 +26,7 @@ from paged_backend.kv_cache import (
     resolve_kv_dtype,
 )
 from paged_backend.models import load_model
+from paged_backend.offload import input_device, layer_devices
 
 CPU_DEFAULT_KV_BYTES = 512 << 20  # on CPU "free memory" is the whole machine: default to 512 MiB (or 10%)
 
@@ -84,13 +85,16 @@ class Engine:
         self.config = config = config or EngineConfig()
         loaded = model is None
         if loaded:
-            model, tokenizer = load_model(config.model, tokenizer=config.tokenizer, dtype=config.dtype,
-                                          device=config.device)
+            model, tokenizer = load_model(
+                config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=config.device,
+                device_map=config.device_map, max_memory=config.max_memory, cpu_offload_gb=config.cpu_offload_gb,
+                offload_folder=config.offload_folder,
+            )  # fmt: skip
         elif tokenizer is None:
             raise InvalidRequest("a model object was given without its tokenizer; pass tokenizer=...")
         cache = config.cache
         num_layers, kv_heads, head_dim, max_positions = _model_shape(model.config)
-        device = model.device
+        device = input_device(model)  # accelerate-dispatched models: each layer's KV on its own device
         self.parallel = None
         if config.parallel.world_size > 1:  # rank 0 of a TP x PP group: its shard, its per-rank pool, the workers
             from paged_backend.distributed.driver import ParallelDriver
@@ -105,12 +109,13 @@ class Engine:
             self.kv_cache = PagedKVCache(
                 num_layers, kv_heads, head_dim, num_blocks, cache.block_size,
                 dtype=kv_dtype, device=device, num_cpu_blocks=num_cpu_blocks,
+                layer_devices=layer_devices(model, num_layers),
             )
         # The runner switches attention to "paged_backend" (and eval mode) for its own forwards only: a model
         # object the caller passed in is left as it was, usable with plain generate() between and after steps.
         self.model, self.tokenizer = model, tokenizer
         num_blocks = self.kv_cache.num_blocks
-        num_cpu_blocks = 0 if self.kv_cache.cpu_kv is None else self.kv_cache.cpu_kv.shape[2]
+        num_cpu_blocks = self.kv_cache.cpu_kvs[0].shape[2] if self.kv_cache.cpu_kvs else 0
         self.block_manager = BlockManager(
             num_blocks, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
             watermark=cache.watermark, num_cpu_blocks=num_cpu_blocks,

@@ -37,6 +37,22 @@ GpuMemoryUtilization = Annotated[
     float | None, typer.Option("--gpu-memory-utilization", help="fraction of free device memory for the KV pool")
 ]
 
+# Bigger than one device, through accelerate (paged_backend.offload).
+DeviceMap = Annotated[
+    str | None,
+    typer.Option("--device-map", help="accelerate placement: auto | balanced | sequential | JSON {module: device}"),
+]
+MaxMemory = Annotated[
+    str | None, typer.Option("--max-memory", help="accelerate's memory per device: 0=20GiB,cpu=60GiB (or JSON)")
+]
+CpuOffloadGb = Annotated[
+    float | None,
+    typer.Option("--cpu-offload-gb", help="GiB of weights moved off the device: GPU -> CPU memory (on CPU: -> disk)"),
+]
+OffloadFolder = Annotated[
+    str | None,
+    typer.Option("--offload-folder", help="folder for disk-offloaded weights of non-safetensors checkpoints"),
+]
 TensorParallelSize = Annotated[
     int | None, typer.Option("--tensor-parallel-size", "-tp", help="ranks that split every layer's heads and MLP")
 ]
@@ -71,6 +87,10 @@ class EngineArgs:
     device: str | None = None
     seed: int | None = None
     gpu_memory_utilization: float | None = None
+    device_map: str | None = None
+    max_memory: str | None = None
+    cpu_offload_gb: float | None = None
+    offload_folder: str | None = None
     tensor_parallel_size: int | None = None
     pipeline_parallel_size: int | None = None
     distributed_executor_backend: str | None = None

@@ -12,7 +12,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 
 import grpc
 
@@ -24,7 +26,7 @@ from paged_backend.tgi.generated import generate_pb2_grpc as pb_grpc
 from paged_backend.tgi.grammar import GrammarCompiler
 from paged_backend.tgi.metrics import TgiMetrics
 from paged_backend.tgi.router.batching import BatchingLoop, BatchingSettings
-from paged_backend.tgi.router.client import ShardClient
+from paged_backend.tgi.router.client import CHANNEL_OPTIONS, ShardedClient
 from paged_backend.tgi.router.queue import Entry, Queue
 from paged_backend.tgi.settings import model_to_load
 from paged_backend.tgi.tokens import eos_token_ids
@@ -79,6 +81,16 @@ def warmup_batch(tokenizer, max_input_tokens: int | None, max_prefill_tokens: in
     return pb.Batch(id=0, requests=requests, size=len(requests), max_tokens=max_input_tokens or 0)
 
 
+def on_every_shard(urls: list[str], call) -> list:
+    """`call(stub)` on every shard at the same time (blocking), answers in rank order."""
+    with ExitStack() as stack, ThreadPoolExecutor(max_workers=len(urls)) as pool:
+        stubs = [
+            pb_grpc.TextGenerationServiceStub(stack.enter_context(grpc.insecure_channel(url, options=CHANNEL_OPTIONS)))
+            for url in urls
+        ]
+        return list(pool.map(call, stubs))
+
+
 def liveness_batch() -> pb.Batch:
     probe = pb.Request(
         id=U64_MAX,
@@ -100,9 +112,14 @@ class GrpcBackend:
     supports_grammar = True
 
     def __init__(
-        self, shard_url: str, tokenizer, info: pb.InfoResponse, warmup: pb.WarmupResponse, settings: BatchingSettings
+        self,
+        shard_urls: list[str],
+        tokenizer,
+        info: pb.InfoResponse,
+        warmup: pb.WarmupResponse,
+        settings: BatchingSettings,
     ):
-        self.shard_url = shard_url
+        self.shard_urls = shard_urls
         self.tokenizer = tokenizer
         self.block_size = info.block_size
         self.max_model_len = warmup.max_total_tokens
@@ -111,37 +128,36 @@ class GrpcBackend:
         self.settings = settings
         self.grammars = GrammarCompiler(tokenizer, eos_token_ids(tokenizer))
         self._ids = itertools.count()
-        self.client: ShardClient | None = None
+        self.client: ShardedClient | None = None
         self.loop: BatchingLoop | None = None
         self._task: asyncio.Task | None = None
 
     @classmethod
-    def from_flags(cls, args: argparse.Namespace) -> GrpcBackend:
-        """Connect to the master shard and run TGI's start-up sequence (blocking, before serving)."""
+    def from_flags(cls, args: argparse.Namespace, shards_ready: Callable[[], None] | None = None) -> GrpcBackend:
+        """Connect to the master shard and run TGI's start-up sequence (blocking, before serving). `shards_ready`
+        waits for shards this process started; the tokenizer loads meanwhile."""
         master = args.master_shard_uds_path or f"{args.shard_uds_path}-0"
         tokenizer = load_tokenizer(args.model_id, args.tokenizer_name)
+        if shards_ready is not None:
+            shards_ready()
         with grpc.insecure_channel(f"unix://{master}") as channel:
             grpc.channel_ready_future(channel).result(timeout=60)
-            urls = pb_grpc.TextGenerationServiceStub(channel).ServiceDiscovery(pb.ServiceDiscoveryRequest()).urls
-        if len(urls) != 1:
-            raise SystemExit(f"paged-backend launch: {len(urls)} shards found; the Python router drives exactly one")
-        with grpc.insecure_channel(urls[0]) as channel:
-            stub = pb_grpc.TextGenerationServiceStub(channel)
-            stub.ClearCache(pb.ClearCacheRequest())
-            info = stub.Info(pb.InfoRequest())
-            if info.requires_padding or info.speculate or info.support_chunking:
-                raise SystemExit("paged-backend launch: the shard needs padding, speculation or chunking; unsupported")
-            request = pb.WarmupRequest(
-                batch=warmup_batch(
-                    tokenizer, args.max_input_tokens, args.max_batch_prefill_tokens, args.max_batch_size
-                ),
-                max_prefill_tokens=args.max_batch_prefill_tokens,
-            )
-            if args.max_input_tokens is not None:
-                request.max_input_tokens = args.max_input_tokens
-            if args.max_total_tokens is not None:
-                request.max_total_tokens = args.max_total_tokens
-            warmup = stub.Warmup(request)
+            urls = list(pb_grpc.TextGenerationServiceStub(channel).ServiceDiscovery(pb.ServiceDiscoveryRequest()).urls)
+        on_every_shard(urls, lambda stub: stub.ClearCache(pb.ClearCacheRequest()))
+        info = on_every_shard(urls, lambda stub: stub.Info(pb.InfoRequest()))[0]
+        if info.requires_padding or info.speculate or info.support_chunking:
+            raise SystemExit("paged-backend launch: the shard needs padding, speculation or chunking; unsupported")
+        request = pb.WarmupRequest(
+            batch=warmup_batch(tokenizer, args.max_input_tokens, args.max_batch_prefill_tokens, args.max_batch_size),
+            max_prefill_tokens=args.max_batch_prefill_tokens,
+        )
+        if args.max_input_tokens is not None:
+            request.max_input_tokens = args.max_input_tokens
+        if args.max_total_tokens is not None:
+            request.max_total_tokens = args.max_total_tokens
+        # Every shard must warm up at once (its forward all-reduces with the others); the smallest pool bounds all.
+        warmups = on_every_shard(urls, lambda stub: stub.Warmup(request))
+        warmup = min(warmups, key=lambda response: response.max_supported_total_tokens)
         # Block 0 is the health check's, so one request may use every other block (TGI: NotEnoughMemory).
         capacity = warmup.max_supported_total_tokens - info.block_size
         if warmup.max_total_tokens - 1 > capacity:
@@ -152,18 +168,19 @@ class GrpcBackend:
         if args.max_batch_total_tokens is not None:
             logger.warning("--max-batch-total-tokens is ignored: the shard reported its KV capacity at warmup")
         logger.info(
-            "shard %s: %d KV tokens, block size %d", urls[0], warmup.max_supported_total_tokens, info.block_size
-        )
+            "%d shard(s) at %s: %d KV tokens, block size %d",
+            len(urls), ", ".join(urls), warmup.max_supported_total_tokens, info.block_size,
+        )  # fmt: skip
         settings = BatchingSettings(
             max_batch_prefill_tokens=args.max_batch_prefill_tokens,
             max_batch_size=args.max_batch_size,
             waiting_served_ratio=args.waiting_served_ratio,
             max_waiting_tokens=args.max_waiting_tokens,
         )
-        return cls(urls[0], tokenizer, info, warmup, settings)
+        return cls(urls, tokenizer, info, warmup, settings)
 
     async def start(self, metrics: TgiMetrics) -> None:
-        self.client = ShardClient(self.shard_url)
+        self.client = ShardedClient(self.shard_urls)
         self.queue = Queue(self.block_manager)
         self.loop = BatchingLoop(self.client, self.queue, self.block_manager, self.settings, metrics)
         self._task = asyncio.create_task(self.loop.run())

@@ -28,7 +28,9 @@ Opt = typer.Option
 def serve(
     model_id: str,
     revision: Annotated[str | None, Opt(help="hub revision (ignored)")] = None,
-    sharded: Annotated[bool, Opt("--sharded/--no-sharded", help="tensor parallelism (not supported)")] = False,
+    sharded: Annotated[
+        bool, Opt("--sharded/--no-sharded", help="tensor parallelism: one shard per rank (RANK, WORLD_SIZE, MASTER_*)")
+    ] = False,
     quantize: Annotated[str | None, Opt(help="weight quantization (ignored)")] = None,
     speculate: Annotated[int | None, Opt(help="speculative decoding (ignored)")] = None,
     dtype: Annotated[str | None, Opt(help="float16 | bfloat16 | float32")] = None,
@@ -46,13 +48,20 @@ def serve(
     device: Annotated[str, Opt(envvar="PAGED_BACKEND_DEVICE", help="auto | cpu | cuda | cuda:N")] = "auto",
 ) -> None:
     """Serve TextGenerationService for MODEL_ID on a unix socket."""
+    from paged_backend.errors import InvalidRequest
+    from paged_backend.models import resolve_device
+    from paged_backend.tgi.shard import tensor_parallel
     from paged_backend.tgi.shard.model import ShardModel
     from paged_backend.tgi.shard.server import serve as serve_shard
 
     logging.basicConfig(level=logger_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if sharded or world_size > 1:
-        raise typer.BadParameter("sharded serving is not supported by paged-backend; run one shard (WORLD_SIZE=1)")
+    try:
+        rank = tensor_parallel.shard_rank(sharded)
+    except InvalidRequest as error:
+        raise typer.BadParameter(str(error)) from error
+    device = tensor_parallel.rank_device(device, rank)
+    if rank.world_size > 1:
+        tensor_parallel.join_group(rank, resolve_device(device))
     given = {
         "--revision": revision,
         "--quantize": quantize,
@@ -74,11 +83,20 @@ def serve(
         kv_cache_dtype=_kv_cache_dtype(kv_cache_dtype),
         num_blocks=num_blocks,
         memory_fraction=float(os.environ.get("CUDA_MEMORY_FRACTION", "1.0")),
+        rank=rank,
     )
     # TGI's launcher exports PREFIX_CACHING; with it the router's radix allocator sends cache_len > 0.
     prefix_caching = os.environ.get("PREFIX_CACHING", "0").lower() in {"1", "true"}
-    rank = int(os.environ.get("RANK", "0"))
-    asyncio.run(serve_shard(model, uds_path, rank=rank, world_size=world_size, use_prefix_caching=prefix_caching))
+    asyncio.run(
+        serve_shard(model, uds_path, rank=rank.rank, world_size=rank.world_size, use_prefix_caching=prefix_caching)
+    )
+    logger.info("shard %d stopped", rank.rank)
+    if rank.world_size > 1:
+        tensor_parallel.leave_group()
+        # Nothing is left to release; skip the interpreter's module teardown (seconds with torch loaded), so a
+        # launcher stopping N shards is not kept waiting.
+        logging.shutdown()
+        os._exit(0)
 
 
 def _kv_cache_dtype(name: str | None) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_backend.attention import register_paged_attention
+from paged_backend.distributed.sharding import local_num_kv_heads, shard_model
 from paged_backend.engine.engine import CPU_DEFAULT_KV_BYTES
 from paged_backend.engine.runner import ModelRunner
 from paged_backend.engine.sampler import Sampler
@@ -28,6 +29,7 @@ from paged_backend.kv_cache import (
 )
 from paged_backend.models import load_model
 from paged_backend.tgi.shard.batch import ShardBatch, ShardRequest
+from paged_backend.tgi.shard.tensor_parallel import ShardRank
 from paged_backend.tgi.tokens import eos_token_ids
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,7 @@ class ShardModel:
         block_size: int = 16,
         num_blocks: int | None = None,
         memory_fraction: float = 1.0,
+        rank: ShardRank = ShardRank(),
     ) -> None:
         model, self.tokenizer = load_model(model_id, dtype=dtype, device=device)
         model.set_attn_implementation(register_paged_attention())
@@ -80,6 +83,10 @@ class ShardModel:
         heads = text_config.num_attention_heads
         self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
         self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+        self.rank = rank
+        if rank.world_size > 1:  # keep this rank's heads and MLP columns; its pool holds its own KV heads
+            shard_model(model, rank.rank, rank.world_size)
+            self.num_kv_heads = local_num_kv_heads(text_config, rank.world_size)
         self.max_position_embeddings = getattr(text_config, "max_position_embeddings", 2048)
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, model.dtype)
         self.block_size = block_size

@@ -144,7 +144,10 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
 
     def _step(self, batch: ShardBatch):
         results, forward_ns = self.model.generate_token(batch)
-        generations = [self._generation(result) for result in results]
+        # Sharded, every rank runs every request but reports only its own: the router merges the shards' answers.
+        rank = self.model.rank
+        mine = [result for result in results if result.request.id % rank.world_size == rank.rank]
+        generations = [self._generation(result) for result in mine]
         running = [result.request for result in results if result.finish_reason is None]
         cached = None
         if running:

@@ -1,0 +1,182 @@
+"""Models bigger than one device, through accelerate: device maps, memory limits and offload (CPU, disk).
+
+transformers hands `device_map` / `max_memory` / `offload_folder` to accelerate, which places each module on a
+device (or in CPU memory / on disk) and hooks its forward so its weights reach the *execution device* in time.
+The paged pool then keeps each layer's KV on that layer's execution device (`layer_devices`).
+
+`cpu_offload_gb` (vLLM's name) moves that many GiB of weights off the execution device to the next tier down:
+from the GPU to CPU memory, or, when the model runs on the CPU, from CPU memory to disk.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from paged_backend.errors import InvalidRequest
+
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+GIB = 1 << 30
+
+
+def parse_device_map(value: str | dict | None) -> str | dict | None:
+    """`--device-map`: one of accelerate's strategies or a JSON object {module name: device}.
+
+    >>> parse_device_map('{"model.layers.1": "disk", "": "cpu"}')
+    {'model.layers.1': 'disk', '': 'cpu'}
+    """
+    if value is None or isinstance(value, dict):
+        return value
+    if value in DEVICE_MAP_STRATEGIES:
+        return value
+    try:
+        mapping = json.loads(value)
+    except json.JSONDecodeError:
+        mapping = None
+    if not isinstance(mapping, dict):
+        raise InvalidRequest(
+            f"device map {value!r} is neither one of {', '.join(DEVICE_MAP_STRATEGIES)} nor a JSON object of "
+            f'module name -> device (for example {{"model.layers.3": "disk", "": "cpu"}})'
+        )
+    return mapping
+
+
+def parse_max_memory(value: str | dict | None) -> dict | None:
+    """`--max-memory`: `DEVICE=SIZE,...` (accelerate's sizes: 10GiB, 500MB, or bytes) or a JSON object.
+
+    >>> parse_max_memory("0=20GiB,cpu=64GiB")
+    {0: '20GiB', 'cpu': '64GiB'}
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("{"):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise InvalidRequest(f"--max-memory is not valid JSON: {error}") from error
+        else:
+            pairs = [part.split("=", 1) for part in text.split(",") if part.strip()]
+            if not pairs or any(len(pair) != 2 for pair in pairs):
+                raise InvalidRequest(
+                    f"--max-memory {value!r} must read DEVICE=SIZE[,DEVICE=SIZE], e.g. 0=20GiB,cpu=60GiB"
+                )
+            value = {device.strip(): size.strip() for device, size in pairs}
+    if not isinstance(value, dict):
+        raise InvalidRequest("max_memory must map devices (0, 1, 'cpu', 'disk') to sizes")
+    return {_device_key(device): _size(size) for device, size in value.items()}
+
+
+def _device_key(device) -> int | str:
+    text = str(device)
+    if text.isdigit():
+        return int(text)
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return int(text[5:])
+    if text in ("cpu", "disk", "mps"):
+        return text
+    raise InvalidRequest(f"max_memory device {device!r} must be a GPU index (0, 1, ...), 'cpu', 'disk' or 'mps'")
+
+
+def _size(size) -> int | str:
+    if isinstance(size, int) or (isinstance(size, str) and size.isdigit()):
+        return int(size)
+    from accelerate.utils import convert_file_size_to_int
+
+    try:
+        convert_file_size_to_int(size)
+    except ValueError as error:
+        raise InvalidRequest(
+            f"max_memory size {size!r} is not a size (use bytes, or units like 10GiB, 500MB)"
+        ) from error
+    return size
+
+
+def uses_accelerate(device_map, max_memory, cpu_offload_gb: float) -> bool:
+    return device_map is not None or max_memory is not None or cpu_offload_gb > 0
+
+
+def dispatch_kwargs(
+    source: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    device_map=None,
+    max_memory=None,
+    cpu_offload_gb: float = 0.0,
+    offload_folder: str | None = None,
+) -> dict:
+    """The `from_pretrained` keyword arguments that place the model with accelerate."""
+    try:
+        import accelerate  # noqa: F401
+    except ImportError as error:
+        raise InvalidRequest(
+            "device maps, max memory and offload need accelerate: pip install 'paged-backend[accelerate]'"
+        ) from error
+    device_map = parse_device_map(device_map)
+    max_memory = parse_max_memory(max_memory)
+    if cpu_offload_gb > 0:
+        if max_memory is not None:
+            raise InvalidRequest(
+                "give either --cpu-offload-gb or --max-memory, not both (both set how much stays on the device)"
+            )
+        max_memory = _offload_budget(source, dtype, device, cpu_offload_gb)
+    kwargs = dict(device_map=device_map or "auto", max_memory=max_memory)
+    if offload_folder is not None:  # safetensors checkpoints offload to disk in place; others need a folder
+        kwargs["offload_folder"] = offload_folder
+    return kwargs
+
+
+def _offload_budget(source: str, dtype: torch.dtype, device: torch.device, cpu_offload_gb: float) -> dict:
+    """max_memory that keeps (weights - cpu_offload_gb) on the execution device and the rest one tier down."""
+    from accelerate import init_empty_weights
+    from accelerate.utils import compute_module_sizes
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights():
+        empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=dtype)
+    weights = compute_module_sizes(empty, dtype=dtype)[""]
+    keep = max(weights - int(cpu_offload_gb * GIB), 0)
+    if device.type == "cuda":
+        from paged_backend.kv_cache import available_memory
+
+        return {device.index or 0: keep, "cpu": available_memory(torch.device("cpu"))}
+    return {"cpu": keep}
+
+
+def execution_device(module: torch.nn.Module) -> torch.device:
+    """Where `module` computes: its accelerate hook's execution device, else where its weights are."""
+    hook = getattr(module, "_hf_hook", None)
+    for candidate in [hook, *getattr(hook, "hooks", [])]:
+        device = getattr(candidate, "execution_device", None)
+        if device is not None:
+            return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.device.type != "meta":
+            return tensor.device
+    return torch.device("cpu")
+
+
+def input_device(model: torch.nn.Module) -> torch.device:
+    """The device a model's input ids go to (the embedding's; for a plain model, `model.device`)."""
+    if not getattr(model, "hf_device_map", None):
+        return model.device
+    return execution_device(model.get_input_embeddings())
+
+
+def layer_devices(model: torch.nn.Module, num_layers: int) -> list[torch.device] | None:
+    """Execution device of each attention layer of a dispatched model; None for a model on one device."""
+    if not getattr(model, "hf_device_map", None):
+        return None
+    devices: dict[int, torch.device] = {}
+    for module in model.modules():
+        layer_idx = getattr(module, "layer_idx", None)
+        if isinstance(layer_idx, int) and type(module).__name__.endswith("Attention"):
+            devices.setdefault(layer_idx, execution_device(module))
+    missing = [i for i in range(num_layers) if i not in devices]
+    if missing:
+        fallback = input_device(model)
+        devices.update(dict.fromkeys(missing, fallback))
+    return [devices[i] for i in range(num_layers)]
