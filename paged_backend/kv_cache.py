@@ -3,6 +3,10 @@
 Layout per layer: ``key_cache`` / ``value_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]``
 (the layout FlashInfer and TGI's flashdecoding read). All layers live in one tensor so a block copy or a
 swap is one indexed copy for the whole model.
+
+With layer groups (`kv_groups`: sliding-window layers apart from full-attention ones) the tensor has one
+"slot" per layer of a group instead of one per layer: block b of group g holds g's layers in slots
+0..group_size-1, and the BlockManager hands each block id to one group at a time.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 import torch
 
 from paged_backend.errors import InvalidRequest
+from paged_backend.kv_groups import KVCacheGroup
 
 KV_CACHE_DTYPES = {
     "auto": None,
@@ -87,26 +92,34 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
         num_cpu_blocks: int = 0,
+        groups: list[KVCacheGroup] | None = None,
     ) -> None:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dtype, self.device = dtype, torch.device(device)
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        self.groups = groups or [KVCacheGroup(tuple(range(num_layers)))]
+        self.layer_group = [0] * num_layers  # which group's block tables a layer reads
+        layer_slot = list(range(num_layers))
+        for g, group in enumerate(self.groups):
+            for slot, layer in enumerate(group.layers):
+                self.layer_group[layer], layer_slot[layer] = g, slot
+        self.num_slots = max(len(group.layers) for group in self.groups)
+        shape = (self.num_slots, 2, num_blocks, block_size, num_kv_heads, head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.key_caches = [self.kv[layer, 0] for layer in range(num_layers)]
-        self.value_caches = [self.kv[layer, 1] for layer in range(num_layers)]
+        self.key_caches = [self.kv[slot, 0] for slot in layer_slot]
+        self.value_caches = [self.kv[slot, 1] for slot in layer_slot]
         # Per-layer dequantization scales; only meaningful for fp8 pools.
         self.k_scales = [1.0] * num_layers
         self.v_scales = [1.0] * num_layers
         self.cpu_kv = None
         if num_cpu_blocks:
             pin = self.device.type == "cuda"
-            cpu_shape = (num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim)
+            cpu_shape = (self.num_slots, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim)
             self.cpu_kv = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
 
     @property
     def bytes_per_block(self) -> int:
-        return bytes_per_block(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
+        return bytes_per_block(self.num_slots, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
 
     @property
     def total_bytes(self) -> int:
@@ -120,7 +133,7 @@ class PagedKVCache:
         return tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks src -> dst in every layer (copy-on-write)."""
+        """Copy whole blocks src -> dst in every slot (copy-on-write; a block id belongs to one group)."""
         if not pairs:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)

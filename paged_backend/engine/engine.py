@@ -25,6 +25,7 @@ from paged_backend.kv_cache import (
     num_blocks_for_budget,
     resolve_kv_dtype,
 )
+from paged_backend.kv_groups import kv_cache_groups, sliding_windows
 from paged_backend.models import load_model
 
 CPU_DEFAULT_KV_BYTES = 512 << 20  # on CPU "free memory" is the whole machine: default to 512 MiB (or 10%)
@@ -93,23 +94,22 @@ class Engine:
         num_layers, kv_heads, head_dim, max_positions = _model_shape(model.config)
         kv_dtype = resolve_kv_dtype(cache.cache_dtype, model.dtype)
         device = model.device
-        num_blocks = self._num_blocks(cache, (num_layers, kv_heads, head_dim, cache.block_size, kv_dtype), device)
-        block_bytes = bytes_per_block(num_layers, kv_heads, head_dim, cache.block_size, kv_dtype)
+        # Sliding-window layers get their own block tables; a block holds one group's layers (its "slots").
+        groups = kv_cache_groups(sliding_windows(model.config.get_text_config()))
+        num_slots = len(groups[0].layers)
+        num_blocks = self._num_blocks(cache, (num_slots, kv_heads, head_dim, cache.block_size, kv_dtype), device)
+        block_bytes = bytes_per_block(num_slots, kv_heads, head_dim, cache.block_size, kv_dtype)
         num_cpu_blocks = int(cache.swap_space * (1 << 30)) // block_bytes
         self.block_manager = BlockManager(
             num_blocks, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
             watermark=cache.watermark, num_cpu_blocks=num_cpu_blocks,
+            sliding_windows=[group.sliding_window for group in groups],
         )
         self.kv_cache = PagedKVCache(
             num_layers, kv_heads, head_dim, num_blocks, cache.block_size,
-            dtype=kv_dtype, device=device, num_cpu_blocks=num_cpu_blocks,
+            dtype=kv_dtype, device=device, num_cpu_blocks=num_cpu_blocks, groups=groups,
         )
-        # A sequence must fit the pool on its own (and, unchunked, one step's budget), or it could never be
-        # scheduled again after a preemption.
-        capacity = (num_blocks - 1 - self.block_manager.watermark_blocks) * cache.block_size
-        if not config.scheduler.enable_chunked_prefill:
-            capacity = min(capacity, config.scheduler.max_num_batched_tokens)
-        self.max_model_len = min(config.scheduler.max_model_len or max_positions, capacity)
+        self.max_model_len = self._max_model_len(config, max_positions)
         mode = config.scheduler.preemption_mode or ("swap" if num_cpu_blocks else "recompute")
         self.scheduler = Scheduler(config.scheduler, self.block_manager, mode)
         backend = None if config.attention_backend == "auto" else config.attention_backend
@@ -120,6 +120,23 @@ class Engine:
         self._arrivals = itertools.count()
         self._counters = dict(prompt_tokens=0, generation_tokens=0, num_steps=0, step_time=0.0, forward_time=0.0)
         self._peak_kv_usage = 0.0
+
+    def _max_model_len(self, config: EngineConfig, max_positions: int) -> int:
+        """The longest sequence the pool holds. A sequence must fit the pool on its own (and, unchunked, one step's
+        budget), or it could never be scheduled again after a recompute preemption, which re-prefills it whole."""
+        manager, asked = self.block_manager, config.scheduler.max_model_len
+        usable = manager.num_blocks - 1 - manager.watermark_blocks
+        capacity = usable // manager.num_groups * manager.block_size
+        if asked is not None and asked > capacity:
+            raise InvalidRequest(
+                f"max_model_len={asked} needs {manager.max_blocks_per_sequence(asked)} KV blocks for one sequence, "
+                f"but the pool has {usable} usable blocks of {manager.block_size} tokens ({manager.num_groups} layer "
+                f"group(s) per token), so it holds at most {capacity} tokens: raise num_blocks / "
+                f"kv_cache_memory_bytes / gpu_memory_utilization, or lower max_model_len to {capacity}"
+            )
+        if not config.scheduler.enable_chunked_prefill:
+            capacity = min(capacity, config.scheduler.max_num_batched_tokens)
+        return min(asked or max_positions, capacity)
 
     @staticmethod
     def _num_blocks(cache: CacheConfig, shape: tuple, device: torch.device) -> int:
