@@ -16,6 +16,7 @@ from paged_backend.block_manager import NULL_BLOCK, BlockManager
 from paged_backend.errors import InvalidRequest, OutOfBlocks
 from paged_backend.kv_cache import PagedKVCache, num_blocks_for_budget
 from paged_backend.kv_groups import kv_cache_groups
+from paged_backend.kv_snapshot import KVHistory, pool_snapshot
 from paged_backend.ops import reshape_and_cache
 
 from .cache_stats import CacheStats
@@ -82,6 +83,7 @@ class PagedCache(Cache):
             groups=self.groups,
         )
         self.backend = backend
+        self.kv_history = KVHistory()  # one point per forward, for kv_map()
         self._next_seq_id = 0
         self._clear()
 
@@ -234,6 +236,13 @@ class PagedCache(Cache):
         self._free_rows()
         self._clear()
 
+    def kv_map(self, path: str = "kv_map.png", *, title: str = "PagedCache"):
+        """Draw the pool now as `path` (PNG) and the same name with .html, one owner per batch row."""
+        from paged_backend.kv_map import draw_kv_map
+
+        owners = {seq: f"row {row}" for row, seq in enumerate(self._rows)}
+        return draw_kv_map(pool_snapshot(self.block_manager, owners, self.kv_history), path, title=title)
+
     def stats(self) -> CacheStats:
         """Blocks used / shared / free, bytes, waste % and what prompt sharing saved."""
         return CacheStats(self.block_manager.stats(), self.kv_cache.bytes_per_block, self._peak_used_blocks)
@@ -299,6 +308,7 @@ class PagedCache(Cache):
         self._build_metadata()
         used = self.block_manager.num_blocks - 1 - self.block_manager.num_free_blocks
         self._peak_used_blocks = max(self._peak_used_blocks, used)
+        self.kv_history.record(self.block_manager)
 
     def _reserve(self, counts: list[int], followers: dict[int, int]) -> list[tuple[int, int]]:
         """Slots for each row's new tokens; followers share their leader's blocks instead."""

@@ -26,6 +26,7 @@ from paged_backend.kv_cache import (
     resolve_kv_dtype,
 )
 from paged_backend.kv_groups import kv_cache_groups, sliding_windows
+from paged_backend.kv_snapshot import KVHistory, pool_snapshot
 from paged_backend.models import load_model
 
 CPU_DEFAULT_KV_BYTES = 512 << 20  # on CPU "free memory" is the whole machine: default to 512 MiB (or 10%)
@@ -120,6 +121,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._counters = dict(prompt_tokens=0, generation_tokens=0, num_steps=0, step_time=0.0, forward_time=0.0)
         self._peak_kv_usage = 0.0
+        self.kv_history = KVHistory()  # usage and waste of recent steps, for the KV map
 
     def _max_model_len(self, config: EngineConfig, max_positions: int) -> int:
         """The longest sequence the pool holds. A sequence must fit the pool on its own (and, unchunked, one step's
@@ -298,6 +300,7 @@ class Engine:
                 del self.requests[request.request_id]
             outputs.append(request.output())
         self._peak_kv_usage = max(self._peak_kv_usage, self._kv_usage())
+        self.kv_history.record(self.block_manager)
         self._counters["num_steps"] += 1
         self._counters["step_time"] += time.perf_counter() - started
         return outputs
@@ -383,6 +386,11 @@ class Engine:
         manager = self.block_manager
         return 1 - manager.num_free_blocks / (manager.num_blocks - 1)
 
+    def kv_snapshot(self) -> dict:
+        """The pool block by block (owner request, sharing, fill), plus recent history: what the KV map draws."""
+        owners = {seq.seq_id: request.request_id for request in self.requests.values() for seq in request.seqs}
+        return pool_snapshot(self.block_manager, owners, self.kv_history)
+
     def stats(self) -> EngineStats:
         scheduler, manager, counters = self.scheduler, self.block_manager, self._counters
         return EngineStats(
@@ -455,6 +463,12 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         return self._run(ids, use_tqdm)
+
+    def kv_map(self, path: str = "kv_map.png", *, title: str = "KV pool"):
+        """Draw the pool now as `path` (PNG) and the same name with .html; see `paged_backend.kv_map`."""
+        from paged_backend.kv_map import draw_kv_map
+
+        return draw_kv_map(self.engine.kv_snapshot(), path, title=title)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
