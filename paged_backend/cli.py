@@ -14,7 +14,7 @@ import typer
 app = typer.Typer(help="paged-backend: paged KV cache + continuous batching", no_args_is_help=True)
 
 # Faces that add their own subcommands through `register(app)`; a face that is not installed is skipped.
-COMMAND_MODULES = ("paged_backend.server.cli", "paged_backend.tgi.cli")
+COMMAND_MODULES = ("paged_backend.server.cli", "paged_backend.tgi.cli", "paged_backend.kv_map_cli")
 
 
 @app.command()

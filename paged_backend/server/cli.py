@@ -47,6 +47,9 @@ def serve(
             help=f"tool-call format for auto: {', '.join(TOOL_CALL_PARSERS)}", callback=_known_tool_call_parser
         ),
     ] = None,
+    enable_debug_routes: Annotated[
+        bool, typer.Option(help="serve GET /debug/kv, the KV pool block by block (what `paged-backend kv-map` draws)")
+    ] = False,
     model: engine_args.Model = None,
     block_size: engine_args.BlockSize = None,
     num_blocks: engine_args.NumBlocks = None,
@@ -88,6 +91,7 @@ def serve(
         max_request_body_bytes=max_request_body_bytes, drain_timeout=drain_timeout,
         served_model_name=served_model_name, strict_fields=strict_fields,
         enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+        enable_debug_routes=enable_debug_routes,
     )  # fmt: skip
     app = build_app(engine, settings)
     # The engine drains first; uvicorn's own timeout is only a backstop for connections that still hang.
