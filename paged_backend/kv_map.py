@@ -137,7 +137,7 @@ def draw_kv_map(snapshot: dict, path: str | Path = "kv_map.png", *, title: str =
         Patch(facecolor=STATE_COLORS["free"], edgecolor="#888888", label="free"),
         Patch(facecolor=STATE_COLORS["other"], edgecolor="#888888", label="another group's"),
     ]
-    figure.legend(handles=legend, loc="outside right upper", fontsize=7, title="owner / state", title_fontsize=8)
+    figure.legend(handles=legend, loc="outside lower center", fontsize=7, ncols=min(6, len(legend)))
     stats = snapshot["stats"]
     figure.suptitle(
         f"{title}: {stats['used_blocks']} of {stats['total_blocks']} blocks used ({100 * stats['usage']:.0f}%), "

@@ -96,7 +96,10 @@ class Engine:
         kv_dtype = resolve_kv_dtype(cache.cache_dtype, model.dtype)
         device = model.device
         # Sliding-window layers get their own block tables; a block holds one group's layers (its "slots").
-        groups = kv_cache_groups(sliding_windows(model.config.get_text_config()))
+        windows = sliding_windows(model.config.get_text_config())
+        if config.scheduler.disable_hybrid_kv_cache_manager:  # windowed layers kept whole, as full ones are
+            windows = (None,) * len(windows)
+        groups = kv_cache_groups(windows)
         num_slots = len(groups[0].layers)
         num_blocks = self._num_blocks(cache, (num_slots, kv_heads, head_dim, cache.block_size, kv_dtype), device)
         block_bytes = bytes_per_block(num_slots, kv_heads, head_dim, cache.block_size, kv_dtype)
