@@ -7,17 +7,16 @@ groups) and Qwen2 with use_sliding_window (layers from max_window_layers on are 
 
 from __future__ import annotations
 
-import copy
 from functools import cache
 
 import pytest
 import torch
+from _engine_helpers import make_llm_fixture  # noqa: F401
 from _hf_models import tiny_model
 
 from paged_backend.engine import LLM, SamplingParams
 from paged_backend.errors import InvalidRequest
 from paged_backend.hf import PagedCache
-from paged_backend.models import byte_tokenizer
 
 WINDOWED = {
     "mistral": {},
@@ -48,27 +47,15 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, 128, (int(n),), generator=g).tolist() for n in torch.randint(2, 23, (count,), generator=g)]
 
 
-@pytest.fixture(name="make_llm")
-def make_llm_fixture():
-    built: list[LLM] = []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+@pytest.fixture(name="windowed_llm")
+def windowed_llm_fixture(make_llm):
+    """make_llm over the windowed tiny models (every block must be free again afterwards)."""
 
     def build(arch: str, sliding_window: int | None = None, **kwargs) -> LLM:
-        kwargs = {"num_blocks": 96, "block_size": 4, **kwargs}
         model = reference(arch, sliding_window=sliding_window) if sliding_window else reference(arch)
-        llm = LLM(copy.deepcopy(model), tokenizer=byte_tokenizer(), **kwargs)
-        built.append(llm)
-        return llm
+        return make_llm(model=model, **{"num_blocks": 96, **kwargs})
 
-    yield build
-    torch.set_num_threads(threads)
-    for llm in built:
-        manager = llm.engine.block_manager
-        assert not llm.engine.has_unfinished_requests()
-        assert manager.num_free_blocks == manager.num_blocks - 1
-        stats = manager.stats()
-        assert stats.free_blocks + stats.cached_blocks == stats.total_blocks
+    return build
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -81,8 +68,8 @@ def assert_matches_hf(arch, outputs, batch):
 
 
 @pytest.mark.parametrize("arch", sorted(WINDOWED))
-def test_windowed_models_match_hf_with_prefix_hits_and_parallel_samples(arch, make_llm):
-    llm = make_llm(arch)
+def test_windowed_models_match_hf_with_prefix_hits_and_parallel_samples(arch, windowed_llm):
+    llm = windowed_llm(arch)
     groups = llm.engine.kv_cache.groups
     assert [g.sliding_window for g in groups] == {"mistral": [6]}.get(arch, [None, 6])
     shared = prompts(1, seed=9)[0] * 2  # 2 x (2..22) tokens: prefixes longer than the window
@@ -96,10 +83,10 @@ def test_windowed_models_match_hf_with_prefix_hits_and_parallel_samples(arch, ma
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("arch", ["mistral", "gemma3"])
-def test_windowed_models_match_hf_under_preemption(arch, mode, make_llm):
+def test_windowed_models_match_hf_under_preemption(arch, mode, windowed_llm):
     # Just room for the longest sequence (22 + 16 tokens) in every group: sequences must take turns.
     num_blocks = {"mistral": 12, "gemma3": 22}[arch]
-    llm = make_llm(arch, num_blocks=num_blocks, swap_space=0.01 if mode == "swap" else 0, preemption_mode=mode)
+    llm = windowed_llm(arch, num_blocks=num_blocks, swap_space=0.01 if mode == "swap" else 0, preemption_mode=mode)
     batch = prompts(8, seed=1)
     # Windowed sequences stop growing, so all-windowed Mistral needs forks (copy-on-write growth) to run short.
     params = SamplingParams(n=3 if arch == "mistral" else 1, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -107,9 +94,9 @@ def test_windowed_models_match_hf_under_preemption(arch, mode, make_llm):
     assert llm.engine.stats().num_preemptions > 0
 
 
-def test_windowed_groups_stay_bounded_while_the_full_group_grows(make_llm):
+def test_windowed_groups_stay_bounded_while_the_full_group_grows(windowed_llm):
     window, block_size = 8, 4
-    engine = make_llm("gemma3", num_blocks=128, block_size=block_size, sliding_window=window).engine
+    engine = windowed_llm("gemma3", num_blocks=128, block_size=block_size, sliding_window=window).engine
     assert engine.block_manager.sliding_windows == (None, window)
     engine.add_request("a", None, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True),
                        prompt_token_ids=list(range(3, 30)))  # fmt: skip
@@ -129,8 +116,8 @@ def test_windowed_groups_stay_bounded_while_the_full_group_grows(make_llm):
     assert full_seen[-1] >= 25 and full_seen[-1] > 8 * (window // block_size + 1)
 
 
-def test_every_layer_windowed_holds_a_bounded_number_of_blocks(make_llm):
-    llm = make_llm("mistral", block_size=4)
+def test_every_layer_windowed_holds_a_bounded_number_of_blocks(windowed_llm):
+    llm = windowed_llm("mistral", block_size=4)
     engine, manager = llm.engine, llm.engine.block_manager
     engine.add_request("a", None, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
                        prompt_token_ids=list(range(3, 10)))  # fmt: skip
@@ -141,12 +128,12 @@ def test_every_layer_windowed_holds_a_bounded_number_of_blocks(make_llm):
     assert peak <= 6 // 4 + 2  # window/block_size + 1, and one more while the window straddles blocks
 
 
-def test_a_max_model_len_the_pool_cannot_hold_is_refused_at_startup(make_llm):
+def test_a_max_model_len_the_pool_cannot_hold_is_refused_at_startup(windowed_llm):
     with pytest.raises(InvalidRequest, match=r"max_model_len=400 .* at most 80 tokens"):
-        make_llm("gemma3", num_blocks=12, block_size=16, max_model_len=400, watermark=0.0)
+        windowed_llm("gemma3", num_blocks=12, block_size=16, max_model_len=400, watermark=0.0)
     with pytest.raises(InvalidRequest, match="lower max_model_len"):
-        make_llm("mistral", num_blocks=12, block_size=16, max_model_len=400)
-    llm = make_llm("mistral", num_blocks=12, block_size=16)  # not given: lowered to what the pool holds
+        windowed_llm("mistral", num_blocks=12, block_size=16, max_model_len=400)
+    llm = windowed_llm("mistral", num_blocks=12, block_size=16)  # not given: lowered to what the pool holds
     assert llm.engine.max_model_len == 176
 
 
