@@ -31,10 +31,19 @@ KV_HEADS, HEAD_DIM = 1, 16
 
 def gemma3_style(seed: int = 0) -> Gemma3ForCausalLM:
     config = Gemma3TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=2,
-        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, sliding_window=WINDOW, max_position_embeddings=40_000,
-        bos_token_id=253, eos_token_id=254, pad_token_id=255,
-    )  # fmt: skip (the default layer_types: five sliding layers, then a full one)
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        sliding_window=WINDOW,
+        max_position_embeddings=40_000,
+        bos_token_id=253,
+        eos_token_id=254,
+        pad_token_id=255,
+    )  # the default layer_types: five sliding layers, then a full one
     torch.manual_seed(seed)
     return Gemma3ForCausalLM(config).eval()
 
@@ -88,7 +97,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     budget = 2 * LAYERS * (args.tokens + 64) * KV_HEADS * HEAD_DIM * 4 * 2  # room for twice the sequence, fp32
-    runs = {name: run_engine(args.tokens, hybrid, budget, every=1024) for name, hybrid in (("off", False), ("on", True))}
+    runs = {
+        name: run_engine(args.tokens, hybrid, budget, every=1024) for name, hybrid in (("off", False), ("on", True))
+    }
     same = runs["on"]["tokens"] == runs["off"]["tokens"]
     print(f"Gemma-3-style: {LAYERS} layers (5 sliding, window {WINDOW}, 1 full), block {BLOCK_SIZE}, "
           f"KV budget {budget / 2**20:.1f} MiB, {args.tokens} generated tokens; greedy outputs identical: {same}")  # fmt: skip
