@@ -62,13 +62,14 @@ class ModelRunner:
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             # One group: the plain calls (the TGI shard's router-assigned block view answers only these).
-            group_args = [(seq.seq_id, g) for g in range(num_groups)] if num_groups > 1 else [(seq.seq_id,)]
-            for group, args in enumerate(group_args):
-                table = manager.block_table(*args)
+            seq_tables = manager.block_tables(seq.seq_id) if num_groups > 1 else (manager.block_table(seq.seq_id),)
+            for group, table in enumerate(seq_tables):
                 if item.num_tokens == 1:  # the decode hot path: one slot, no list building
                     slots[group].append(table[start // block_size] * block_size + start % block_size)
+                elif num_groups == 1:
+                    slots[group] += manager.slot_mapping(seq.seq_id, start, end)
                 else:
-                    slots[group] += manager.slot_mapping(*args[:1], start, end, *args[1:])
+                    slots[group] += manager.slot_mapping(seq.seq_id, start, end, group)
                 tables[group].append(table)
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + item.num_tokens)
