@@ -597,20 +597,19 @@ class BlockManager:
                     if block_id != NULL_BLOCK:
                         entries[group] += 1
                         fill[block_id] = max(fill.get(block_id, 0), min(bs, n - i * bs))
-        groups = []
-        for group, window in enumerate(self.sliding_windows):
-            mine = [b for b in self.blocks[1:] if b.group == group]
-            used = [b.block_id for b in mine if b.ref_count > 0]
-            groups.append(
-                GroupStats(
-                    sliding_window=window,
-                    used_blocks=len(used),
-                    shared_blocks=sum(1 for b in mine if b.ref_count > 1),
-                    cached_blocks=sum(1 for b in mine if b.ref_count == 0 and b.hash is not None),
-                    tokens_stored=sum(fill[b] for b in used),
-                    blocks_saved_by_sharing=entries[group] - len(used),
-                )
-            )
+        used, shared, cached_free, tokens = ([0] * self.num_groups for _ in range(4))
+        for block in self.blocks[1:]:  # one pass: stats() also feeds the KV map's per-step history
+            if block.ref_count:
+                used[block.group] += 1
+                shared[block.group] += block.ref_count > 1
+            elif block.hash is not None:
+                cached_free[block.group] += 1
+        for block_id, count in fill.items():
+            tokens[self.blocks[block_id].group] += count
+        groups = [
+            GroupStats(window, used[g], shared[g], cached_free[g], tokens[g], entries[g] - used[g])
+            for g, window in enumerate(self.sliding_windows)
+        ]
         cached = sum(g.cached_blocks for g in groups)
         return BlockStats(
             total_blocks=self.num_blocks - 1,

@@ -15,7 +15,7 @@ from dataclasses import asdict
 from paged_backend.block_manager import CPU_NULL_BLOCK, NULL_BLOCK, BlockManager
 
 HISTORY_LENGTH = 256  # points kept; older ones are dropped
-HISTORY_BLOCKS_PER_STEP = 4096  # bigger pools record every few steps, so recording stays cheap
+HISTORY_BLOCKS_PER_STEP = 256  # bigger pools record every k-th step, so the cost per step stays flat
 
 
 class KVHistory:
