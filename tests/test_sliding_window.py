@@ -17,6 +17,8 @@ from _hf_models import tiny_model
 from paged_backend.engine import LLM, SamplingParams
 from paged_backend.errors import InvalidRequest
 from paged_backend.hf import PagedCache
+from paged_backend.kv_cache import PagedKVCache
+from paged_backend.kv_groups import KVCacheGroup, kv_cache_groups
 
 WINDOWED = {
     "mistral": {},
@@ -154,3 +156,16 @@ def test_qwen2_sliding_window_through_paged_cache(attn):
     assert windowed.used_blocks <= 6 // 4 + 2 < full.used_blocks
     cache.reset()
     assert cache.stats().free_blocks == cache.stats().total_blocks
+
+
+def test_layer_groups_have_equal_sizes_and_share_one_pool_of_block_ids():
+    gemma3 = [4, 4, 4, 4, 4, None] * 2  # Gemma 3's 5:1 pattern: 2 full layers, 10 windowed ones
+    groups = kv_cache_groups(gemma3)
+    assert [(g.layers, g.sliding_window) for g in groups] == [
+        ((5, 11), None), ((0, 1), 4), ((2, 3), 4), ((4, 6), 4), ((7, 8), 4), ((9, 10), 4)
+    ]  # fmt: skip
+    assert kv_cache_groups([None] * 3) == [KVCacheGroup((0, 1, 2), None)]  # no window: today's single group
+    cache = PagedKVCache(12, 2, 8, num_blocks=10, block_size=4, dtype=torch.float32, groups=groups)
+    assert cache.kv.shape[0] == 2 and cache.bytes_per_block == 2 * 2 * 4 * 2 * 8 * 4  # two layers a block
+    assert cache.layer(11)[0].data_ptr() == cache.layer(1)[0].data_ptr()  # same slot, told apart by block id
+    assert cache.layer_group[11] == 0 and cache.layer_group[1] == 1
