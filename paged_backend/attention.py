@@ -5,13 +5,14 @@ of contiguous K/V. transformers passes that handle unchanged to the attention fu
 handle write the new K/V into the pool and run ``paged_attention`` over it. So a model loaded with
 ``attn_implementation="paged_backend"`` never materializes contiguous KV.
 
-Per-forward metadata (``PagedMetadata``) is built once by the cache owner and reused by every layer.
+Per-forward metadata (``PagedMetadata``) is built once by the cache owner and reused by every layer. With
+layer groups (sliding-window layers apart, see ``kv_groups``) there is one per group and each layer reads its own.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -36,7 +37,13 @@ class PagedMetadata:
     query_start_loc: torch.Tensor  # [B+1] int32, rows of each sequence in the packed query
     row_index: torch.Tensor | None = None  # real rows of the flattened [batch * q_len] layout; None = all
     backend: str | None = None
+    # Layer groups: metadata of every group (this object is group 0's) and the group of each layer.
+    groups: tuple[PagedMetadata, ...] = field(default=(), repr=False)
+    layer_group: Sequence[int] = ()
     _copies: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def for_layer(self, layer_idx: int) -> PagedMetadata:
+        return self.groups[self.layer_group[layer_idx]] if self.layer_group else self
 
     def on(self, device: torch.device) -> PagedMetadata:
         """This metadata on `device`, copied once per forward (a device map runs layers on several devices)."""
@@ -48,6 +55,28 @@ class PagedMetadata:
             row_index = None if self.row_index is None else self.row_index.to(device)
             self._copies[device] = replace(self, **moved, row_index=row_index, _copies={})
         return self._copies[device]
+
+
+def grouped_metadata(
+    tables: list[list[list[int]]], slots: list[list[int]], shared: PagedMetadata, layer_group: Sequence[int]
+) -> PagedMetadata:
+    """Per-group block tables / slot mappings over `shared`'s lengths, query starts, rows and backend.
+
+    `tables[g]` and `slots[g]` are group g's; a single group gives plain metadata (the no-window fast path).
+    """
+    device = shared.seq_lens.device
+    groups = tuple(
+        replace(
+            shared,
+            slot_mapping=torch.tensor(group_slots, dtype=torch.long, device=device),
+            block_tables=block_table_tensor(group_tables, device),
+            _copies={},  # each group's own device copies
+        )
+        for group_tables, group_slots in zip(tables, slots, strict=True)
+    )
+    if len(groups) == 1:
+        return groups[0]
+    return replace(groups[0], groups=groups, layer_group=layer_group, _copies={})
 
 
 def block_table_tensor(tables: list[list[int]], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -103,6 +132,7 @@ def attend_packed(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Store this layer's new K/V, then paged attention. Returns `[B, q, Hq, D]` (zeros on non-real rows)."""
+    metadata = metadata.for_layer(layer_idx)  # the layer's group's block tables and slots
     batch, num_heads, q_len, head_dim = query.shape
     key_cache, value_cache = cache.layer(layer_idx)
     metadata = metadata.on(key_cache.device)

@@ -5,6 +5,10 @@ prefix-cache hit can take a block out of the middle in O(1). A freed block keeps
 (lazy eviction): it is reused by a later hit, or evicted when it reaches the front of the queue (LRU).
 Block 0 is the null/padding block and is never handed out.
 
+Layer groups (see `kv_groups`): every sequence has one block table per group, all drawn from the one pool.
+A windowed group replaces blocks that fall wholly out of its window with the null block and frees them, so
+its share of a sequence stays bounded; its prefix-cache hits only need the blocks inside the window.
+
 The cache (`PagedKVCache`) does what this class decides: copy-on-write pairs and swap maps come back
 from the calls that need them.
 """
@@ -17,12 +21,14 @@ from dataclasses import dataclass, field
 from paged_backend.errors import InvalidRequest, OutOfBlocks
 
 NULL_BLOCK = 0
+CPU_NULL_BLOCK = -1  # a dropped (out-of-window) table entry while the sequence is swapped out
 
 
 @dataclass(eq=False)
 class Block:
     block_id: int
     ref_count: int = 0
+    group: int = 0  # the layer group whose K/V it holds while taken
     # Prefix-cache identity, set once the block is full and its KV computed.
     hash: int | None = None
     parent_hash: int | None = None
@@ -73,13 +79,30 @@ class FreeBlockQueue:
 
 @dataclass
 class SequenceBlocks:
-    """Per-sequence state: its block table, the token ids it stored, its committed block hashes."""
+    """Per-sequence state: one block table per group, the token ids it stored, its committed block hashes."""
 
-    block_table: list[int]
+    block_tables: list[list[int]]
     token_ids: list[int]
     extra_keys: Hashable = None
     block_hashes: list[int] = field(default_factory=list)
     on_cpu: bool = False
+    num_dropped: list[int] = field(default_factory=list)  # per group: leading entries already out of window
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.block_tables[0]
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """One layer group's share of the pool (its blocks are counted once in the aggregate `BlockStats`)."""
+
+    sliding_window: int | None
+    used_blocks: int
+    shared_blocks: int
+    cached_blocks: int
+    tokens_stored: int
+    blocks_saved_by_sharing: int
 
 
 @dataclass(frozen=True)
@@ -94,6 +117,7 @@ class BlockStats:
     logical_tokens: int  # sum of sequence lengths (what a copy per sequence would store)
     blocks_saved_by_sharing: int  # table entries minus used blocks
     cpu_blocks_used: int
+    groups: tuple[GroupStats, ...] = ()
 
     @property
     def waste_pct(self) -> float:
@@ -110,8 +134,16 @@ def default_block_hash(parent_hash: int | None, token_ids: tuple[int, ...], extr
     return hash((parent_hash, token_ids, extra_keys))
 
 
+def _held(table: list[int], on_cpu: bool) -> list[int]:
+    """The table's real entries: dropped out-of-window entries are the null block (CPU_NULL_BLOCK on CPU)."""
+    null = CPU_NULL_BLOCK if on_cpu else NULL_BLOCK
+    return [block_id for block_id in table if block_id != null]
+
+
 class BlockManager:
     """Allocates, shares and frees KV blocks for sequences identified by any hashable id.
+
+    `sliding_windows` has one entry per layer group (None: full attention); the default is one full group.
 
     >>> bm = BlockManager(num_blocks=8, block_size=4)
     >>> bm.allocate("a", [1, 2, 3, 4, 5])
@@ -129,13 +161,18 @@ class BlockManager:
         watermark: float = 0.0,
         num_cpu_blocks: int = 0,
         hash_fn=default_block_hash,
+        sliding_windows: Sequence[int | None] = (None,),
     ) -> None:
         if block_size < 1 or block_size & (block_size - 1) or block_size > 256:
             raise InvalidRequest(f"block_size must be a power of two in 1..256, got {block_size}")
         if num_blocks < 2:
             raise InvalidRequest(f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
+        if not sliding_windows or any(w is not None and w < 1 for w in sliding_windows):
+            raise InvalidRequest(f"sliding_windows needs one entry per group, None or >= 1, got {sliding_windows}")
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.sliding_windows = tuple(sliding_windows)
+        self.num_groups = len(self.sliding_windows)
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * (num_blocks - 1))
         self.hash_fn = hash_fn
@@ -143,7 +180,8 @@ class BlockManager:
         self.free_queue = FreeBlockQueue()
         for block in self.blocks[1:]:
             self.free_queue.append(block)
-        self.cached: dict[int, Block] = {}
+        # Per group: prefix hash -> the block holding that prefix's K/V for this group's layers.
+        self.cached_by_group: list[dict[int, Block]] = [{} for _ in self.sliding_windows]
         self.seqs: dict[Hashable, SequenceBlocks] = {}
         self.cpu_free = list(range(num_cpu_blocks - 1, -1, -1))
         self.cpu_ref_counts = [0] * num_cpu_blocks
@@ -151,6 +189,11 @@ class BlockManager:
         self.prefix_hits = 0  # prompt tokens found cached
 
     # ----------------------------------------------------------------- queries
+    @property
+    def cached(self) -> dict[int, Block]:
+        """The first group's prefix index (the only one without layer groups)."""
+        return self.cached_by_group[0]
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (empty or evictable cached)."""
@@ -164,50 +207,101 @@ class BlockManager:
     def has(self, seq_id: Hashable) -> bool:
         return seq_id in self.seqs
 
-    def block_table(self, seq_id: Hashable) -> list[int]:
-        return self.seqs[seq_id].block_table
+    def block_table(self, seq_id: Hashable, group: int = 0) -> list[int]:
+        return self.seqs[seq_id].block_tables[group]
+
+    def block_tables(self, seq_id: Hashable) -> list[list[int]]:
+        """One table per group; a windowed group's out-of-window entries are the null block 0."""
+        return self.seqs[seq_id].block_tables
+
+    def num_blocks_held(self, seq_id: Hashable) -> list[int]:
+        """Per group: blocks the sequence's table points at (null entries excluded; CPU blocks when swapped)."""
+        seq = self.seqs[seq_id]
+        return [len(_held(table, seq.on_cpu)) for table in seq.block_tables]
 
     def num_tokens(self, seq_id: Hashable) -> int:
         return len(self.seqs[seq_id].token_ids)
 
-    def slot(self, seq_id: Hashable, position: int) -> int:
-        table = self.seqs[seq_id].block_table
+    def slot(self, seq_id: Hashable, position: int, group: int = 0) -> int:
+        table = self.seqs[seq_id].block_tables[group]
         return table[position // self.block_size] * self.block_size + position % self.block_size
 
-    def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
-        """Physical slots of positions [start, end) of `seq_id`."""
-        table, bs = self.seqs[seq_id].block_table, self.block_size
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int, group: int = 0) -> list[int]:
+        """Physical slots of positions [start, end) of `seq_id` in `group`'s blocks."""
+        table, bs = self.seqs[seq_id].block_tables[group], self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def window_start(self, group: int, first_query: int) -> int:
+        """First block index of `group` a query at `first_query` (or later) can still see."""
+        window = self.sliding_windows[group]
+        return 0 if window is None else max(0, first_query - window + 1) // self.block_size
+
+    def max_blocks_per_sequence(self, num_tokens: int) -> int:
+        """Blocks a sequence of `num_tokens` holds at once (every group), when all of it is allocated at once."""
+        return self.num_groups * self.blocks_needed(num_tokens)
+
     # -------------------------------------------------------------- allocation
+    def _prefix_hashes(self, token_ids: Sequence[int], extra_keys: Hashable, stop: int) -> list[int]:
+        hashes: list[int] = []
+        bs, parent = self.block_size, None
+        for i in range(stop):
+            parent = self.hash_fn(parent, tuple(token_ids[i * bs : (i + 1) * bs]), extra_keys)
+            hashes.append(parent)
+        return hashes
+
+    def _lookup(self, group: int, index: int, key: int, token_ids: Sequence[int], parent: int | None) -> Block | None:
+        block = self.cached_by_group[group].get(key)
+        tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
+        # Compare contents: a colliding hash must never serve another prefix's KV.
+        if block is None or block.token_ids != tokens or block.parent_hash != parent:
+            return None
+        return block
+
     def _find_cached_prefix(
         self, token_ids: Sequence[int], extra_keys: Hashable, lookup: bool = True
-    ) -> tuple[list[Block], list[int]]:
-        """Leading full blocks already cached; the last token is always left to recompute."""
-        hits: list[Block] = []
-        hashes: list[int] = []
+    ) -> tuple[list[list[Block | None]], list[int]]:
+        """Per group, the cached blocks of the longest prefix every group can serve (None where a windowed group
+        needs nothing), and that prefix's hashes. The last token is always left to recompute."""
         if not self.enable_prefix_caching or not lookup:
-            return hits, hashes
-        bs, parent = self.block_size, None
-        for i in range((len(token_ids) - 1) // bs):
-            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            key = self.hash_fn(parent, tokens, extra_keys)
-            block = self.cached.get(key)
-            # Compare contents: a colliding hash must never serve another prefix's KV.
-            if block is None or block.token_ids != tokens or block.parent_hash != parent:
-                break
-            hits.append(block)
+            return [[] for _ in self.sliding_windows], []
+        limit = (len(token_ids) - 1) // self.block_size
+        full = [g for g, w in enumerate(self.sliding_windows) if w is None]
+        hashes: list[int] = []
+        found: list[list[Block | None]] = [[] for _ in self.sliding_windows]
+        parent = None
+        for i in range(limit):
+            key = self.hash_fn(parent, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size]), extra_keys)
+            row = [self._lookup(g, i, key, token_ids, parent) for g in range(self.num_groups)]
+            if any(row[g] is None for g in full):
+                break  # full-attention groups need every leading block
             hashes.append(key)
+            for g, block in enumerate(row):
+                found[g].append(block)
             parent = key
-        return hits, hashes
+        # Windowed groups only need the blocks a query right after the hit can see.
+        hit = len(hashes)
+        while hit and not all(
+            all(found[g][i] is not None for i in range(self.window_start(g, hit * self.block_size), hit))
+            for g, w in enumerate(self.sliding_windows)
+            if w is not None
+        ):
+            hit -= 1
+        hits = []
+        for g in range(self.num_groups):
+            start = self.window_start(g, hit * self.block_size)
+            hits.append([None] * start + found[g][start:hit])
+        return hits, hashes[:hit]
 
-    def _blocks_to_take(self, token_ids: Sequence[int], hits: list[Block]) -> int:
-        fresh = self.blocks_needed(len(token_ids)) - len(hits)
-        revived = sum(1 for b in hits if b.ref_count == 0)  # cached-free hits leave the free queue
-        return fresh + revived
+    def _blocks_to_take(self, token_ids: Sequence[int], hits: list[list[Block | None]]) -> int:
+        need = 0
+        for group_hits in hits:
+            taken = [b for b in group_hits if b is not None]
+            need += self.blocks_needed(len(token_ids)) - len(group_hits)
+            need += sum(1 for b in taken if b.ref_count == 0)  # cached-free hits leave the free queue
+        return need
 
     def can_allocate(self, token_ids: Sequence[int], extra_keys: Hashable = None, *, lookup: bool = True) -> bool:
         """Whether `allocate` would succeed now while keeping the watermark free."""
@@ -232,48 +326,52 @@ class BlockManager:
                 f"{need} KV blocks needed for a {len(token_ids)}-token sequence but only "
                 f"{self.num_free_blocks} are free; raise num_blocks / the KV memory budget or shorten the prompt"
             )
-        for block in hits:
-            if block.ref_count == 0:
-                self.free_queue.remove(block)
-            block.ref_count += 1
-        fresh = [self._take_free_block() for _ in range(self.blocks_needed(len(token_ids)) - len(hits))]
+        tables = []
+        for group, group_hits in enumerate(hits):
+            for block in group_hits:
+                if block is not None:
+                    if block.ref_count == 0:
+                        self.free_queue.remove(block)
+                    block.ref_count += 1
+            fresh = self.blocks_needed(len(token_ids)) - len(group_hits)
+            table = [NULL_BLOCK if b is None else b.block_id for b in group_hits]
+            tables.append(table + [self._take_free_block(group).block_id for _ in range(fresh)])
         self.seqs[seq_id] = SequenceBlocks(
-            block_table=[b.block_id for b in hits + fresh],
+            block_tables=tables,
             token_ids=list(token_ids),
             extra_keys=extra_keys,
             block_hashes=hashes,
+            num_dropped=[self.window_start(g, len(hashes) * self.block_size) for g in range(self.num_groups)],
         )
         if self.enable_prefix_caching:
             self.prefix_queries += len(token_ids)
-            self.prefix_hits += len(hits) * self.block_size
-        return len(hits) * self.block_size
+            self.prefix_hits += len(hashes) * self.block_size
+        return len(hashes) * self.block_size
 
-    def _take_free_block(self) -> Block:
+    def _take_free_block(self, group: int) -> Block:
         block = self.free_queue.popleft()
         if block.hash is not None:  # evict its cached prefix
-            if self.cached.get(block.hash) is block:
-                del self.cached[block.hash]
-            block.hash, block.parent_hash, block.token_ids = None, None, ()
+            self._unhash(block)
         block.ref_count = 1
+        block.group = group
         return block
 
-    def _cow_needed(self, seq: SequenceBlocks) -> bool:
+    def _cow_needed(self, seq: SequenceBlocks, group: int) -> bool:
         """Writing the next token would land in a partially filled block others can see."""
         if len(seq.token_ids) % self.block_size == 0:
             return False
-        last = self.blocks[seq.block_table[-1]]
-        return last.ref_count > 1
+        return self.blocks[seq.block_tables[group][-1]].ref_count > 1
 
     def blocks_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
         seq = self.seqs[seq_id]
-        grow = self.blocks_needed(len(seq.token_ids) + num_tokens) - len(seq.block_table)
-        return grow + int(self._cow_needed(seq))
+        grow = self.blocks_needed(len(seq.token_ids) + num_tokens) - len(seq.block_tables[0])
+        return sum(grow + int(self._cow_needed(seq, g)) for g in range(self.num_groups))
 
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         return self.blocks_to_append(seq_id, num_tokens) <= self.num_free_blocks
 
     def append_slots(self, seq_id: Hashable, token_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """Reserve slots for `token_ids` after the sequence's current tokens.
+        """Reserve slots for `token_ids` after the sequence's current tokens (whose KV must be computed).
 
         Returns the (src, dst) block copies the cache must perform first (copy-on-write of a shared
         partially filled last block).
@@ -281,6 +379,7 @@ class BlockManager:
         seq = self.seqs[seq_id]
         if seq.on_cpu:
             raise InvalidRequest(f"sequence {seq_id!r} is swapped out; swap it in before appending")
+        self._drop_out_of_window(seq, len(seq.token_ids))
         need = self.blocks_to_append(seq_id, len(token_ids))
         if need > self.num_free_blocks:
             raise OutOfBlocks(
@@ -288,39 +387,60 @@ class BlockManager:
                 f"preempt a sequence or raise the KV memory budget"
             )
         copies: list[tuple[int, int]] = []
-        if len(seq.token_ids) % self.block_size:
-            last = self.blocks[seq.block_table[-1]]
-            if last.ref_count > 1:
-                fresh = self._take_free_block()
-                last.ref_count -= 1
-                seq.block_table[-1] = fresh.block_id
-                copies.append((last.block_id, fresh.block_id))
-            elif last.hash is not None:
-                self._unhash(last)  # about to be overwritten past its cached contents
-        grow = self.blocks_needed(len(seq.token_ids) + len(token_ids)) - len(seq.block_table)
-        seq.block_table.extend(self._take_free_block().block_id for _ in range(grow))
+        grow = self.blocks_needed(len(seq.token_ids) + len(token_ids)) - len(seq.block_tables[0])
+        for group, table in enumerate(seq.block_tables):
+            if len(seq.token_ids) % self.block_size:
+                last = self.blocks[table[-1]]
+                if last.ref_count > 1:
+                    fresh = self._take_free_block(group)
+                    last.ref_count -= 1
+                    table[-1] = fresh.block_id
+                    copies.append((last.block_id, fresh.block_id))
+                elif last.hash is not None:
+                    self._unhash(last)  # about to be overwritten past its cached contents
+            table.extend(self._take_free_block(group).block_id for _ in range(grow))
         seq.token_ids.extend(token_ids)
         return copies
 
     def _unhash(self, block: Block) -> None:
-        if self.cached.get(block.hash) is block:
-            del self.cached[block.hash]
+        cached = self.cached_by_group[block.group]
+        if cached.get(block.hash) is block:
+            del cached[block.hash]
         block.hash, block.parent_hash, block.token_ids = None, None, ()
 
+    def _drop_out_of_window(self, seq: SequenceBlocks, first_query: int) -> None:
+        """Free windowed groups' blocks that no query at `first_query` or later can see (tail-first, like free)."""
+        for group, table in enumerate(seq.block_tables):
+            stop = self.window_start(group, first_query)
+            if stop <= seq.num_dropped[group]:
+                continue
+            for i in range(stop - 1, seq.num_dropped[group] - 1, -1):
+                if table[i] != NULL_BLOCK:
+                    self._release(self.blocks[table[i]])
+                    table[i] = NULL_BLOCK
+            seq.num_dropped[group] = stop
+
     def commit(self, seq_id: Hashable, num_computed_tokens: int) -> None:
-        """Publish the full blocks whose KV is now computed so later prompts can hit them."""
-        if not self.enable_prefix_caching:
-            return
-        seq, bs = self.seqs[seq_id], self.block_size
+        """The first `num_computed_tokens` tokens' KV is computed: publish their full blocks so later prompts
+        can hit them, then drop what windowed groups can no longer see."""
+        seq = self.seqs[seq_id]
+        if self.enable_prefix_caching and not seq.on_cpu:
+            self._publish(seq, num_computed_tokens)
+        if not seq.on_cpu:
+            self._drop_out_of_window(seq, min(num_computed_tokens, len(seq.token_ids)))
+
+    def _publish(self, seq: SequenceBlocks, num_computed_tokens: int) -> None:
+        bs = self.block_size
         full = min(num_computed_tokens, len(seq.token_ids)) // bs
         parent = seq.block_hashes[-1] if seq.block_hashes else None
         for i in range(len(seq.block_hashes), full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             key = self.hash_fn(parent, tokens, seq.extra_keys)
-            block = self.blocks[seq.block_table[i]]
-            if key not in self.cached and block.hash is None:
-                block.hash, block.parent_hash, block.token_ids = key, parent, tokens
-                self.cached[key] = block
+            for group, table in enumerate(seq.block_tables):
+                block, cached = self.blocks[table[i]], self.cached_by_group[group]
+                if table[i] != NULL_BLOCK and key not in cached and block.hash is None:
+                    block.hash, block.parent_hash, block.token_ids = key, parent, tokens
+                    cached[key] = block
             seq.block_hashes.append(key)
             parent = key
 
@@ -332,25 +452,27 @@ class BlockManager:
         parent = self.seqs[parent_id]
         if parent.on_cpu:
             raise InvalidRequest(f"sequence {parent_id!r} is swapped out; swap it in before forking")
-        for block_id in parent.block_table:
-            self.blocks[block_id].ref_count += 1
+        for table in parent.block_tables:
+            for block_id in table:
+                self.blocks[block_id].ref_count += block_id != NULL_BLOCK
         self.seqs[child_id] = SequenceBlocks(
-            block_table=list(parent.block_table),
+            block_tables=[list(table) for table in parent.block_tables],
             token_ids=list(parent.token_ids),
             extra_keys=parent.extra_keys,
             block_hashes=list(parent.block_hashes),
+            num_dropped=list(parent.num_dropped),
         )
 
     def free(self, seq_id: Hashable) -> None:
         """Release every block of `seq_id`. Cached blocks stay reusable until evicted."""
         seq = self.seqs.pop(seq_id)
-        if seq.on_cpu:
-            for cpu_block in seq.block_table:
-                self._release_cpu(cpu_block)
-            return
-        # Tail blocks first: their prefixes are the least likely to be hit again, so evict them first.
-        for block_id in reversed(seq.block_table):
-            self._release(self.blocks[block_id])
+        for table in seq.block_tables:
+            if seq.on_cpu:
+                for cpu_block in _held(table, on_cpu=True):
+                    self._release_cpu(cpu_block)
+            else:  # tail blocks first: their prefixes are the least likely to be hit again, so evict them first
+                for block_id in reversed(_held(table, on_cpu=False)):
+                    self._release(self.blocks[block_id])
 
     def _release(self, block: Block) -> None:
         block.ref_count -= 1
@@ -367,17 +489,25 @@ class BlockManager:
         seq = self.seqs[seq_id]
         if not 0 <= num_tokens <= len(seq.token_ids):
             raise InvalidRequest(f"cannot truncate {len(seq.token_ids)} tokens to {num_tokens}")
+        for group in range(self.num_groups):
+            if self.window_start(group, num_tokens) < seq.num_dropped[group]:
+                raise InvalidRequest(
+                    f"cannot roll {seq_id!r} back to {num_tokens} tokens: its sliding-window layers already freed "
+                    f"the blocks a query there would read; roll back by fewer tokens"
+                )
         keep = self.blocks_needed(num_tokens)
-        for block_id in reversed(seq.block_table[keep:]):
-            self._release(self.blocks[block_id])
-        del seq.block_table[keep:]
+        for table in seq.block_tables:
+            for block_id in reversed(table[keep:]):
+                self._release(self.blocks[block_id])
+            del table[keep:]
         del seq.token_ids[num_tokens:]
         del seq.block_hashes[num_tokens // self.block_size :]
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks stay allocated to their sequences)."""
-        for block in list(self.cached.values()):
-            self._unhash(block)
+        for cached in self.cached_by_group:
+            for block in list(cached.values()):
+                self._unhash(block)
         for seq in self.seqs.values():
             seq.block_hashes.clear()
 
@@ -385,8 +515,8 @@ class BlockManager:
     def _distinct_blocks(self, seq_ids: Sequence[Hashable]) -> list[int]:
         seen: dict[int, None] = {}
         for seq_id in seq_ids:
-            for block_id in self.seqs[seq_id].block_table:
-                seen[block_id] = None
+            for table in self.seqs[seq_id].block_tables:
+                seen.update(dict.fromkeys(_held(table, self.seqs[seq_id].on_cpu)))
         return list(seen)
 
     def can_swap_out(self, seq_ids: Sequence[Hashable]) -> bool:
@@ -402,19 +532,23 @@ class BlockManager:
         gpu_blocks = self._distinct_blocks(seq_ids)
         if len(gpu_blocks) > len(self.cpu_free):
             raise OutOfBlocks(
-                f"swapping out needs {len(gpu_blocks)} CPU blocks but {len(self.cpu_free)} are free; "
-                f"raise --swap-space"
+                f"swapping out needs {len(gpu_blocks)} CPU blocks but {len(self.cpu_free)} are free; raise --swap-space"
             )
         mapping = {gpu: self.cpu_free.pop() for gpu in gpu_blocks}
+        copies = list(mapping.items())
+        mapping[NULL_BLOCK] = CPU_NULL_BLOCK
         for seq_id in seq_ids:
             seq = self.seqs[seq_id]
-            for gpu in reversed(seq.block_table):
-                self._release(self.blocks[gpu])
-            seq.block_table = [mapping[gpu] for gpu in seq.block_table]
-            for cpu in seq.block_table:
-                self.cpu_ref_counts[cpu] += 1
+            for g, table in enumerate(seq.block_tables):
+                for gpu in reversed(table):
+                    if gpu != NULL_BLOCK:
+                        self._release(self.blocks[gpu])
+                seq.block_tables[g] = [mapping[gpu] for gpu in table]
+                for cpu in seq.block_tables[g]:
+                    if cpu != CPU_NULL_BLOCK:
+                        self.cpu_ref_counts[cpu] += 1
             seq.on_cpu = True
-        return list(mapping.items())
+        return copies
 
     def can_swap_in(self, seq_ids: Sequence[Hashable]) -> bool:
         return len(self._distinct_blocks(seq_ids)) <= self.num_free_blocks
@@ -426,15 +560,18 @@ class BlockManager:
         cpu_blocks = self._distinct_blocks(seq_ids)
         if len(cpu_blocks) > self.num_free_blocks:
             raise OutOfBlocks(f"swapping in needs {len(cpu_blocks)} free KV blocks, {self.num_free_blocks} free")
-        mapping = {cpu: self._take_free_block() for cpu in cpu_blocks}
+        group_of = {cpu: g for s in seq_ids for g, table in enumerate(self.seqs[s].block_tables) for cpu in table}
+        mapping = {cpu: self._take_free_block(group_of[cpu]) for cpu in cpu_blocks}
         for block in mapping.values():
             block.ref_count = 0
         for seq_id in seq_ids:
             seq = self.seqs[seq_id]
-            for cpu in seq.block_table:
-                mapping[cpu].ref_count += 1
-                self._release_cpu(cpu)
-            seq.block_table = [mapping[cpu].block_id for cpu in seq.block_table]
+            for g, table in enumerate(seq.block_tables):
+                for cpu in table:
+                    if cpu != CPU_NULL_BLOCK:
+                        mapping[cpu].ref_count += 1
+                        self._release_cpu(cpu)
+                seq.block_tables[g] = [NULL_BLOCK if cpu == CPU_NULL_BLOCK else mapping[cpu].block_id for cpu in table]
             seq.block_hashes.clear()  # the new blocks are not published; recommit if wanted
             seq.on_cpu = False
         return [(cpu, block.block_id) for cpu, block in mapping.items()]
@@ -448,27 +585,42 @@ class BlockManager:
     def stats(self) -> BlockStats:
         bs = self.block_size
         fill: dict[int, int] = {}
-        table_entries = 0
+        entries = [0] * self.num_groups
         logical = 0
         for seq in self.seqs.values():
             if seq.on_cpu:
                 continue
             n = len(seq.token_ids)
             logical += n
-            table_entries += len(seq.block_table)
-            for i, block_id in enumerate(seq.block_table):
-                fill[block_id] = max(fill.get(block_id, 0), min(bs, n - i * bs))
-        used = self.num_used_blocks
-        cached = sum(1 for b in self.blocks[1:] if b.ref_count == 0 and b.hash is not None)
+            for group, table in enumerate(seq.block_tables):
+                for i, block_id in enumerate(table):
+                    if block_id != NULL_BLOCK:
+                        entries[group] += 1
+                        fill[block_id] = max(fill.get(block_id, 0), min(bs, n - i * bs))
+        used, shared, cached_free, tokens = ([0] * self.num_groups for _ in range(4))
+        for block in self.blocks[1:]:  # one pass: stats() also feeds the KV map's per-step history
+            if block.ref_count:
+                used[block.group] += 1
+                shared[block.group] += block.ref_count > 1
+            elif block.hash is not None:
+                cached_free[block.group] += 1
+        for block_id, count in fill.items():
+            tokens[self.blocks[block_id].group] += count
+        groups = [
+            GroupStats(window, used[g], shared[g], cached_free[g], tokens[g], entries[g] - used[g])
+            for g, window in enumerate(self.sliding_windows)
+        ]
+        cached = sum(g.cached_blocks for g in groups)
         return BlockStats(
             total_blocks=self.num_blocks - 1,
-            used_blocks=used,
-            shared_blocks=sum(1 for b in self.blocks[1:] if b.ref_count > 1),
+            used_blocks=self.num_used_blocks,
+            shared_blocks=sum(g.shared_blocks for g in groups),
             cached_blocks=cached,
             free_blocks=self.num_free_blocks - cached,
             block_size=bs,
             tokens_stored=sum(fill.values()),
             logical_tokens=logical,
-            blocks_saved_by_sharing=table_entries - len(fill),
+            blocks_saved_by_sharing=sum(entries) - len(fill),
             cpu_blocks_used=len(self.cpu_ref_counts) - len(self.cpu_free),
+            groups=tuple(groups),
         )

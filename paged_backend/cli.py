@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "paged_backend.tgi.cli",
     "paged_backend.dashboards.cli",
     "paged_backend.bench.cli",
+    "paged_backend.kv_map_cli",
 )
 
 

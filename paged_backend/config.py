@@ -38,6 +38,9 @@ class SchedulerConfig(_Config):
     preemption_mode: Literal["recompute", "swap"] | None = Field(
         None, description="default: swap when swap_space > 0, else recompute"
     )
+    disable_hybrid_kv_cache_manager: bool = Field(
+        False, description="one block table for every layer: sliding-window layers keep all their blocks (vLLM's flag)"
+    )
 
 
 class ParallelConfig(_Config):

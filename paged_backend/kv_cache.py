@@ -4,6 +4,10 @@ Layout per layer: ``key_cache`` / ``value_cache`` ``[num_blocks, block_size, num
 (the layout FlashInfer and TGI's flashdecoding read). All layers of one device live in one tensor so a block
 copy or a swap is one indexed copy per device; `layer_devices` spreads layers over devices (accelerate's device
 maps run each layer on its own device, so its KV lives there too).
+
+With layer groups (`kv_groups`: sliding-window layers apart from full-attention ones) a tensor has one "slot"
+per layer of a group instead of one per layer: block b of group g holds g's layers in slots 0..group_size-1,
+and the BlockManager hands each block id to one group at a time.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 import torch
 
 from paged_backend.errors import InvalidRequest
+from paged_backend.kv_groups import KVCacheGroup
 
 KV_CACHE_DTYPES = {
     "auto": None,
@@ -88,22 +93,36 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
         num_cpu_blocks: int = 0,
+        groups: list[KVCacheGroup] | None = None,
         layer_devices: list[torch.device | str] | None = None,
     ) -> None:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dtype, self.device = dtype, torch.device(device)
-        layers_on: dict[torch.device, list[int]] = {}
-        for layer, layer_device in enumerate(layer_devices or [self.device] * num_layers):
-            layers_on.setdefault(torch.device(layer_device), []).append(layer)
+        self.groups = groups or [KVCacheGroup(tuple(range(num_layers)))]
+        self.layer_group = [0] * num_layers  # which group's block tables a layer reads
+        layer_slot = list(range(num_layers))
+        for g, group in enumerate(self.groups):
+            for slot, layer in enumerate(group.layers):
+                self.layer_group[layer], layer_slot[layer] = g, slot
+        self.num_slots = max(len(group.layers) for group in self.groups)
+        devices = [torch.device(d) for d in layer_devices or [self.device] * num_layers]
+        slots_on: dict[torch.device, list[int]] = {}  # the slots each device holds, in first-use order
+        for layer, layer_device in enumerate(devices):
+            slots = slots_on.setdefault(layer_device, [])
+            if layer_slot[layer] not in slots:
+                slots.append(layer_slot[layer])
         block = (block_size, num_kv_heads, head_dim)
-        # One tensor [layers on the device, 2, num_blocks, ...] per device; `kv` / `cpu_kv` when there is one.
-        self.kvs = [torch.zeros((len(ls), 2, num_blocks, *block), dtype=dtype, device=d) for d, ls in layers_on.items()]
-        self.key_caches: list[torch.Tensor] = [None] * num_layers
-        self.value_caches: list[torch.Tensor] = [None] * num_layers
-        for kv, layers in zip(self.kvs, layers_on.values(), strict=True):
-            for index, layer in enumerate(layers):
-                self.key_caches[layer], self.value_caches[layer] = kv[index, 0], kv[index, 1]
+        # One tensor [slots on the device, 2, num_blocks, ...] per device; `kv` / `cpu_kv` when there is one.
+        self.kvs = [
+            torch.zeros((len(slots), 2, num_blocks, *block), dtype=dtype, device=d) for d, slots in slots_on.items()
+        ]
+        pools = dict(zip(slots_on, self.kvs, strict=True))
+        self.key_caches, self.value_caches = [], []
+        for layer, layer_device in enumerate(devices):
+            kv = pools[layer_device][slots_on[layer_device].index(layer_slot[layer])]
+            self.key_caches.append(kv[0])
+            self.value_caches.append(kv[1])
         # Per-layer dequantization scales; only meaningful for fp8 pools.
         self.k_scales = [1.0] * num_layers
         self.v_scales = [1.0] * num_layers
@@ -117,7 +136,8 @@ class PagedKVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        return bytes_per_block(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
+        """Bytes one block id takes across every device's slots, K and V."""
+        return sum(kv[:, :, 0].numel() * kv.element_size() for kv in self.kvs)
 
     @property
     def total_bytes(self) -> int:
@@ -131,7 +151,7 @@ class PagedKVCache:
         return tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks src -> dst in every layer (copy-on-write)."""
+        """Copy whole blocks src -> dst in every slot (copy-on-write; a block id belongs to one group)."""
         if not pairs:
             return
         for kv in self.kvs:

@@ -51,10 +51,12 @@ def make_llm_fixture():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls gain nothing from threads, and lose a lot on a shared busy CPU
 
-    def build(arch: str = "llama", **engine_kwargs) -> LLM:
+    def build(arch: str = "llama", *, model=None, **engine_kwargs) -> LLM:
+        """An LLM over a copy of the tiny `arch` model, or of `model` when given."""
         engine_kwargs.setdefault("num_blocks", 256)
         engine_kwargs.setdefault("block_size", 4)
-        llm = LLM(copy.deepcopy(reference_model(arch)), tokenizer=byte_tokenizer(), **engine_kwargs)
+        model = reference_model(arch) if model is None else model
+        llm = LLM(copy.deepcopy(model), tokenizer=byte_tokenizer(), **engine_kwargs)
         built.append(llm)
         return llm
 
@@ -64,3 +66,5 @@ def make_llm_fixture():
         manager = llm.engine.block_manager
         assert not llm.engine.has_unfinished_requests()
         assert manager.num_free_blocks == manager.num_blocks - 1
+        stats = manager.stats()
+        assert stats.free_blocks + stats.cached_blocks == stats.total_blocks

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_backend.attention import PagedMetadata, block_table_tensor
+from paged_backend.attention import PagedMetadata, grouped_metadata
 from paged_backend.block_manager import BlockManager
 
 
@@ -19,12 +19,18 @@ class ForwardStep:
     stored_before: list[int]  # tokens each row held before this forward
     followers: dict[int, int]  # row -> leader row whose blocks it shares (identical prompts)
     metadata: PagedMetadata | None = None
-    gather_slots: torch.Tensor | None = None  # [B, past + q] pool slots, for sdpa / eager reads
+    gather_slots: list[torch.Tensor] | None = None  # per layer group: [B, past + q] pool slots, for sdpa / eager
     has_holes: bool = False  # a padding column sits after a stored one in some row
 
 
 def paged_metadata(
-    step: ForwardStep, block_manager: BlockManager, seqs: list[int], rows: list[int], device, backend: str | None
+    step: ForwardStep,
+    block_manager: BlockManager,
+    seqs: list[int],
+    rows: list[int],
+    device,
+    backend: str | None,
+    layer_group: list[int],
 ) -> PagedMetadata:
     """Paged-attention metadata of `step` restricted to batch `rows` (the other rows get no query tokens).
 
@@ -32,25 +38,29 @@ def paged_metadata(
     """
     bm = block_manager
     counts = step.new_columns.sum(dim=1).tolist()
-    slots: list[int] = []
+    groups = range(bm.num_groups)
+    slots: list[list[int]] = [[] for _ in groups]
+    tables: list[list[list[int]]] = [[] for _ in groups]
     for row in rows:
         seq, before, count = seqs[row], step.stored_before[row], counts[row]
         own = row not in step.followers and count
-        slots += bm.slot_mapping(seq, before, before + count) if own else [-1] * count
-    tables = [bm.block_table(seqs[row]) if bm.has(seqs[row]) else [] for row in rows]
+        for group in groups:
+            slots[group] += bm.slot_mapping(seq, before, before + count, group) if own else [-1] * count
+            tables[group].append(bm.block_table(seq, group) if bm.has(seq) else [])
     seq_lens = [step.stored_before[row] + counts[row] for row in rows]
     starts = torch.tensor([0, *(counts[row] for row in rows)]).cumsum(0)
     queried = torch.zeros_like(step.new_columns)
     queried[rows] = step.new_columns[rows]
     row_index = None if bool(queried.all()) else queried.flatten().nonzero().squeeze(1)
-    return PagedMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        block_tables=block_table_tensor(tables, device),
+    shared = PagedMetadata(
+        slot_mapping=None,
+        block_tables=None,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         query_start_loc=starts.to(device=device, dtype=torch.int32),
         row_index=None if row_index is None else row_index.to(device),
         backend=backend,
     )
+    return grouped_metadata(tables, slots, shared, layer_group)
 
 
 def gather_slots(block_tables: torch.Tensor, num_columns: int, block_size: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from paged_backend.errors import UnsupportedModel
+from paged_backend.kv_groups import layer_types, sliding_windows
 
 # Layer kinds whose K/V is an ordinary growing attention cache; anything else keeps other state.
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -20,21 +21,10 @@ class KVGeometry:
     sliding_windows: tuple[int | None, ...]  # per layer: window size, or None for full attention
 
 
-def _layer_types(config) -> list[str]:
-    """The config's layer types, inferred the way transformers' DynamicCache does when not listed."""
-    if getattr(config, "layer_types", None):
-        return list(config.layer_types)
-    if getattr(config, "sliding_window", None) is not None:
-        return ["sliding_attention"] * config.num_hidden_layers
-    if getattr(config, "attention_chunk_size", None) is not None:
-        return ["chunked_attention"] * config.num_hidden_layers
-    return ["full_attention"] * config.num_hidden_layers
-
-
 def _unsupported_feature(config) -> str | None:
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
         return "cross-attention (encoder-decoder models keep a second, encoder-side cache)"
-    for layer_type in _layer_types(config):
+    for layer_type in layer_types(config):
         if layer_type not in ATTENTION_LAYER_TYPES:
             return f"layers of type {layer_type!r} (only full and sliding-window attention layers are paged)"
     if getattr(config, "kv_lora_rank", None):
@@ -59,9 +49,7 @@ def kv_geometry(config) -> KVGeometry:
         num_layers=config.num_hidden_layers,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        sliding_windows=tuple(
-            config.sliding_window if layer_type == "sliding_attention" else None for layer_type in _layer_types(config)
-        ),
+        sliding_windows=sliding_windows(config),
     )
 
 

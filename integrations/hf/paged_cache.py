@@ -12,9 +12,11 @@ import torch
 from transformers import Cache
 
 from paged_backend.attention import ATTN_IMPLEMENTATION, PagedMetadata, attend_packed
-from paged_backend.block_manager import BlockManager
+from paged_backend.block_manager import NULL_BLOCK, BlockManager
 from paged_backend.errors import InvalidRequest, OutOfBlocks
 from paged_backend.kv_cache import PagedKVCache, num_blocks_for_budget
+from paged_backend.kv_groups import kv_cache_groups
+from paged_backend.kv_snapshot import KVHistory, pool_snapshot
 from paged_backend.offload import input_device, layer_devices
 from paged_backend.ops import reshape_and_cache
 
@@ -71,17 +73,23 @@ class PagedCache(Cache):
         self.config, model_dtype, model_device, devices = _model_facts(model_or_config)
         # Under transformers' tensor parallelism (tp_plan) each rank's pool holds only its own KV heads.
         self.geometry = rank_geometry(kv_geometry(self.config), getattr(model_or_config, "tp_size", None))
+        # Sliding-window layers get their own block tables and drop blocks that leave their window.
+        self.groups = kv_cache_groups(self.geometry.sliding_windows)
         dtype = dtype or model_dtype
         device_given = device is not None
         device = torch.device(device or model_device)
         num_blocks = self._resolve_num_blocks(max_tokens, num_blocks, memory_bytes, block_size, dtype)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.block_manager = BlockManager(
+            num_blocks, block_size, enable_prefix_caching=False,
+            sliding_windows=[group.sliding_window for group in self.groups],
+        )
         g = self.geometry
         self.kv_cache = PagedKVCache(
             g.num_layers, g.num_kv_heads, g.head_dim, num_blocks, block_size, dtype=dtype, device=device,
-            layer_devices=None if device_given else devices,
+            groups=self.groups, layer_devices=None if device_given else devices,
         )
         self.backend = backend
+        self.kv_history = KVHistory()  # one point per forward, for kv_map()
         self._next_seq_id = 0
         self._clear()
 
@@ -89,13 +97,13 @@ class PagedCache(Cache):
         given = [x is not None for x in (max_tokens, num_blocks, memory_bytes)]
         if sum(given) != 1:
             raise InvalidRequest("give PagedCache exactly one budget: max_tokens=, num_blocks= or memory_bytes=")
-        if max_tokens is not None:
-            return -(-max_tokens // block_size) + 1  # + the reserved null block
+        if max_tokens is not None:  # every group holds each token; + the reserved null block
+            return len(self.groups) * -(-max_tokens // block_size) + 1
         if num_blocks is not None:
             return num_blocks
         g = self.geometry
         return num_blocks_for_budget(
-            g.num_layers, g.num_kv_heads, g.head_dim, block_size, dtype, memory_bytes=memory_bytes
+            len(self.groups[0].layers), g.num_kv_heads, g.head_dim, block_size, dtype, memory_bytes=memory_bytes
         )
 
     def _clear(self) -> None:
@@ -167,17 +175,15 @@ class PagedCache(Cache):
         key_cache, value_cache = self.kv_cache.layer(layer_idx)
         reshape_and_cache(
             _token_rows(key_states), _token_rows(value_states), key_cache, value_cache,
-            step.metadata.on(key_cache.device).slot_mapping, backend=self.backend,
+            step.metadata.for_layer(layer_idx).on(key_cache.device).slot_mapping, backend=self.backend,
         )
         if step.fresh:  # contiguous like DynamicCache's concatenation: kernels round by memory layout
             return key_states.contiguous(), value_states.contiguous()
         # Sliding layers see what DynamicCache keeps (window - 1 past columns), so the math is the same.
         q_len = key_states.shape[2]
         columns = self._visible_past(layer_idx, self._seq_length - q_len) + q_len
-        return (
-            self._gather(key_cache, key_states.dtype, columns),
-            self._gather(value_cache, value_states.dtype, columns),
-        )
+        slots = step.gather_slots[self.kv_cache.layer_group[layer_idx]][:, -columns:]
+        return self._gather(key_cache, key_states.dtype, slots), self._gather(value_cache, value_states.dtype, slots)
 
     def attend_layer(self, handle: PagedLayerKV, query, scaling, sliding_window, softcap, attention_mask):
         """Paged-attention path of `update`'s handle: plan on layer 0, then write and attend from the pool."""
@@ -235,6 +241,13 @@ class PagedCache(Cache):
         """Free every row's blocks (and the peak counter); the cache is empty and reusable for a new generate."""
         self._free_rows()
         self._clear()
+
+    def kv_map(self, path: str = "kv_map.png", *, title: str = "PagedCache"):
+        """Draw the pool now as `path` (PNG) and the same name with .html, one owner per batch row."""
+        from paged_backend.kv_map import draw_kv_map
+
+        owners = {seq: f"row {row}" for row, seq in enumerate(self._rows)}
+        return draw_kv_map(pool_snapshot(self.block_manager, owners, self.kv_history), path, title=title)
 
     def stats(self) -> CacheStats:
         """Blocks used / shared / free, bytes, waste % and what prompt sharing saved."""
@@ -301,6 +314,7 @@ class PagedCache(Cache):
         self._build_metadata()
         used = self.block_manager.num_blocks - 1 - self.block_manager.num_free_blocks
         self._peak_used_blocks = max(self._peak_used_blocks, used)
+        self.kv_history.record(self.block_manager)
 
     def _reserve(self, counts: list[int], followers: dict[int, int]) -> list[tuple[int, int]]:
         """Slots for each row's new tokens; followers share their leader's blocks instead."""
@@ -317,7 +331,7 @@ class PagedCache(Cache):
 
     def _block_tables(self) -> list[tuple[int, ...]]:
         bm = self.block_manager
-        return [tuple(bm.block_table(seq)) if bm.has(seq) else () for seq in self._rows]
+        return [tuple(map(tuple, bm.block_tables(seq))) if bm.has(seq) else () for seq in self._rows]
 
     def _expand_to(self, batch: int) -> None:
         """A filled cache meets generate's k-times expanded batch (beams / num_return_sequences): fork rows."""
@@ -354,10 +368,16 @@ class PagedCache(Cache):
         step, bm = self._step, self.block_manager
         step.metadata = self._metadata_for(list(range(len(self._rows))))
         if not self._paged and not step.fresh:
-            step.gather_slots = gather_slots(step.metadata.block_tables, self._seq_length, bm.block_size)
+            step.gather_slots = [
+                gather_slots(step.metadata.for_layer(group.layers[0]).block_tables, self._seq_length, bm.block_size)
+                for group in self.groups
+            ]
 
     def _metadata_for(self, rows: list[int]) -> PagedMetadata:
-        return paged_metadata(self._step, self.block_manager, self._rows, rows, self.kv_cache.device, self.backend)
+        return paged_metadata(
+            self._step, self.block_manager, self._rows, rows, self.kv_cache.device, self.backend,
+            self.kv_cache.layer_group,
+        )
 
     def _check_followers(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Rows grouped on layer 0 must still match here; a row that differs gets its own copy of the blocks."""
@@ -380,17 +400,24 @@ class PagedCache(Cache):
         bm.free(seq)
         bm.allocate(seq, _placeholder_tokens(bm.num_tokens(lead)))
         # Earlier layers were verified equal, so the leader's blocks are this row's KV up to here.
-        self.kv_cache.copy_blocks(list(zip(bm.block_table(lead), bm.block_table(seq), strict=True)))
+        pairs = [
+            (src, dst)
+            for lead_table, own_table in zip(bm.block_tables(lead), bm.block_tables(seq), strict=True)
+            for src, dst in zip(lead_table, own_table, strict=True)
+            if src != NULL_BLOCK
+        ]
+        self.kv_cache.copy_blocks(pairs)
 
     def _visible_past(self, layer_idx: int, past: int) -> int:
         """Past columns a layer attends over in sdpa/eager: all, or the last window - 1 for sliding layers."""
         window = self.geometry.sliding_windows[layer_idx]
         return past if window is None else min(past, window - 1)
 
-    def _gather(self, pool: torch.Tensor, dtype: torch.dtype, columns: int) -> torch.Tensor:
-        """[B, Hkv, columns, D] contiguous K or V of the last `columns` columns, read through the block tables."""
+    @staticmethod
+    def _gather(pool: torch.Tensor, dtype: torch.dtype, slots: torch.Tensor) -> torch.Tensor:
+        """[B, Hkv, columns, D] contiguous K or V of the pool `slots` [B, columns], read through the block tables."""
         flat = pool.view(-1, pool.shape[-2], pool.shape[-1])
-        slots = self._step.gather_slots[:, -columns:].to(pool.device)
+        slots = slots.to(pool.device)
         rows = torch.index_select(flat, 0, slots.flatten())  # several times faster than advanced indexing on CPU
         return rows.view(*slots.shape, *flat.shape[1:]).transpose(1, 2).contiguous().to(dtype)
 

@@ -25,6 +25,8 @@ from paged_backend.kv_cache import (
     num_blocks_for_budget,
     resolve_kv_dtype,
 )
+from paged_backend.kv_groups import kv_cache_groups, sliding_windows
+from paged_backend.kv_snapshot import KVHistory, pool_snapshot
 from paged_backend.models import load_model
 from paged_backend.offload import input_device, layer_devices
 
@@ -95,6 +97,11 @@ class Engine:
         cache = config.cache
         num_layers, kv_heads, head_dim, max_positions = _model_shape(model.config)
         device = input_device(model)  # accelerate-dispatched models: each layer's KV on its own device
+        # Sliding-window layers get their own block tables; a block holds one group's layers (its "slots").
+        windows = sliding_windows(model.config.get_text_config())
+        if config.scheduler.disable_hybrid_kv_cache_manager or config.parallel.world_size > 1:
+            windows = (None,) * len(windows)  # windowed layers kept whole, as full ones are (ranks pool one group)
+        groups = kv_cache_groups(windows)
         self.parallel = None
         if config.parallel.world_size > 1:  # rank 0 of a TP x PP group: its shard, its per-rank pool, the workers
             from paged_backend.distributed.driver import ParallelDriver
@@ -105,10 +112,11 @@ class Engine:
             model, self.kv_cache = self.parallel.model, self.parallel.kv_cache
         else:
             kv_dtype = resolve_kv_dtype(cache.cache_dtype, model.dtype)
-            num_blocks, num_cpu_blocks = kv_pool_blocks(cache, num_layers, kv_heads, head_dim, kv_dtype, device)
+            num_slots = len(groups[0].layers)
+            num_blocks, num_cpu_blocks = kv_pool_blocks(cache, num_slots, kv_heads, head_dim, kv_dtype, device)
             self.kv_cache = PagedKVCache(
                 num_layers, kv_heads, head_dim, num_blocks, cache.block_size,
-                dtype=kv_dtype, device=device, num_cpu_blocks=num_cpu_blocks,
+                dtype=kv_dtype, device=device, num_cpu_blocks=num_cpu_blocks, groups=groups,
                 layer_devices=layer_devices(model, num_layers),
             )
         # The runner switches attention to "paged_backend" (and eval mode) for its own forwards only: a model
@@ -119,13 +127,9 @@ class Engine:
         self.block_manager = BlockManager(
             num_blocks, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
             watermark=cache.watermark, num_cpu_blocks=num_cpu_blocks,
+            sliding_windows=[group.sliding_window for group in groups],
         )
-        # A sequence must fit the pool on its own (and, unchunked, one step's budget), or it could never be
-        # scheduled again after a preemption.
-        capacity = (num_blocks - 1 - self.block_manager.watermark_blocks) * cache.block_size
-        if not config.scheduler.enable_chunked_prefill:
-            capacity = min(capacity, config.scheduler.max_num_batched_tokens)
-        self.max_model_len = min(config.scheduler.max_model_len or max_positions, capacity)
+        self.max_model_len = self._max_model_len(config, max_positions)
         mode = config.scheduler.preemption_mode or ("swap" if num_cpu_blocks else "recompute")
         self.scheduler = Scheduler(config.scheduler, self.block_manager, mode)
         backend = None if config.attention_backend == "auto" else config.attention_backend
@@ -139,6 +143,24 @@ class Engine:
         self._arrivals = itertools.count()
         self._counters = dict(prompt_tokens=0, generation_tokens=0, num_steps=0, step_time=0.0, forward_time=0.0)
         self._peak_kv_usage = 0.0
+        self.kv_history = KVHistory()  # usage and waste of recent steps, for the KV map
+
+    def _max_model_len(self, config: EngineConfig, max_positions: int) -> int:
+        """The longest sequence the pool holds. A sequence must fit the pool on its own (and, unchunked, one step's
+        budget), or it could never be scheduled again after a recompute preemption, which re-prefills it whole."""
+        manager, asked = self.block_manager, config.scheduler.max_model_len
+        usable = manager.num_blocks - 1 - manager.watermark_blocks
+        capacity = usable // manager.num_groups * manager.block_size
+        if asked is not None and asked > capacity:
+            raise InvalidRequest(
+                f"max_model_len={asked} needs {manager.max_blocks_per_sequence(asked)} KV blocks for one sequence, "
+                f"but the pool has {usable} usable blocks of {manager.block_size} tokens ({manager.num_groups} layer "
+                f"group(s) per token), so it holds at most {capacity} tokens: raise num_blocks / "
+                f"kv_cache_memory_bytes / gpu_memory_utilization, or lower max_model_len to {capacity}"
+            )
+        if not config.scheduler.enable_chunked_prefill:
+            capacity = min(capacity, config.scheduler.max_num_batched_tokens)
+        return min(asked or max_positions, capacity)
 
     def close(self) -> None:
         """Stop the worker ranks of a parallel engine (a no-op for one process); idempotent."""
@@ -305,6 +327,7 @@ class Engine:
                 del self.requests[request.request_id]
             outputs.append(request.output())
         self._peak_kv_usage = max(self._peak_kv_usage, self._kv_usage())
+        self.kv_history.record(self.block_manager)
         self._counters["num_steps"] += 1
         self._counters["step_time"] += time.perf_counter() - started
         return outputs
@@ -390,6 +413,11 @@ class Engine:
         manager = self.block_manager
         return 1 - manager.num_free_blocks / (manager.num_blocks - 1)
 
+    def kv_snapshot(self) -> dict:
+        """The pool block by block (owner request, sharing, fill), plus recent history: what the KV map draws."""
+        owners = {seq.seq_id: request.request_id for request in self.requests.values() for seq in request.seqs}
+        return pool_snapshot(self.block_manager, owners, self.kv_history)
+
     def stats(self) -> EngineStats:
         scheduler, manager, counters = self.scheduler, self.block_manager, self._counters
         return EngineStats(
@@ -462,6 +490,12 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         return self._run(ids, use_tqdm)
+
+    def kv_map(self, path: str = "kv_map.png", *, title: str = "KV pool"):
+        """Draw the pool now as `path` (PNG) and the same name with .html; see `paged_backend.kv_map`."""
+        from paged_backend.kv_map import draw_kv_map
+
+        return draw_kv_map(self.engine.kv_snapshot(), path, title=title)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

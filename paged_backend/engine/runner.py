@@ -1,7 +1,8 @@
 """Packs one scheduled step into a `[1, T]` batch and runs the HF model over the paged pool.
 
 Metadata (slot mapping, block tables, sequence lengths, query start locations) is built once per step and
-shared by every layer through `PackedKV` handles. Logits are computed only at each sampling sequence's last
+shared by every layer through `PackedKV` handles; with layer groups each group gets its own block tables and
+slot mapping (`grouped_metadata`), and each layer's handle reads its group's. Logits are computed only at each sampling sequence's last
 position (`logits_to_keep`), never for the whole packed prompt.
 """
 
@@ -13,7 +14,7 @@ from transformers import Cache, PreTrainedModel
 from paged_backend.attention import (
     PackedKV,
     PagedMetadata,
-    block_table_tensor,
+    grouped_metadata,
     model_configs,
     paged_attention_enabled,
     register_paged_attention,
@@ -56,36 +57,42 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor, PagedMetadata, list[int]]:
         """Flatten the step into input ids, positions, paged metadata and the rows whose logits are kept."""
         manager, block_size = self.block_manager, self.block_manager.block_size
+        num_groups = len(self.kv_cache.groups)
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(num_groups)]
         seq_lens: list[int] = []
         query_start_loc = [0]
-        tables: list[list[int]] = []
+        tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
         sample_rows: list[int] = []
         for item in scheduled:
             seq, start = item.seq, item.start
             end = start + item.num_tokens
-            table = manager.block_table(seq.seq_id)
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
-            if item.num_tokens == 1:  # the decode hot path: one slot, no list building
-                slots.append(table[start // block_size] * block_size + start % block_size)
-            else:
-                slots += manager.slot_mapping(seq.seq_id, start, end)
+            # One group: the plain calls (the TGI shard's router-assigned block view answers only these).
+            seq_tables = manager.block_tables(seq.seq_id) if num_groups > 1 else (manager.block_table(seq.seq_id),)
+            for group, table in enumerate(seq_tables):
+                if item.num_tokens == 1:  # the decode hot path: one slot, no list building
+                    slots[group].append(table[start // block_size] * block_size + start % block_size)
+                elif num_groups == 1:
+                    slots[group] += manager.slot_mapping(seq.seq_id, start, end)
+                else:
+                    slots[group] += manager.slot_mapping(seq.seq_id, start, end, group)
+                tables[group].append(table)
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + item.num_tokens)
-            tables.append(table)
             if item.samples:
                 sample_rows.append(query_start_loc[-1] - 1)
         int32 = dict(dtype=torch.int32, device=self.device)
-        metadata = PagedMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            block_tables=block_table_tensor(tables, self.device),
+        shared = PagedMetadata(
+            slot_mapping=None,
+            block_tables=None,
             seq_lens=torch.tensor(seq_lens, **int32),
             query_start_loc=torch.tensor(query_start_loc, **int32),
             backend=self.attention_backend,
         )
+        metadata = grouped_metadata(tables, slots, shared, self.kv_cache.layer_group)
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)
         return ids, pos, metadata, sample_rows

@@ -153,7 +153,7 @@ class Scheduler:
         manager = self.block_manager
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            need = len(manager.block_table(seq.seq_id)) + 1  # its blocks plus room for the next token
+            need = sum(manager.num_blocks_held(seq.seq_id)) + manager.num_groups  # plus room for the next token
             if need > manager.num_free_blocks - manager.watermark_blocks:
                 break
             self.swapped.pop(0)

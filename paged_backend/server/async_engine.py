@@ -136,6 +136,10 @@ class AsyncEngine:
         """The engine's EngineStats as of the end of the latest engine-thread iteration."""
         return self._stats
 
+    def call(self, function: Callable[[], Any]) -> asyncio.Future:
+        """Run `function` on the engine thread between steps (a consistent view of the engine); await its result."""
+        return self._call_on_engine_thread(function)
+
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)

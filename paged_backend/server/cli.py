@@ -50,6 +50,9 @@ def serve(
     otlp_traces_endpoint: Annotated[
         str | None, typer.Option(help="OTLP endpoint for one trace span per request (pip install paged-backend[otel])")
     ] = None,
+    enable_debug_routes: Annotated[
+        bool, typer.Option(help="serve GET /debug/kv, the KV pool block by block (what `paged-backend kv-map` draws)")
+    ] = False,
     model: engine_args.Model = None,
     block_size: engine_args.BlockSize = None,
     num_blocks: engine_args.NumBlocks = None,
@@ -103,6 +106,7 @@ def serve(
         served_model_name=served_model_name, strict_fields=strict_fields,
         enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
         otlp_traces_endpoint=otlp_traces_endpoint,
+        enable_debug_routes=enable_debug_routes,
     )  # fmt: skip
     try:
         app = build_app(engine, settings)

@@ -27,6 +27,7 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" parses calls out of the text (vLLM's flag)
     tool_call_parser: str | None = None  # which format "auto" parses: hermes, llama3_json or mistral
     otlp_traces_endpoint: str | None = None  # OTLP collector for one span per request (vLLM's flag)
+    enable_debug_routes: bool = False  # GET /debug/kv (the KV pool map's data); off: 404
 
 
 @dataclass
