@@ -11,6 +11,8 @@ from typing import Annotated
 
 import typer
 
+from paged_backend.server import engine_args
+
 app = typer.Typer(help="paged-backend: paged KV cache + continuous batching", no_args_is_help=True)
 
 # Faces that add their own subcommands through `register(app)`; a face that is not installed is skipped.
@@ -111,6 +113,10 @@ def run(
     dtype: Annotated[str | None, typer.Option(help="auto | float32 | float16 | bfloat16")] = None,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | cuda:N")] = None,
     seed: Annotated[int | None, typer.Option(help="engine seed for unseeded sampling")] = None,
+    quantization: engine_args.Quantization = None,
+    quantization_param: engine_args.QuantizationParam = None,
+    kv_cache_dtype: engine_args.KvCacheDtype = None,
+    calculate_kv_scales: engine_args.CalculateKvScales = None,
     max_tokens: Annotated[int, typer.Option(help="default max new tokens per prompt")] = 16,
     temperature: Annotated[float, typer.Option(help="default temperature (0 = greedy)")] = 0.0,
     top_p: Annotated[float, typer.Option(help="default nucleus probability")] = 1.0,
@@ -129,7 +135,8 @@ def run(
         gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, swap_space=swap_space,
         enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill, policy=policy,
-        dtype=dtype, device=device, seed=seed,
+        dtype=dtype, device=device, seed=seed, quantization=quantization, quantization_param=quantization_param,
+        cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
     )  # fmt: skip
     defaults = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
     text = input.read_text() if input is not None and str(input) != "-" else sys.stdin.read()

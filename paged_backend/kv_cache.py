@@ -23,6 +23,7 @@ KV_CACHE_DTYPES = {
     "fp32": torch.float32,
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
 }
 
 

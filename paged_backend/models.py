@@ -26,6 +26,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from paged_backend import quantization as quantization_module
 from paged_backend.errors import InvalidRequest
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -167,8 +168,13 @@ def load_model(
     tokenizer: str | None = None,
     dtype: str = "auto",
     device: str = "auto",
+    quantization: str | None = None,
+    quantization_param: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """Load `(model, tokenizer)` from a local HF directory or hub id; None gives the embedded tiny model.
+
+    `quantization` / `quantization_param`: see `paged_backend.quantization` (a checkpoint saved quantized needs
+    neither).
 
     >>> model, tok = load_model(None, device="cpu")
     >>> type(model).__name__
@@ -177,14 +183,17 @@ def load_model(
     target = resolve_device(device)
     if model is None:
         loaded, tok = embedded_model(resolve_dtype(dtype, target))
-        return loaded.to(target), tok
+        quantization_module.quantize_in_place(loaded.to(target), quantization, quantization_param)
+        return loaded, tok
     source = os.path.expanduser(model)
     if _is_path(model) and not os.path.isdir(source):
         raise InvalidRequest(f"model path or id '{model}' not found: no such directory")
     try:
-        config_dtype = getattr(AutoConfig.from_pretrained(source), "dtype", None)
-        torch_dtype = resolve_dtype(dtype, target, config_dtype)
-        loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+        config = AutoConfig.from_pretrained(source)
+        torch_dtype = resolve_dtype(dtype, target, getattr(config, "dtype", None))
+        quantized = quantization_module.resolve(quantization, quantization_param, config, target)
+        extra = {"quantization_config": quantized} if quantized is not None else {}
+        loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **extra)
         tok = AutoTokenizer.from_pretrained(os.path.expanduser(tokenizer) if tokenizer else source)
     except OSError as exc:
         raise InvalidRequest(f"model path or id '{model}' not found: {exc}") from exc

@@ -42,6 +42,7 @@ def engine_config(args: argparse.Namespace):
         dtype=args.dtype,
         device=args.device,
         gpu_memory_utilization=args.cuda_memory_fraction,
+        **_quantization(args),
     )
     config = engine_args.to_engine_config()
     config.tokenizer = args.tokenizer_name
@@ -51,12 +52,20 @@ def engine_config(args: argparse.Namespace):
 
 
 def _kv_cache_dtype(name: str) -> str:
-    # TGI spells fp8 variants after torch dtypes; the pool knows fp8 (e4m3).
-    if name in ("fp8", "fp8_e4m3fn"):
-        return "fp8"
-    if name == "fp8_e5m2":
-        raise LaunchError("--kv-cache-dtype fp8_e5m2 is not supported; use fp8_e4m3fn")
-    return name
+    # TGI spells fp8 variants after torch dtypes; the pool knows vLLM's names.
+    return {"fp8_e4m3fn": "fp8", "fp8_e5m2": "fp8_e5m2"}.get(name, name)
+
+
+def _quantization(args: argparse.Namespace) -> dict:
+    """TGI's `--quantize NAME` as EngineConfig's (quantization, quantization_param)."""
+    from paged_backend.errors import InvalidRequest
+    from paged_backend.quantization import from_tgi
+
+    try:
+        quantization, param = from_tgi(args.quantize)
+    except InvalidRequest as error:
+        raise LaunchError(str(error)) from error
+    return {"quantization": quantization, "quantization_param": param}
 
 
 def build_backend(args: argparse.Namespace):
@@ -71,7 +80,11 @@ def build_backend(args: argparse.Namespace):
         from paged_backend.tgi.reference import ReferenceBackend
 
         model, tokenizer = load_model(
-            model_to_load(args.model_id), tokenizer=args.tokenizer_name, dtype=args.dtype or "auto", device=args.device
+            model_to_load(args.model_id),
+            tokenizer=args.tokenizer_name,
+            dtype=args.dtype or "auto",
+            device=args.device,
+            **_quantization(args),
         )
         max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", 2048)
         return ReferenceBackend(model, tokenizer, max_positions)

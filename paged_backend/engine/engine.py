@@ -25,6 +25,7 @@ from paged_backend.kv_cache import (
     num_blocks_for_budget,
     resolve_kv_dtype,
 )
+from paged_backend.model_support import check_runs_paged
 from paged_backend.models import load_model
 
 CPU_DEFAULT_KV_BYTES = 512 << 20  # on CPU "free memory" is the whole machine: default to 512 MiB (or 10%)
@@ -84,9 +85,11 @@ class Engine:
         self.config = config = config or EngineConfig()
         if model is None:
             model, tokenizer = load_model(config.model, tokenizer=config.tokenizer, dtype=config.dtype,
-                                          device=config.device)
+                                          device=config.device, quantization=config.quantization,
+                                          quantization_param=config.quantization_param)
         elif tokenizer is None:
             raise InvalidRequest("a model object was given without its tokenizer; pass tokenizer=...")
+        check_runs_paged(model)
         model.set_attn_implementation(register_paged_attention())
         self.model, self.tokenizer = model.eval(), tokenizer
         cache = config.cache

@@ -59,6 +59,10 @@ def serve(
     device: engine_args.Device = None,
     seed: engine_args.Seed = None,
     gpu_memory_utilization: engine_args.GpuMemoryUtilization = None,
+    quantization: engine_args.Quantization = None,
+    quantization_param: engine_args.QuantizationParam = None,
+    kv_cache_dtype: engine_args.KvCacheDtype = None,
+    calculate_kv_scales: engine_args.CalculateKvScales = None,
 ) -> None:
     """Serve OpenAI /v1/completions and /v1/chat/completions, /v1/models, vLLM's /tokenize, /detokenize and
     /version, /health and /metrics."""
@@ -76,7 +80,8 @@ def serve(
         model=model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, swap_space=swap_space,
         enable_prefix_caching=enable_prefix_caching, dtype=dtype, device=device, seed=seed,
-        gpu_memory_utilization=gpu_memory_utilization,
+        gpu_memory_utilization=gpu_memory_utilization, quantization=quantization,
+        quantization_param=quantization_param, cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
     )  # fmt: skip
     try:
         engine = Engine(args.to_engine_config())

@@ -29,10 +29,12 @@ def serve(
     model_id: str,
     revision: Annotated[str | None, Opt(help="hub revision (ignored)")] = None,
     sharded: Annotated[bool, Opt("--sharded/--no-sharded", help="tensor parallelism (not supported)")] = False,
-    quantize: Annotated[str | None, Opt(help="weight quantization (ignored)")] = None,
+    quantize: Annotated[
+        str | None, Opt(help="awq | gptq | bitsandbytes[-nf4|-fp4] | fp8 | eetq | marlin | exl2")
+    ] = None,
     speculate: Annotated[int | None, Opt(help="speculative decoding (ignored)")] = None,
     dtype: Annotated[str | None, Opt(help="float16 | bfloat16 | float32")] = None,
-    kv_cache_dtype: Annotated[str | None, Opt(help="fp8_e4m3fn | float16 | bfloat16 | float32")] = None,
+    kv_cache_dtype: Annotated[str | None, Opt(help="fp8_e4m3fn | fp8_e5m2 | float16 | bfloat16 | float32")] = None,
     trust_remote_code: Annotated[bool, Opt(help="run hub model code (ignored)")] = False,
     uds_path: Annotated[
         str, Opt(help="socket prefix; this shard binds {uds_path}-{rank}")
@@ -46,6 +48,8 @@ def serve(
     device: Annotated[str, Opt(envvar="PAGED_BACKEND_DEVICE", help="auto | cpu | cuda | cuda:N")] = "auto",
 ) -> None:
     """Serve TextGenerationService for MODEL_ID on a unix socket."""
+    from paged_backend.errors import InvalidRequest
+    from paged_backend.quantization import from_tgi
     from paged_backend.tgi.shard.model import ShardModel
     from paged_backend.tgi.shard.server import serve as serve_shard
 
@@ -55,7 +59,6 @@ def serve(
         raise typer.BadParameter("sharded serving is not supported by paged-backend; run one shard (WORLD_SIZE=1)")
     given = {
         "--revision": revision,
-        "--quantize": quantize,
         "--speculate": speculate,
         "--trust-remote-code": trust_remote_code or None,
         "--json-output": json_output or None,
@@ -67,8 +70,14 @@ def serve(
         ignored.append(f"ATTENTION={os.environ['ATTENTION']} (this shard always runs paged attention)")
     if ignored:
         logger.warning("ignoring %s: no meaning for the paged-backend shard", ", ".join(ignored))
+    try:
+        quantization, quantization_param = from_tgi(quantize)
+    except InvalidRequest as error:
+        raise typer.BadParameter(str(error)) from error
     model = ShardModel(
         model_to_load(model_id),
+        quantization=quantization,
+        quantization_param=quantization_param,
         dtype=dtype or "auto",
         device=device,
         kv_cache_dtype=_kv_cache_dtype(kv_cache_dtype),
@@ -84,9 +93,7 @@ def serve(
 def _kv_cache_dtype(name: str | None) -> str:
     if name is None:
         return "auto"
-    if name == "fp8_e5m2":
-        raise typer.BadParameter("--kv-cache-dtype fp8_e5m2 is not supported; use fp8_e4m3fn")
-    return "fp8" if name in ("fp8", "fp8_e4m3fn") else name
+    return {"fp8_e4m3fn": "fp8"}.get(name, name)
 
 
 @app.command("download-weights")

@@ -26,6 +26,7 @@ from paged_backend.kv_cache import (
     num_blocks_for_budget,
     resolve_kv_dtype,
 )
+from paged_backend.model_support import check_runs_paged
 from paged_backend.models import load_model
 from paged_backend.tgi.shard.batch import ShardBatch, ShardRequest
 from paged_backend.tgi.tokens import eos_token_ids
@@ -71,8 +72,12 @@ class ShardModel:
         block_size: int = 16,
         num_blocks: int | None = None,
         memory_fraction: float = 1.0,
+        quantization: str | None = None,
+        quantization_param: str | None = None,
     ) -> None:
-        model, self.tokenizer = load_model(model_id, dtype=dtype, device=device)
+        model, self.tokenizer = load_model(model_id, dtype=dtype, device=device, quantization=quantization,
+                                           quantization_param=quantization_param)
+        check_runs_paged(model)
         model.set_attn_implementation(register_paged_attention())
         self.model = model.eval()
         text_config = model.config.get_text_config()
