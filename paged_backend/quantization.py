@@ -60,7 +60,9 @@ METHODS = {
 # TGI's `--quantize` values that are a scheme of one method rather than a method of their own.
 TGI_ALIASES = {"bitsandbytes": ("bitsandbytes", "8bit"), "bitsandbytes-nf4": ("bitsandbytes", "nf4"),
                "bitsandbytes-fp4": ("bitsandbytes", "fp4")}  # fmt: skip
-TGI_NAMES = ("awq", "gptq", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8", "eetq", "marlin", "exl2")
+# TGI's names, plus torchao (a paged-backend addition: int8 weight-only, the scheme that runs on CPU).
+TGI_NAMES = ("awq", "gptq", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8", "eetq", "marlin", "exl2",
+             "torchao")  # fmt: skip
 
 
 def from_tgi(quantize: str | None) -> tuple[str | None, str | None]:
@@ -132,13 +134,13 @@ def resolve(quantization: str | None, param: str | None, config, device: torch.d
                 "already quantized, drop --quantization-param"
             )
         return None
+    _check_runs_here(method, device, "quantization")
     if not method.on_the_fly:
         raise InvalidRequest(
             f"quantization {quantization!r} needs a checkpoint already quantized with it (its "
             f"config.json carries quantization_config); to quantize a full-precision model while "
             f"loading use torchao, bitsandbytes, fp8 or eetq"
         )
-    _check_runs_here(method, device, "quantization")
     scheme = param or method.default_scheme
     if method.schemes and scheme not in method.schemes:
         raise InvalidRequest(

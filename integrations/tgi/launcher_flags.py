@@ -60,7 +60,7 @@ FLAGS: list[Flag] = [
         "--quantize",
         str,
         None,
-        "weights: awq | gptq | bitsandbytes[-nf4|-fp4] | fp8 | eetq | marlin | exl2",
+        "weights: awq | gptq | bitsandbytes[-nf4|-fp4] | fp8 | eetq | marlin | exl2 | torchao",
         frozenset({"paged", "reference"}),
     ),
     Flag(

@@ -30,7 +30,7 @@ def serve(
     revision: Annotated[str | None, Opt(help="hub revision (ignored)")] = None,
     sharded: Annotated[bool, Opt("--sharded/--no-sharded", help="tensor parallelism (not supported)")] = False,
     quantize: Annotated[
-        str | None, Opt(help="awq | gptq | bitsandbytes[-nf4|-fp4] | fp8 | eetq | marlin | exl2")
+        str | None, Opt(help="awq | gptq | bitsandbytes[-nf4|-fp4] | fp8 | eetq | marlin | exl2 | torchao")
     ] = None,
     speculate: Annotated[int | None, Opt(help="speculative decoding (ignored)")] = None,
     dtype: Annotated[str | None, Opt(help="float16 | bfloat16 | float32")] = None,
