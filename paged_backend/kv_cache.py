@@ -99,6 +99,7 @@ class PagedKVCache:
         # Per-layer dequantization scales; only meaningful for fp8 pools.
         self.k_scales = [1.0] * num_layers
         self.v_scales = [1.0] * num_layers
+        self.scales_pending: set[int] = set()  # layers whose scales come from their next write (kv_scales.py)
         self.cpu_kv = None
         if num_cpu_blocks:
             pin = self.device.type == "cuda"

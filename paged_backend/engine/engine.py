@@ -25,6 +25,7 @@ from paged_backend.kv_cache import (
     num_blocks_for_budget,
     resolve_kv_dtype,
 )
+from paged_backend.kv_scales import start_calibration
 from paged_backend.model_support import check_runs_paged
 from paged_backend.models import load_model
 
@@ -107,6 +108,8 @@ class Engine:
             num_layers, kv_heads, head_dim, num_blocks, cache.block_size,
             dtype=kv_dtype, device=device, num_cpu_blocks=num_cpu_blocks,
         )
+        if cache.calculate_kv_scales:
+            start_calibration(self.kv_cache)
         # A sequence must fit the pool on its own (and, unchunked, one step's budget), or it could never be
         # scheduled again after a preemption.
         capacity = (num_blocks - 1 - self.block_manager.watermark_blocks) * cache.block_size

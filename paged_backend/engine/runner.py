@@ -14,6 +14,7 @@ from paged_backend.attention import PackedKV, PagedMetadata, block_table_tensor
 from paged_backend.block_manager import BlockManager
 from paged_backend.engine.scheduler import ScheduledSequence
 from paged_backend.kv_cache import PagedKVCache
+from paged_backend.kv_scales import calibrate_layer
 
 
 class StepCache(Cache):
@@ -24,6 +25,8 @@ class StepCache(Cache):
         self.kv_cache, self.metadata = kv_cache, metadata
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.kv_cache.scales_pending:
+            calibrate_layer(self.kv_cache, layer_idx, key_states, value_states)
         handle = PackedKV(self.kv_cache, layer_idx, key_states, value_states, self.metadata)
         return handle, handle
 

@@ -1,0 +1,63 @@
+"""fp8 KV pools in the engine on CPU: e4m3 and e5m2, per-layer scales from the first step, half the bytes of a
+16-bit pool, and the fused CPU kernel reading them exactly as the torch oracle does."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from paged_backend.cli import app as cli_app
+from paged_backend.engine import LLM, SamplingParams
+from paged_backend.models import byte_tokenizer, tiny_model
+
+PROMPTS = [[5, 17, 42, 99, 7, 180, 33], [60 + i for i in range(21)], [9] * 12]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def engine(cache_dtype: str, **kwargs) -> LLM:
+    model = tiny_model("qwen2", seed=5)
+    return LLM(copy.deepcopy(model), tokenizer=byte_tokenizer(), device="cpu", num_blocks=32, block_size=4,
+               cache_dtype=cache_dtype, **kwargs)  # fmt: skip
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_pool_halves_kv_bytes_and_the_cpu_kernel_matches_the_oracle(cache_dtype):
+    fused = engine(cache_dtype, attention_backend="cpu", calculate_kv_scales=True)
+    oracle = engine(cache_dtype, attention_backend="torch", calculate_kv_scales=True)
+    assert fused.engine.kv_cache.bytes_per_block * 2 == engine("bfloat16").engine.kv_cache.bytes_per_block
+    tokens = [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] for llm in (fused, oracle)]
+    assert tokens[0] == tokens[1]
+    manager = fused.engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks - 1
+
+
+def test_calculated_scales_are_per_layer_and_set_once():
+    llm = engine("fp8_e5m2", calculate_kv_scales=True)
+    cache = llm.engine.kv_cache
+    assert cache.scales_pending == {0, 1}
+    llm.generate(PROMPTS[:1], GREEDY)
+    first = (list(cache.k_scales), list(cache.v_scales))
+    assert not cache.scales_pending and len(set(first[0] + first[1])) == 4 and 1.0 not in first[0]
+    llm.generate(PROMPTS[1:], GREEDY)
+    assert (cache.k_scales, cache.v_scales) == first
+    assert engine("bfloat16", calculate_kv_scales=True).engine.kv_cache.scales_pending == set()
+
+
+def test_kv_cache_dtype_flags_on_run(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello\n")
+    args = ["run", "--device", "cpu", "--num-blocks", "32", "--max-tokens", "3", "--input", str(prompts),
+            "--kv-cache-dtype", "fp8_e5m2", "--calculate-kv-scales"]  # fmt: skip
+    assert CliRunner().invoke(cli_app, args).exit_code == 0
+    bad = CliRunner().invoke(cli_app, [*args[:-3], "--kv-cache-dtype", "int3"])
+    assert bad.exit_code == 2 and "fp8_e5m2" in bad.output
+
+
+def test_e5m2_scale_keeps_large_values_finite():
+    llm = engine("fp8_e5m2", calculate_kv_scales=True)
+    kv = llm.engine.kv_cache
+    llm.generate(PROMPTS, GREEDY)
+    assert torch.isfinite(kv.kv.float()).all()
