@@ -16,7 +16,7 @@ from paged_backend.server import engine_args
 app = typer.Typer(help="paged-backend: paged KV cache + continuous batching", no_args_is_help=True)
 
 # Faces that add their own subcommands through `register(app)`; a face that is not installed is skipped.
-COMMAND_MODULES = ("paged_backend.server.cli", "paged_backend.tgi.cli")
+COMMAND_MODULES = ("paged_backend.server.cli", "paged_backend.tgi.cli", "paged_backend.dashboards.cli", "paged_backend.bench.cli")
 
 
 @app.command()

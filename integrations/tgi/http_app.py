@@ -28,19 +28,27 @@ from paged_backend.tgi.schemas import ChatRequest, CompatGenerateRequest, Genera
 from paged_backend.tgi.settings import RouterSettings
 from paged_backend.tgi.sse import event, sse_response
 from paged_backend.tgi.validation import validate_stream
+from paged_backend.tracing import RequestTracer, TraceHeaders
 
 DRAIN_TIMEOUT_SECONDS = 90.0  # TGI's --graceful-termination-timeout default
 
 
-def create_app(backend: Backend, settings: RouterSettings, drain_timeout: float = DRAIN_TIMEOUT_SECONDS) -> FastAPI:
+def create_app(
+    backend: Backend,
+    settings: RouterSettings,
+    drain_timeout: float = DRAIN_TIMEOUT_SECONDS,
+    tracer: RequestTracer | None = None,
+) -> FastAPI:
     metrics = TgiMetrics(settings.max_input_tokens, settings.max_total_tokens)
-    infer = Infer(backend, settings, metrics)
+    infer = Infer(backend, settings, metrics, tracer)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await backend.start(metrics)
         yield
         await backend.shutdown(drain_timeout)
+        if tracer is not None:
+            tracer.shutdown()
 
     app = FastAPI(title="paged-backend (TGI API)", version=__version__, lifespan=lifespan)
     app.state.infer = infer
@@ -204,6 +212,7 @@ def create_app(backend: Backend, settings: RouterSettings, drain_timeout: float 
         return JSONResponse({"object": "list", "data": [model]})
 
     app.openapi = lambda: app.openapi_schema or _cache_openapi(app, settings)
+    app.add_middleware(TraceHeaders)
     return app
 
 

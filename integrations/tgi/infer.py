@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import random
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 
@@ -20,6 +21,7 @@ from paged_backend.tgi.schemas import GenerateParameters
 from paged_backend.tgi.settings import RouterSettings
 from paged_backend.tgi.tokens import IncrementalDetokenizer
 from paged_backend.tgi.validation import ValidRequest, validate
+from paged_backend.tracing import RequestTiming, RequestTracer
 
 
 @dataclass
@@ -65,8 +67,11 @@ class Generation:
 
 
 class Infer:
-    def __init__(self, backend: Backend, settings: RouterSettings, metrics: TgiMetrics) -> None:
+    def __init__(
+        self, backend: Backend, settings: RouterSettings, metrics: TgiMetrics, tracer: RequestTracer | None = None
+    ) -> None:
         self.backend = backend
+        self.tracer = tracer
         self.settings = settings
         self.metrics = metrics
         self.tokenizer = backend.tokenizer
@@ -137,6 +142,7 @@ class Infer:
                         # Backends do not report queueing separately: time to the first token stands in.
                         step.generation.queue_time = first_token_time - start
                         self.metrics.request_queue_duration.observe(step.generation.queue_time)
+                        self._trace(request, start, first_token_time, step.generation)
                     yield step
                     if step.generation is not None:
                         return
@@ -148,6 +154,17 @@ class Infer:
             raise
         self.metrics.request_failure.inc(err="incomplete")
         raise IncompleteGenerationError("the backend ended the stream before the last token")
+
+    def _trace(self, request: ValidRequest, start: float, first_token_time: float, generation: Generation) -> None:
+        if self.tracer is None:
+            return
+        finish = getattr(generation.finish_reason, "value", generation.finish_reason)
+        timing = RequestTiming(start, None, first_token_time, time.monotonic(), request.input_length,
+                               generation.generated_tokens, [str(finish)])  # fmt: skip
+        chooser = request.parameters
+        options = dict(max_tokens=request.stopping.max_new_tokens, temperature=chooser.temperature,
+                       top_p=chooser.top_p, top_k=chooser.top_k)  # fmt: skip
+        self.tracer.record(uuid.uuid4().hex, self.settings.model_id, timing, options)
 
     def _finish(self, request, finish_reason, prefill, tokens, top_tokens, start) -> Generation:
         generated_ids = [token.id for token in tokens]

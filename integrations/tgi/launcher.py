@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> N
     import uvicorn
 
     from paged_backend.tgi.http_app import create_app
+    from paged_backend.tracing import otlp_tracer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_flags(sys.argv[1:] if argv is None else argv, prog)
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> N
         logger.warning("ignoring %s: no meaning for --backend %s", ", ".join(ignored), args.backend)
     backend = build_backend(args)
     settings = router_settings(args, backend.max_model_len)
-    app = create_app(backend, settings, drain_timeout=float(args.graceful_termination_timeout))
+    tracer = otlp_tracer(args.otlp_endpoint, args.otlp_service_name) if args.otlp_endpoint else None
+    app = create_app(backend, settings, drain_timeout=float(args.graceful_termination_timeout), tracer=tracer)
     logger.info("TGI API on %s:%d, backend %s, model %s", args.hostname, args.port, backend.name, settings.model_id)
     uvicorn.run(app, host=args.hostname, port=args.port, log_level="warning", timeout_graceful_shutdown=5)

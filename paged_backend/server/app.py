@@ -23,22 +23,28 @@ from paged_backend.server.openai_errors import install_error_handlers
 from paged_backend.server.openapi_document import install_openapi
 from paged_backend.server.schemas import strict_fields
 from paged_backend.server.state import EMBEDDED_MODEL_NAME, ServerSettings, ServerState
+from paged_backend.tracing import RequestTracer, TraceHeaders, otlp_tracer
 
 if TYPE_CHECKING:
     from paged_backend.engine import Engine
 
 
-def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
-    """An app serving `engine`; the engine loop starts and drains with the app's lifespan."""
+def build_app(engine: Engine, settings: ServerSettings, tracer: RequestTracer | None = None) -> FastAPI:
+    """An app serving `engine`; the engine loop starts and drains with the app's lifespan. Request spans go to
+    `tracer`, or to settings.otlp_traces_endpoint."""
     async_engine = AsyncEngine(engine)
     model_name = settings.served_model_name or engine.config.model or EMBEDDED_MODEL_NAME
-    state = ServerState(settings, async_engine, ServerMetrics(async_engine), model_name)
+    if tracer is None and settings.otlp_traces_endpoint:
+        tracer = otlp_tracer(settings.otlp_traces_endpoint, "paged-backend")
+    state = ServerState(settings, async_engine, ServerMetrics(async_engine, model_name, tracer), model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await async_engine.start()
         yield
         await async_engine.shutdown(settings.drain_timeout)
+        if tracer is not None:
+            tracer.shutdown()
 
     app = FastAPI(title="paged-backend", version=__version__, lifespan=lifespan)
     app.state.server = state
@@ -53,6 +59,7 @@ def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         max_request_body_bytes=settings.max_request_body_bytes,
         max_concurrent_requests=settings.max_concurrent_requests,
     )
+    app.add_middleware(TraceHeaders)
     return app
 
 

@@ -47,6 +47,9 @@ def serve(
             help=f"tool-call format for auto: {', '.join(TOOL_CALL_PARSERS)}", callback=_known_tool_call_parser
         ),
     ] = None,
+    otlp_traces_endpoint: Annotated[
+        str | None, typer.Option(help="OTLP endpoint for one trace span per request (pip install paged-backend[otel])")
+    ] = None,
     model: engine_args.Model = None,
     block_size: engine_args.BlockSize = None,
     num_blocks: engine_args.NumBlocks = None,
@@ -93,8 +96,13 @@ def serve(
         max_request_body_bytes=max_request_body_bytes, drain_timeout=drain_timeout,
         served_model_name=served_model_name, strict_fields=strict_fields,
         enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+        otlp_traces_endpoint=otlp_traces_endpoint,
     )  # fmt: skip
-    app = build_app(engine, settings)
+    try:
+        app = build_app(engine, settings)
+    except RuntimeError as error:  # tracing asked for without the SDK, or an unknown OTLP protocol
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from error
     # The engine drains first; uvicorn's own timeout is only a backstop for connections that still hang.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     DrainingServer(config, app.state.server.async_engine, drain_timeout).run()

@@ -100,7 +100,7 @@ class Generation:
             stream = self.async_engine.generate(
                 f"{self.id}-{index}-{self._engine_id}", text, params, prompt_token_ids=token_ids, priority=priority
             )
-            self._streams.append(self.metrics.track(stream))
+            self._streams.append(self.metrics.track(stream, params))
         firsts = [asyncio.ensure_future(anext(stream)) for stream in self._streams]
         try:
             self._first_outputs = list(await asyncio.gather(*firsts))

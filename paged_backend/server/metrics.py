@@ -1,7 +1,8 @@
 """Prometheus metrics named like vLLM's (`vllm:` -> `paged_backend:`), in a registry owned by one app.
 
 Engine gauges and counters are read from the engine's stats at scrape time; latency histograms are
-observed by the server as it streams each request's tokens.
+observed by the server as it streams each request's tokens, and the per-request breakdown (queue, prefill,
+decode) and success counts when a request finishes. A tracer, when set, gets one span per finished request.
 """
 
 from __future__ import annotations
@@ -9,12 +10,13 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from paged_backend.engine.request import RequestOutput
+from paged_backend.engine.request import RequestOutput, SamplingParams
 from paged_backend.server.async_engine import AsyncEngine
+from paged_backend.tracing import RequestTiming, RequestTracer
 
 PREFIX = "paged_backend:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
@@ -43,7 +45,8 @@ class _EngineStatsCollector(Collector):
 class ServerMetrics:
     """All metrics of one app; `track` wraps an engine output stream to time its tokens."""
 
-    def __init__(self, async_engine: AsyncEngine) -> None:
+    def __init__(self, async_engine: AsyncEngine, model_name: str = "", tracer: RequestTracer | None = None) -> None:
+        self.model_name, self.tracer = model_name, tracer
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(async_engine))
 
@@ -53,11 +56,19 @@ class ServerMetrics:
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to the first output token.")
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between successive outputs.")
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish of a request.")
+        self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.")
+        self.request_prefill_time = histogram("request_prefill_time_seconds", "First scheduling to first token.")
+        self.request_decode_time = histogram("request_decode_time_seconds", "First token to finish.")
+        self.request_success = Counter(
+            f"{PREFIX}request_success", "Requests finished, by reason.", ["finished_reason"], registry=self.registry
+        )
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    async def track(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    async def track(
+        self, outputs: AsyncIterator[RequestOutput], params: SamplingParams | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Pass outputs through, observing TTFT, the gaps between them, and end-to-end latency."""
         arrival = previous = time.monotonic()
         tokens_seen = 0
@@ -70,6 +81,28 @@ class ServerMetrics:
                     tokens_seen, previous = tokens, now
                 if output.finished:
                     self.e2e_request_latency.observe(now - arrival)
+                    self._finished(output, params, now)
                 yield output
         finally:
             await outputs.aclose()
+
+    def _finished(self, output: RequestOutput, params: SamplingParams | None, now: float) -> None:
+        """The per-request breakdown, vLLM's success counter, and the request's span."""
+        times = output.metrics
+        scheduled = times.first_scheduled_time if times.first_scheduled_time is not None else times.arrival_time
+        first_token = times.first_token_time if times.first_token_time is not None else now
+        self.request_queue_time.observe(scheduled - times.arrival_time)
+        self.request_prefill_time.observe(first_token - scheduled)
+        self.request_decode_time.observe(now - first_token)
+        reasons = [completion.finish_reason or "abort" for completion in output.outputs]
+        for reason in reasons:
+            self.request_success.labels(finished_reason=reason).inc()
+        if self.tracer is None:
+            return
+        timing = RequestTiming(times.arrival_time, scheduled, first_token, now, len(output.prompt_token_ids),
+                               sum(len(c.token_ids) for c in output.outputs), reasons)  # fmt: skip
+        options = {} if params is None else dict(
+            max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            n=params.n,
+        )  # fmt: skip
+        self.tracer.record(output.request_id, self.model_name, timing, options)

@@ -26,6 +26,7 @@ class ServerSettings:
     strict_fields: bool = False  # unknown request fields are a 400 instead of a logged warning
     enable_auto_tool_choice: bool = False  # tool_choice "auto" parses calls out of the text (vLLM's flag)
     tool_call_parser: str | None = None  # which format "auto" parses: hermes, llama3_json or mistral
+    otlp_traces_endpoint: str | None = None  # OTLP collector for one span per request (vLLM's flag)
 
 
 @dataclass

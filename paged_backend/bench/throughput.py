@@ -1,0 +1,220 @@
+"""Offline throughput: HF static `generate`, HF continuous batching, and the paged-backend engine.
+
+One model, one workload (long-tailed prompt and output lengths, EOS ignored), three systems, one run.
+Prints requests/s, output tokens/s, the ratios, and the share of the engine's wall time spent outside the
+model forward.
+
+    paged-backend bench throughput --quick       # 32 requests, tiny model, a couple of minutes
+    paged-backend bench throughput               # 200 requests, ~100M-parameter Llama (slow on CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from dataclasses import dataclass
+
+import torch
+
+from paged_backend.bench.workload import synthetic_workload
+from paged_backend.engine import LLM, SamplingParams
+from paged_backend.models import byte_tokenizer, tiny_model
+from paged_backend.ops import resolve_backend
+
+FULL_MODEL = dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12, intermediate_size=2048)
+QUICK_MODEL = dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1024)
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="32 requests on a small model")
+    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is stable on a shared box)")
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--static-batch-sizes", default=None, help="comma list; default 4,8,16,32")
+    parser.add_argument("--cb-max-batch-tokens", default="64,128,256,default", help="comma list for HF CB")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="paged-backend token budget")
+    parser.add_argument("--skip", default="", help="comma list of systems to skip: engine,static,hf-cb")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="run the engine once more under torch.profiler and print where its time goes",
+    )
+    return parser
+
+
+@torch.inference_mode()
+def run_static(model, prompts, outputs, batch_size: int) -> float:
+    """HF generate over arrival-order batches, left padded; each batch runs to its longest output."""
+    started = time.perf_counter()
+    for first in range(0, len(prompts), batch_size):
+        batch, wanted = prompts[first : first + batch_size], max(outputs[first : first + batch_size])
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=wanted,
+            min_new_tokens=wanted,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return time.perf_counter() - started
+
+
+def run_hf_cb(model, prompts, outputs, max_batch_tokens: int | None) -> float:
+    """HF's own continuous batching: one manager, per-request max_new_tokens, EOS disabled."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    generation = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(outputs))
+    cb_config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens)
+    started = time.perf_counter()
+    manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=cb_config)
+    manager.start()
+    for i, (prompt, wanted) in enumerate(zip(prompts, outputs, strict=True)):
+        manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=wanted, eos_token_id=-1)
+    produced = 0
+    for _ in prompts:
+        result = manager.get_result(timeout=3600)
+        produced += len(result.generated_tokens)
+    manager.stop(block=True)
+    elapsed = time.perf_counter() - started
+    if produced != sum(outputs):
+        raise RuntimeError(f"HF CB produced {produced} tokens, expected {sum(outputs)}")
+    return elapsed
+
+
+def make_engine(model, prompts, outputs, **engine_kwargs) -> tuple[LLM, list[SamplingParams]]:
+    """A warmed-up engine sized for the workload, and the workload's sampling params (greedy, EOS ignored).
+
+    `engine_kwargs` go to `LLM` as they are (e.g. max_num_batched_tokens) and override the sizing defaults."""
+    total_tokens = sum(len(p) + o for p, o in zip(prompts, outputs, strict=True))
+    sizing = dict(tokenizer=byte_tokenizer(), block_size=16, num_blocks=total_tokens // 16 + len(prompts) + 64)
+    llm = LLM(model, **{**sizing, **engine_kwargs})
+    llm.generate(prompts[:2], [SamplingParams(temperature=0, max_tokens=2)] * 2)  # warm up (and build kernels)
+    return llm, [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
+
+
+@dataclass
+class EngineRun:
+    elapsed: float
+    forward_time: float
+    steps: int
+    preemptions: int
+
+
+def run_engine(model, prompts, outputs, **engine_kwargs) -> EngineRun:
+    """One timed `LLM.generate` over the workload; `engine_kwargs` are `LLM` keyword arguments."""
+    llm, params = make_engine(model, prompts, outputs, **engine_kwargs)
+    before = llm.engine.stats()
+    started = time.perf_counter()
+    results = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - started
+    produced = sum(len(r.outputs[0].token_ids) for r in results)
+    if produced != sum(outputs):
+        raise RuntimeError(f"engine produced {produced} tokens, expected {sum(outputs)}")
+    after = llm.engine.stats()
+    return EngineRun(elapsed, after.forward_time - before.forward_time, after.num_steps - before.num_steps,
+                     after.num_preemptions)  # fmt: skip
+
+
+def profile_engine(model, prompts, outputs, **engine_kwargs) -> None:
+    """Where the engine's wall time goes: linear layers (aten::mm/addmm), paged attention (cache write +
+    kernel, the bridge's profiler label), the rest of the forward, and everything outside the forward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from paged_backend.attention import PROFILE_LABEL
+
+    llm, params = make_engine(model, prompts, outputs, **engine_kwargs)
+    before = llm.engine.stats()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        started = time.perf_counter()
+        llm.generate(prompts, params)
+        wall = time.perf_counter() - started
+    forward = llm.engine.stats().forward_time - before.forward_time
+    events = {e.key: e for e in prof.key_averages()}
+    linear = sum(events[k].self_cpu_time_total for k in ("aten::mm", "aten::addmm") if k in events) / 1e6
+    attention = events[PROFILE_LABEL].cpu_time_total / 1e6 if PROFILE_LABEL in events else 0.0
+    shares = [
+        ("linear layers (aten::mm/addmm)", linear),
+        ("paged attention + cache write", attention),
+        ("rest of the forward (norms, rotary, activations, sampling glue)", forward - linear - attention),
+        ("outside the forward (scheduling, packing, sampling)", wall - forward),
+    ]
+    print(f"engine profile (separate run under torch.profiler, {wall:.2f} s wall):")
+    for name, seconds in shares:
+        print(f"  {name:<66} {seconds:7.2f} s  {100 * seconds / wall:5.1f}%")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The `LLM` keyword arguments the flags ask for; options added to the parser join here."""
+    return dict(max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    num_requests = args.num_requests or (32 if args.quick else 200)
+    shape = QUICK_MODEL if args.quick else FULL_MODEL
+    sizes = args.static_batch_sizes or "4,8,16,32"  # on CPU, batches past 32 only get slower
+    skip = set(filter(None, args.skip.split(",")))
+    prompts, outputs = synthetic_workload(num_requests, args.seed, args.vocab_size)
+    base = tiny_model("llama", seed=args.seed, vocab_size=args.vocab_size, max_position_embeddings=2048, **shape)
+    base.set_attn_implementation("sdpa")
+    params = sum(p.numel() for p in base.parameters())
+    print(
+        f"model: llama {shape} vocab {args.vocab_size} = {params / 1e6:.0f}M params, float32, "
+        f"{args.threads} threads; engine attention backend: {resolve_backend(None, torch.device('cpu'))}"
+    )
+    print(
+        f"workload: {num_requests} requests, seed {args.seed}, prompt tokens {sum(map(len, prompts))} "
+        f"(max {max(map(len, prompts))}), output tokens {sum(outputs)} (max {max(outputs)}), EOS ignored"
+    )
+    useful = sum(outputs)
+    rows: list[tuple[str, float]] = []
+
+    def report(name: str, seconds: float) -> None:
+        rows.append((name, seconds))
+        print(
+            f"  {name:<46} {seconds:8.2f} s  {num_requests / seconds:6.2f} req/s  {useful / seconds:8.1f} tok/s",
+            flush=True,
+        )
+
+    # The engine runs first so a long baseline sweep that gets cut short still leaves its number.
+    kwargs = engine_kwargs(args)
+    if "engine" not in skip:
+        run = run_engine(copy.deepcopy(base), prompts, outputs, **kwargs)
+        report(f"paged-backend engine mbt={args.max_num_batched_tokens}", run.elapsed)
+        print(
+            f"  engine: {run.steps} steps, {run.preemptions} preemptions, "
+            f"{100 * (1 - run.forward_time / run.elapsed):.1f}% of wall time outside the model forward "
+            f"({run.forward_time:.2f} s forward of {run.elapsed:.2f} s)",
+            flush=True,
+        )
+        if args.profile:
+            profile_engine(copy.deepcopy(base), prompts, outputs, **kwargs)
+    run_static(base, prompts[:2], [2, 2], 2)  # warm up kernels once
+    if "static" not in skip:
+        for size in map(int, sizes.split(",")):
+            report(f"HF generate static batch={size}", run_static(base, prompts, outputs, size))
+    if "hf-cb" not in skip:
+        for value in args.cb_max_batch_tokens.split(","):
+            mbt = None if value == "default" else int(value)
+            report(
+                f"HF generate_batch CB max_batch_tokens={value}", run_hf_cb(copy.deepcopy(base), prompts, outputs, mbt)
+            )
+    if "engine" in skip:
+        return
+    ours = useful / run.elapsed
+    best_static = max((useful / s for n, s in rows if n.startswith("HF generate static")), default=None)
+    best_cb = max((useful / s for n, s in rows if "CB" in n), default=None)
+    if best_static:
+        print(f"speedup vs best HF static: {ours / best_static:.2f}x")
+    if best_cb:
+        print(f"speedup vs best HF continuous batching: {ours / best_cb:.2f}x")
