@@ -197,7 +197,13 @@ def quantize_in_place(model: torch.nn.Module, quantization: str | None, param: s
         )
     from torchao.quantization import quantize_
 
-    quantize_(model, config.get_apply_tensor_subclass())
+    # As transformers' TorchAoConfig does by default: the linear layers, not the output embeddings.
+    output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    quantize_(
+        model,
+        config.get_apply_tensor_subclass(),
+        filter_fn=lambda module, _: isinstance(module, torch.nn.Linear) and module is not output_embeddings,
+    )
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:
