@@ -188,3 +188,21 @@ def test_embedded_model_quantizes_in_place():
     llm = LLM(device="cpu", num_blocks=32, quantization="torchao")
     assert type(llm.engine.model.model.layers[0].mlp.up_proj.weight).__module__.startswith("torchao")
     assert len(llm.generate("Hi", greedy())[0].outputs[0].token_ids) == NEW_TOKENS
+
+
+def test_launch_and_shard_refuse_gpu_formats_with_a_sentence(checkpoints):
+    from paged_backend.tgi.launcher import main as launch
+    from paged_backend.tgi.shard.cli import app as shard_app
+
+    with pytest.raises(SystemExit, match="'awq' needs a CUDA GPU"):
+        launch(["--model-id", checkpoints["llama"], "--quantize", "awq", "--device", "cpu"])
+    result = CliRunner().invoke(shard_app, ["serve", checkpoints["llama"], "--quantize", "bitsandbytes-nf4",
+                                            "--device", "cpu"], terminal_width=300)  # fmt: skip
+    assert result.exit_code == 2 and "'bitsandbytes' needs a CUDA GPU" in result.output
+
+
+def test_grpc_shard_loads_the_quantized_model(checkpoints):
+    from paged_backend.tgi.shard.model import ShardModel
+
+    shard = ShardModel(checkpoints["qwen2"], device="cpu", num_blocks=16, quantization="torchao")
+    assert type(shard.model.model.layers[0].mlp.down_proj.weight).__module__.startswith("torchao")

@@ -12,6 +12,7 @@ import logging
 import math
 import sys
 
+from paged_backend.errors import PagedBackendError
 from paged_backend.tgi.launcher_flags import ignored_flags, parse_flags
 from paged_backend.tgi.settings import RouterSettings, model_to_load
 
@@ -129,7 +130,10 @@ def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> N
     ignored = ignored_flags(args)
     if ignored:
         logger.warning("ignoring %s: no meaning for --backend %s", ", ".join(ignored), args.backend)
-    backend = build_backend(args)
+    try:
+        backend = build_backend(args)
+    except PagedBackendError as error:  # a model or format this machine cannot run: say so, no traceback
+        raise LaunchError(str(error)) from error
     settings = router_settings(args, backend.max_model_len)
     tracer = otlp_tracer(args.otlp_endpoint, args.otlp_service_name) if args.otlp_endpoint else None
     app = create_app(backend, settings, drain_timeout=float(args.graceful_termination_timeout), tracer=tracer)

@@ -48,7 +48,7 @@ def serve(
     device: Annotated[str, Opt(envvar="PAGED_BACKEND_DEVICE", help="auto | cpu | cuda | cuda:N")] = "auto",
 ) -> None:
     """Serve TextGenerationService for MODEL_ID on a unix socket."""
-    from paged_backend.errors import InvalidRequest
+    from paged_backend.errors import PagedBackendError
     from paged_backend.quantization import from_tgi
     from paged_backend.tgi.shard.model import ShardModel
     from paged_backend.tgi.shard.server import serve as serve_shard
@@ -72,18 +72,18 @@ def serve(
         logger.warning("ignoring %s: no meaning for the paged-backend shard", ", ".join(ignored))
     try:
         quantization, quantization_param = from_tgi(quantize)
-    except InvalidRequest as error:
+        model = ShardModel(
+            model_to_load(model_id),
+            quantization=quantization,
+            quantization_param=quantization_param,
+            dtype=dtype or "auto",
+            device=device,
+            kv_cache_dtype=_kv_cache_dtype(kv_cache_dtype),
+            num_blocks=num_blocks,
+            memory_fraction=float(os.environ.get("CUDA_MEMORY_FRACTION", "1.0")),
+        )
+    except PagedBackendError as error:  # a model or format this machine cannot run
         raise typer.BadParameter(str(error)) from error
-    model = ShardModel(
-        model_to_load(model_id),
-        quantization=quantization,
-        quantization_param=quantization_param,
-        dtype=dtype or "auto",
-        device=device,
-        kv_cache_dtype=_kv_cache_dtype(kv_cache_dtype),
-        num_blocks=num_blocks,
-        memory_fraction=float(os.environ.get("CUDA_MEMORY_FRACTION", "1.0")),
-    )
     # TGI's launcher exports PREFIX_CACHING; with it the router's radix allocator sends cache_len > 0.
     prefix_caching = os.environ.get("PREFIX_CACHING", "0").lower() in {"1", "true"}
     rank = int(os.environ.get("RANK", "0"))
