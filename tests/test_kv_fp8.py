@@ -61,3 +61,17 @@ def test_e5m2_scale_keeps_large_values_finite():
     kv = llm.engine.kv_cache
     llm.generate(PROMPTS, GREEDY)
     assert torch.isfinite(kv.kv.float()).all()
+
+
+def test_serve_takes_the_kv_and_quantization_flags():
+    import typer
+
+    from paged_backend.server.engine_args import EngineArgs
+
+    serve = typer.main.get_command(cli_app).commands["serve"]
+    flags = {name for param in serve.params for name in param.opts}
+    assert {"--kv-cache-dtype", "--calculate-kv-scales", "--quantization", "--quantization-param"} <= flags
+    config = EngineArgs(cache_dtype="fp8_e5m2", calculate_kv_scales=True, quantization="torchao").to_engine_config()
+    assert (config.cache.cache_dtype, config.cache.calculate_kv_scales, config.quantization) == (
+        "fp8_e5m2", True, "torchao"
+    )  # fmt: skip
