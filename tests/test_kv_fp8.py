@@ -75,3 +75,23 @@ def test_serve_takes_the_kv_and_quantization_flags():
     assert (config.cache.cache_dtype, config.cache.calculate_kv_scales, config.quantization) == (
         "fp8_e5m2", True, "torchao"
     )  # fmt: skip
+
+
+def test_calculated_scale_stops_large_keys_saturating_e4m3():
+    from paged_backend.kv_cache import PagedKVCache
+    from paged_backend.kv_scales import calibrate_layer, start_calibration
+    from paged_backend.ops.reference import reshape_and_cache
+
+    key = torch.randn(8, 2, 16) * 1000  # far past e4m3's 448
+    errors = []
+    for calibrate in (False, True):
+        cache = PagedKVCache(1, 2, 16, num_blocks=4, block_size=4, dtype=torch.float8_e4m3fn)
+        if calibrate:
+            start_calibration(cache)
+            calibrate_layer(cache, 0, key, key)
+        key_cache, value_cache = cache.layer(0)
+        scale = cache.k_scales[0]
+        reshape_and_cache(key, key, key_cache, value_cache, torch.arange(4, 12), k_scale=scale, v_scale=scale)
+        stored = key_cache.view(-1, 2, 16)[4:12].float() * scale
+        errors.append(float((stored - key).norm() / key.norm()))
+    assert errors[0] > 0.3 and errors[1] < 0.05
