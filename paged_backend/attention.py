@@ -10,6 +10,9 @@ Per-forward metadata (``PagedMetadata``) is built once by the cache owner and re
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -165,3 +168,31 @@ def register_paged_attention() -> str:
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_mask_only)
     return ATTN_IMPLEMENTATION
+
+
+def model_configs(model: torch.nn.Module) -> list:
+    """The model's config and every nested sub-config (multimodal models keep one per tower)."""
+    found, pending = [], deque([model.config])
+    while pending:
+        config = pending.popleft()
+        if all(config is not seen for seen in found):
+            found.append(config)
+            pending.extend(sub for key in config.sub_configs if (sub := getattr(config, key, None)) is not None)
+    return found
+
+
+@contextmanager
+def paged_attention_enabled(configs: list) -> Iterator[None]:
+    """Run the forward inside with "paged_backend" attention, then give each config its own implementation back.
+
+    The engine switches attention per forward instead of for good, so a model object a caller hands to `LLM`
+    still runs `generate()` with its own attention between (and after) engine steps.
+    """
+    saved = [config._attn_implementation_internal for config in configs]
+    for config in configs:
+        config._attn_implementation_internal = ATTN_IMPLEMENTATION
+    try:
+        yield
+    finally:
+        for config, implementation in zip(configs, saved, strict=True):
+            config._attn_implementation_internal = implementation

@@ -66,6 +66,25 @@ def test_split_kv_path_matches_oracle(case: AttentionCase, num_segments: int):
     _assert_matches_oracle(case, out, built)
 
 
+@pytest.mark.parametrize("case", CASES[:5], ids=lambda c: c.name)
+def test_public_op_runs_triton_under_the_interpreter(case: AttentionCase):
+    """`paged_attention(..., backend="triton")` is how users reach the kernels: CPU tensors are accepted
+    when TRITON_INTERPRET=1, as the op documents."""
+    from paged_backend import ops
+
+    built = build_case(case, DEVICE)
+    key_cache = torch.zeros_like(built.key_cache)
+    value_cache = torch.zeros_like(built.value_cache)
+    keys = torch.cat(built.keys).to(DEVICE, case.dtype)
+    values = torch.cat(built.values).to(DEVICE, case.dtype)
+    ops.reshape_and_cache(keys, values, key_cache, value_cache, built.slot_mapping, backend="triton",
+                          k_scale=case.k_scale, v_scale=case.v_scale)
+    out = ops.paged_attention(built.query, key_cache, value_cache, *built.attention_args()[3:],
+                              sliding_window=case.sliding_window, softcap=case.softcap,
+                              k_scale=case.k_scale, v_scale=case.v_scale, backend="triton")
+    _assert_matches_oracle(case, out, built)
+
+
 def test_split_kv_chosen_only_for_small_decode_batches():
     assert triton_ops.choose_num_segments(num_seqs=2, num_tokens=2, num_kv_heads=8, max_context=32768) == 16
     assert triton_ops.choose_num_segments(num_seqs=2, num_tokens=9, num_kv_heads=8, max_context=32768) == 1

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from paged_backend.attention import register_paged_attention
 from paged_backend.block_manager import BlockManager
 from paged_backend.config import CacheConfig, EngineConfig, SchedulerConfig
 from paged_backend.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
@@ -91,8 +90,9 @@ class Engine:
         elif tokenizer is None:
             raise InvalidRequest("a model object was given without its tokenizer; pass tokenizer=...")
         check_runs_paged(model)
-        model.set_attn_implementation(register_paged_attention())
-        self.model, self.tokenizer = model.eval(), tokenizer
+        # The runner switches attention to "paged_backend" (and eval mode) for its own forwards only: a model
+        # object the caller passed in is left as it was, usable with plain generate() between and after steps.
+        self.model, self.tokenizer = model, tokenizer
         cache = config.cache
         num_layers, kv_heads, head_dim, max_positions = _model_shape(model.config)
         kv_dtype = resolve_kv_dtype(cache.cache_dtype, model.dtype)

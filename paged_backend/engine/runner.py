@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 from transformers import Cache, PreTrainedModel
 
-from paged_backend.attention import PackedKV, PagedMetadata, block_table_tensor
+from paged_backend.attention import (
+    PackedKV,
+    PagedMetadata,
+    block_table_tensor,
+    model_configs,
+    paged_attention_enabled,
+    register_paged_attention,
+)
 from paged_backend.block_manager import BlockManager
 from paged_backend.engine.scheduler import ScheduledSequence
 from paged_backend.kv_cache import PagedKVCache
@@ -41,7 +48,9 @@ class ModelRunner:
         block_manager: BlockManager,
         attention_backend: str | None = None,
     ) -> None:
+        register_paged_attention()
         self.model = model
+        self.model_configs = model_configs(model)  # switched to paged attention for each forward only
         self.kv_cache = kv_cache
         self.block_manager = block_manager
         self.attention_backend = attention_backend
@@ -93,11 +102,19 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, ids, positions, metadata: PagedMetadata, rows: list[int]) -> torch.Tensor:
         """Run the packed batch; float32 logits of the packed `rows` only (`logits_to_keep`), in that order."""
-        out = self.model(
-            input_ids=ids,
-            position_ids=positions,
-            past_key_values=StepCache(self.kv_cache, metadata),
-            use_cache=True,
-            logits_to_keep=torch.tensor(rows, dtype=torch.long, device=self.device),
-        )
+        training = self.model.training
+        if training:  # a caller's model in train mode gets it back after the forward
+            self.model.eval()
+        try:
+            with paged_attention_enabled(self.model_configs):
+                out = self.model(
+                    input_ids=ids,
+                    position_ids=positions,
+                    past_key_values=StepCache(self.kv_cache, metadata),
+                    use_cache=True,
+                    logits_to_keep=torch.tensor(rows, dtype=torch.long, device=self.device),
+                )
+        finally:
+            if training:
+                self.model.train()
         return out.logits[0].float()

@@ -2,7 +2,8 @@
 
 Backends: ``torch`` (the oracle), ``cpu`` (the fused csrc/cpu kernel), ``triton`` and ``cuda``. Choose one
 with the ``backend=`` argument, the ``PAGED_BACKEND_ATTENTION`` environment variable, or let auto-selection
-pick (cuda for pure decode, triton otherwise; cpu on CPU, torch where the CPU kernel cannot be built). Every backend module exposes
+pick (cuda for pure decode, triton otherwise; cpu on CPU, torch where the CPU kernel cannot be built).
+``triton`` takes CPU tensors only under Triton's interpreter (``TRITON_INTERPRET=1``). Every backend module exposes
 ``unavailable_reason() -> str | None``, ``paged_attention`` and ``reshape_and_cache`` with the
 signatures of :mod:`paged_backend.ops.reference`.
 """
@@ -42,6 +43,11 @@ def unavailable_reason(name: str) -> str | None:
     return module.unavailable_reason()
 
 
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run under its CPU interpreter (then `triton` accepts CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def resolve_backend(name: str | None, device: torch.device, *, decode_only: bool = False) -> str:
     """The backend to run: the one asked for (checked), else the best available for `device`."""
     name = name or os.environ.get(ENV_VAR) or None
@@ -49,10 +55,15 @@ def resolve_backend(name: str | None, device: torch.device, *, decode_only: bool
         reason = unavailable_reason(name)
         if reason:
             raise BackendUnavailable(f"attention backend {name!r} is unavailable: {reason}")
-        if name in ("triton", "cuda") and device.type != "cuda":
+        if name == "cuda" and device.type != "cuda":
             raise BackendUnavailable(
-                f"attention backend {name!r} needs CUDA tensors, got {device.type}; "
+                f"attention backend 'cuda' needs CUDA tensors, got {device.type}; "
                 f"use backend='cpu' or 'torch', or move the model to a GPU"
+            )
+        if name == "triton" and device.type != "cuda" and not triton_interpreted():
+            raise BackendUnavailable(
+                f"attention backend 'triton' needs CUDA tensors, got {device.type}; use backend='cpu' or "
+                f"'torch', move the model to a GPU, or set TRITON_INTERPRET=1 to run Triton's CPU interpreter"
             )
         if name == "cpu" and device.type != "cpu":
             raise BackendUnavailable(f"attention backend 'cpu' needs CPU tensors, got {device.type}; "
@@ -89,4 +100,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
     )
 
 
-__all__ = ["BACKENDS", "paged_attention", "reshape_and_cache", "resolve_backend", "unavailable_reason"]
+__all__ = [
+    "BACKENDS", "paged_attention", "reshape_and_cache", "resolve_backend", "triton_interpreted",
+    "unavailable_reason",
+]
