@@ -1,4 +1,5 @@
-"""`paged-backend` command line: `version` and `run` here; `serve` / `launch` register from their own modules."""
+"""`paged-backend` command line: `version` and `run` here; `serve`, `launch`, `dashboards` and `bench` register from
+their own modules."""
 
 from __future__ import annotations
 
@@ -15,8 +16,13 @@ from paged_backend.server import engine_args
 
 app = typer.Typer(help="paged-backend: paged KV cache + continuous batching", no_args_is_help=True)
 
-# Faces that add their own subcommands through `register(app)`; a face that is not installed is skipped.
-COMMAND_MODULES = ("paged_backend.server.cli", "paged_backend.tgi.cli", "paged_backend.dashboards.cli", "paged_backend.bench.cli")
+# Modules that add their own subcommands through `register(app)`; one whose extra is not installed is skipped.
+COMMAND_MODULES = (
+    "paged_backend.server.cli",
+    "paged_backend.tgi.cli",
+    "paged_backend.dashboards.cli",
+    "paged_backend.bench.cli",
+)
 
 
 @app.command()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import IO
 
@@ -107,17 +108,22 @@ def stop(server: Server, timeout: float = 60) -> int:
 
 
 def _wait_for_health(server: Server) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT
+    wait_for_ok(f"{server.url}/health", server.process, server.output, STARTUP_TIMEOUT)
+
+
+def wait_for_ok(url: str, process: subprocess.Popen, output: Callable[[], str], timeout: float) -> None:
+    """Until GET `url` answers 200; fails at once if `process` exits, or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"server exited during start-up:\n{server.output()}")
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args[0]} exited during start-up:\n{output()}")
         try:
-            if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+            if httpx.get(url, timeout=5).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         time.sleep(0.25)
-    raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT} s")
+    raise RuntimeError(f"{url} not ready after {timeout} s")
 
 
 def server_fixture(*flags: str):

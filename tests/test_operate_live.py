@@ -1,5 +1,6 @@
 """A live `serve` and a live `launch`, scraped by a real Prometheus with the exported scrape config: every
-dashboard panel's PromQL answers with data, and the counters agree with the traffic this test sent.
+dashboard panel's PromQL answers with data, and the counters agree with the traffic this test sent. The same
+two processes export request spans to a real OTLP receiver, and `bench serve` measures both.
 
 Prometheus is Debian's `prometheus` package (`.ci/setup` installs it); without it the test skips, except in
 CI, where a missing Prometheus fails.
@@ -7,6 +8,7 @@ CI, where a missing Prometheus fails.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -23,7 +25,9 @@ import yaml
 
 from paged_backend.dashboards import DASHBOARDS, dashboard, export, panel_queries
 from paged_backend.dashboards.render import promql, render
-from tests._server_helpers import API_KEY, MODEL, running_server
+from paged_backend.tgi.settings import EMBEDDED_MODEL_ID
+from tests._otlp_receiver import otlp_receiver
+from tests._server_helpers import API_KEY, MODEL, running_server, wait_for_ok
 from tests._tgi_helpers import TgiServer, free_port
 
 SCRAPE_INTERVAL = "1s"
@@ -42,17 +46,27 @@ def prometheus_binary() -> str:
     return path
 
 
+OTLP_ENV = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+
+
 @pytest.fixture(scope="module")
 def faces():
-    """`python -m paged_backend.server` and `python -m paged_backend.tgi` (launch), started side by side."""
+    """`python -m paged_backend.server` and `python -m paged_backend.tgi` (launch), started side by side, sending
+    their spans to a real OTLP receiver where oteltap is installed (the receiver is None otherwise)."""
     with ExitStack() as stack:
-        launch = TgiServer("paged")
+        receiver = stack.enter_context(otlp_receiver())
+        launch_flags = ["--otlp-endpoint", receiver.endpoint] if receiver else []
+        launch = TgiServer("paged", launch_flags, env=OTLP_ENV)
         stack.callback(launch.stop)
-        serve = stack.enter_context(
-            running_server("--enable-prefix-caching", "--num-blocks", "256", "--block-size", "16")
-        )
+        serve_flags = ["--otlp-traces-endpoint", receiver.endpoint] if receiver else []
+        with pytest.MonkeyPatch.context() as env:
+            for name, value in OTLP_ENV.items():
+                env.setenv(name, value)
+            serve = stack.enter_context(
+                running_server("--enable-prefix-caching", "--num-blocks", "256", "--block-size", "16", *serve_flags)
+            )
         launch.wait_ready()
-        yield serve, launch
+        yield serve, launch, receiver
 
 
 class Prometheus:
@@ -65,16 +79,7 @@ class Prometheus:
         self.popen = subprocess.Popen([prometheus_binary(), *args], stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.popen.poll() is None, self.output()
-            try:
-                if httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"prometheus not ready:\n{self.output()}")
+        wait_for_ok(f"{self.url}/-/ready", self.popen, self.output, timeout)
 
     def output(self) -> str:
         self.log.seek(0)
@@ -122,7 +127,7 @@ def scrape_config(exported: Path, serve_url: str, launch_url: str) -> str:
 
 
 def test_every_panel_answers_and_counters_match_traffic(faces, tmp_path):
-    serve, launch = faces
+    serve, launch, _ = faces
     files = export(tmp_path / "export")
     assert {path.relative_to(tmp_path / "export").as_posix() for path in files} >= {
         "prometheus.yml",
@@ -213,3 +218,48 @@ def send_traffic(serve, launch) -> tuple[int, int, int, int, int, int]:
         tgi_prompt += int(response.headers["x-prompt-tokens"])
         tgi_generated += int(response.headers["x-generated-tokens"])
     return len(SERVE_REQUESTS), prompt_tokens, generated, len(TGI_PROMPTS), tgi_prompt, tgi_generated
+
+
+@pytest.mark.parametrize("face", ["serve", "launch"])
+def test_bench_serve_against_a_live_server(faces, face, tmp_path, capsys):
+    """`paged-backend bench serve` against serve's /v1 and launch's TGI /v1: table, JSON and PNG."""
+    from paged_backend.bench.serve import main
+
+    server = dict(zip(("serve", "launch"), faces[:2], strict=True))[face]
+    json_path, png_path = tmp_path / "serve.json", tmp_path / "serve.png"
+    summaries = main(["--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "4", "--request-rate", "inf,8",
+                      "--max-concurrency", "2", "--random-input-len", "6", "--random-output-len", "4",
+                      "--goodput", "ttft:60000", "tpot:60000", "--output-json", str(json_path), "--plot", str(png_path)])  # fmt: skip
+    assert [s.completed for s in summaries] == [4, 4] and all(s.failed == 0 for s in summaries)
+    assert all(s.goodput == pytest.approx(s.request_throughput) for s in summaries)  # generous SLOs: all good
+    written = json.loads(json_path.read_text())
+    assert [r["request_rate"] for r in written["results"]] == [math.inf, 8.0]
+    assert set(written["results"][0]["latency_ms"]) == {"ttft", "tpot", "itl", "e2el"}
+    assert written["results"][0]["latency_ms"]["ttft"]["p99"] > 0
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert "| rate (req/s) | concurrency | done | failed | req/s | out tok/s | goodput (req/s) |" in table
+
+
+def test_both_faces_export_spans_to_a_real_otlp_receiver(faces):
+    """`serve --otlp-traces-endpoint` and `launch --otlp-endpoint`, as started from the command line, send one
+    `llm_request` span per request over OTLP/HTTP, as children of the client's `traceparent`."""
+    serve, launch, receiver = faces
+    if receiver is None:
+        pytest.skip("the oteltap OTLP receiver is not installed (pip install oteltap; the test extra has it)")
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    headers = {"traceparent": f"00-{trace_id}-{parent_id}-01"}
+    client = openai.OpenAI(base_url=f"{serve.url}/v1", api_key=API_KEY, max_retries=0, default_headers=headers)
+    client.completions.create(model=MODEL, prompt=[4, 5, 6], max_tokens=3, extra_body={"ignore_eos": True})
+    response = httpx.post(f"{launch.url}/generate", headers=headers, timeout=60,
+                          json={"inputs": "Hello", "parameters": {"max_new_tokens": 3}})  # fmt: skip
+    assert response.status_code == 200, response.text
+    spans = receiver.wait_for(lambda span: span.trace_id.hex() == trace_id, 2)
+    assert len(spans) == 2
+    for span in spans:
+        attributes = {a.key: a.value for a in span.attributes}
+        assert span.name == "llm_request" and span.parent_span_id.hex() == parent_id
+        assert attributes["gen_ai.usage.completion_tokens"].int_value == 3
+        assert attributes["gen_ai.latency.e2e"].double_value > 0
+    models = {next(a.value.string_value for a in s.attributes if a.key == "gen_ai.response.model") for s in spans}
+    assert models == {MODEL, EMBEDDED_MODEL_ID}  # one span from each face

@@ -1,6 +1,7 @@
 """OpenTelemetry request spans from `serve` and `launch`: one `llm_request` span per request with vLLM's
-attribute names, continuing the client's W3C `traceparent`; the in-memory exporter, and a real OTLP/HTTP
-receiver (oteltap) fed by the real OTLP exporter."""
+attribute names, continuing the client's W3C `traceparent`; the in-memory exporter, a real OTLP/HTTP
+receiver (oteltap) and a gRPC TraceService from OTLP's own proto, both fed by the real OTLP exporters. The
+command-line flags of both faces are tested end to end in tests/test_operate_live.py."""
 
 from __future__ import annotations
 
@@ -132,3 +133,47 @@ def test_serve_exports_over_otlp_to_a_real_receiver(monkeypatch):
     assert attributes["gen_ai.usage.completion_tokens"].int_value == 2
     assert attributes["gen_ai.usage.prompt_tokens"].int_value == 2
     assert attributes["gen_ai.latency.e2e"].double_value > 0
+
+
+def test_an_unknown_otlp_protocol_is_named(monkeypatch):
+    from paged_backend.tracing import otlp_tracer
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
+    with pytest.raises(RuntimeError, match="OTLP protocol 'http/json' is not supported; use grpc or http/protobuf"):
+        otlp_tracer("http://127.0.0.1:4318/v1/traces", "paged-backend")
+
+
+def test_serve_exports_over_otlp_grpc_by_default(monkeypatch):
+    """The default protocol (gRPC, as vLLM's) on the wire, into a TraceService built from OTLP's own proto."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def __init__(self) -> None:
+            self.spans = []
+
+        def Export(self, request, context):  # noqa: N802 (the proto's name)
+            self.spans += [span for resource in request.resource_spans for scope in resource.scope_spans
+                           for span in scope.spans]  # fmt: skip
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
+    collector, server = Collector(), grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        settings = ServerSettings(otlp_traces_endpoint=f"http://127.0.0.1:{port}")
+        with serving_in_thread(build_app(make_engine(), settings)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+            client.completions.create(model="paged-backend-tiny", prompt=[9, 8], max_tokens=2,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+        # Leaving the server flushed the batched span over gRPC.
+    finally:
+        server.stop(None)
+    assert [span.name for span in collector.spans] == ["llm_request"]
+    attributes = {a.key: a.value for a in collector.spans[0].attributes}
+    assert attributes["gen_ai.usage.completion_tokens"].int_value == 2

@@ -135,7 +135,10 @@ def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> N
     except PagedBackendError as error:  # a model or format this machine cannot run: say so, no traceback
         raise LaunchError(str(error)) from error
     settings = router_settings(args, backend.max_model_len)
-    tracer = otlp_tracer(args.otlp_endpoint, args.otlp_service_name) if args.otlp_endpoint else None
+    try:
+        tracer = otlp_tracer(args.otlp_endpoint, args.otlp_service_name) if args.otlp_endpoint else None
+    except RuntimeError as error:  # the [otel] extra is missing, or an unknown OTLP protocol
+        raise SystemExit(f"error: {error}") from error
     app = create_app(backend, settings, drain_timeout=float(args.graceful_termination_timeout), tracer=tracer)
     logger.info("TGI API on %s:%d, backend %s, model %s", args.hostname, args.port, backend.name, settings.model_id)
     uvicorn.run(app, host=args.hostname, port=args.port, log_level="warning", timeout_graceful_shutdown=5)

@@ -7,7 +7,7 @@ KV pool (fp32 weights; fp32, bf16, fp8 e4m3 / e5m2, with and without per-layer s
 KV bytes per token, output tok/s, greedy agreement with the fp32 pool, and teacher-forced top-1 agreement
 (prompt logprobs over fp32's continuations: one number per position, so less noisy than free-running greedy).
 
-    python benchmarks/quantization.py            # ~30M-parameter Llama, a few minutes on one CPU thread
+    paged-backend bench quantization     # or python benchmarks/quantization.py; ~10 minutes on one CPU thread
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_backend.bench.workload import synthetic_workload
+from paged_backend.bench.report import markdown_table, write_json, write_plot
+from paged_backend.bench.workload import jsonl_workload, synthetic_workload
 from paged_backend.engine import LLM, SamplingParams
 from paged_backend.models import byte_tokenizer, tiny_model
 from paged_backend.ops import resolve_backend
@@ -28,7 +29,7 @@ QUICK_MODEL = dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, i
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="paged-backend bench throughput", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="32 requests on a small model")
     parser.add_argument("--num-requests", type=int, default=None)
@@ -39,6 +40,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--cb-max-batch-tokens", default="64,128,256,default", help="comma list for HF CB")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="paged-backend token budget")
     parser.add_argument("--skip", default="", help="comma list of systems to skip: engine,static,hf-cb")
+    parser.add_argument("--dataset", default=None,
+                        help='JSONL workload: {"prompt": text or token ids, "max_tokens": n} per line')  # fmt: skip
+    parser.add_argument("--output-json", default="bench-throughput.json")
+    parser.add_argument("--plot", default="bench-throughput.png", help="PNG of the throughputs ('' for none)")
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -152,51 +157,54 @@ def profile_engine(model, prompts, outputs, **engine_kwargs) -> None:
         print(f"  {name:<66} {seconds:7.2f} s  {100 * seconds / wall:5.1f}%")
 
 
+def bench_model(quick: bool, vocab_size: int, seed: int):
+    """The benchmark's Llama (small with --quick), float32 with SDPA attention, and a line describing it."""
+    shape = QUICK_MODEL if quick else FULL_MODEL
+    model = tiny_model("llama", seed=seed, vocab_size=vocab_size, max_position_embeddings=2048, **shape)
+    model.set_attn_implementation("sdpa")
+    params = sum(p.numel() for p in model.parameters())
+    return model, f"llama {shape} vocab {vocab_size} = {params / 1e6:.0f}M params, float32"
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The `LLM` keyword arguments the flags ask for; options added to the parser join here."""
     return dict(max_num_batched_tokens=args.max_num_batched_tokens)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
-    num_requests = args.num_requests or (32 if args.quick else 200)
-    shape = QUICK_MODEL if args.quick else FULL_MODEL
     sizes = args.static_batch_sizes or "4,8,16,32"  # on CPU, batches past 32 only get slower
     skip = set(filter(None, args.skip.split(",")))
-    prompts, outputs = synthetic_workload(num_requests, args.seed, args.vocab_size)
-    base = tiny_model("llama", seed=args.seed, vocab_size=args.vocab_size, max_position_embeddings=2048, **shape)
-    base.set_attn_implementation("sdpa")
-    params = sum(p.numel() for p in base.parameters())
-    print(
-        f"model: llama {shape} vocab {args.vocab_size} = {params / 1e6:.0f}M params, float32, "
-        f"{args.threads} threads; engine attention backend: {resolve_backend(None, torch.device('cpu'))}"
-    )
-    print(
-        f"workload: {num_requests} requests, seed {args.seed}, prompt tokens {sum(map(len, prompts))} "
-        f"(max {max(map(len, prompts))}), output tokens {sum(outputs)} (max {max(outputs)}), EOS ignored"
-    )
+    if args.dataset:
+        prompts, outputs = jsonl_workload(args.dataset, byte_tokenizer(), args.num_requests)
+    else:
+        prompts, outputs = synthetic_workload(
+            args.num_requests or (32 if args.quick else 200), args.seed, args.vocab_size
+        )
+    num_requests = len(prompts)
+    base, description = bench_model(args.quick, args.vocab_size, args.seed)
+    print(f"model: {description}, {args.threads} threads; "
+          f"engine attention backend: {resolve_backend(None, torch.device('cpu'))}")  # fmt: skip
+    print(f"workload: {num_requests} requests{f' from {args.dataset}' if args.dataset else f', seed {args.seed}'}, "
+          f"prompt tokens {sum(map(len, prompts))} (max {max(map(len, prompts))}), "
+          f"output tokens {sum(outputs)} (max {max(outputs)}), EOS ignored")  # fmt: skip
     useful = sum(outputs)
     rows: list[tuple[str, float]] = []
 
     def report(name: str, seconds: float) -> None:
         rows.append((name, seconds))
-        print(
-            f"  {name:<46} {seconds:8.2f} s  {num_requests / seconds:6.2f} req/s  {useful / seconds:8.1f} tok/s",
-            flush=True,
-        )
+        print(f"  {name:<46} {seconds:8.2f} s  {num_requests / seconds:6.2f} req/s  {useful / seconds:8.1f} tok/s",
+              flush=True)  # fmt: skip
 
     # The engine runs first so a long baseline sweep that gets cut short still leaves its number.
     kwargs = engine_kwargs(args)
     if "engine" not in skip:
         run = run_engine(copy.deepcopy(base), prompts, outputs, **kwargs)
         report(f"paged-backend engine mbt={args.max_num_batched_tokens}", run.elapsed)
-        print(
-            f"  engine: {run.steps} steps, {run.preemptions} preemptions, "
-            f"{100 * (1 - run.forward_time / run.elapsed):.1f}% of wall time outside the model forward "
-            f"({run.forward_time:.2f} s forward of {run.elapsed:.2f} s)",
-            flush=True,
-        )
+        print(f"  engine: {run.steps} steps, {run.preemptions} preemptions, "
+              f"{100 * (1 - run.forward_time / run.elapsed):.1f}% of wall time outside the model forward "
+              f"({run.forward_time:.2f} s forward of {run.elapsed:.2f} s)", flush=True)  # fmt: skip
         if args.profile:
             profile_engine(copy.deepcopy(base), prompts, outputs, **kwargs)
     run_static(base, prompts[:2], [2, 2], 2)  # warm up kernels once
@@ -206,15 +214,36 @@ def main(argv: list[str] | None = None) -> None:
     if "hf-cb" not in skip:
         for value in args.cb_max_batch_tokens.split(","):
             mbt = None if value == "default" else int(value)
-            report(
-                f"HF generate_batch CB max_batch_tokens={value}", run_hf_cb(copy.deepcopy(base), prompts, outputs, mbt)
-            )
-    if "engine" in skip:
-        return
-    ours = useful / run.elapsed
-    best_static = max((useful / s for n, s in rows if n.startswith("HF generate static")), default=None)
-    best_cb = max((useful / s for n, s in rows if "CB" in n), default=None)
-    if best_static:
-        print(f"speedup vs best HF static: {ours / best_static:.2f}x")
-    if best_cb:
-        print(f"speedup vs best HF continuous batching: {ours / best_cb:.2f}x")
+            seconds = run_hf_cb(copy.deepcopy(base), prompts, outputs, mbt)
+            report(f"HF generate_batch CB max_batch_tokens={value}", seconds)
+    speedups = {}
+    if "engine" not in skip:
+        ours = useful / run.elapsed
+        best_static = max((useful / s for n, s in rows if n.startswith("HF generate static")), default=None)
+        best_cb = max((useful / s for n, s in rows if "CB" in n), default=None)
+        if best_static:
+            speedups["vs_best_hf_static"] = ours / best_static
+            print(f"speedup vs best HF static: {ours / best_static:.2f}x")
+        if best_cb:
+            speedups["vs_best_hf_continuous_batching"] = ours / best_cb
+            print(f"speedup vs best HF continuous batching: {ours / best_cb:.2f}x")
+    results = [{"system": name, "elapsed_s": seconds, "requests_per_s": num_requests / seconds,
+                "output_tokens_per_s": useful / seconds} for name, seconds in rows]  # fmt: skip
+    print(markdown_table(["system", "seconds", "req/s", "output tok/s"],
+                         [[r["system"], f"{r['elapsed_s']:.2f}", f"{r['requests_per_s']:.2f}",
+                           f"{r['output_tokens_per_s']:.1f}"] for r in results]))  # fmt: skip
+    payload = {"model": description, "num_requests": num_requests, "prompt_tokens": sum(map(len, prompts)),
+               "output_tokens": useful, "results": results, "speedup": speedups}  # fmt: skip
+    write_json(args.output_json, payload)
+
+    def figure(plt):
+        fig, axis = plt.subplots(figsize=(8, 0.45 * len(results) + 1.5))
+        axis.barh([r["system"] for r in results], [r["output_tokens_per_s"] for r in results],
+                  color=["C2" if r["system"].startswith("paged") else "C0" for r in results])  # fmt: skip
+        axis.invert_yaxis()
+        axis.set(xlabel="output tokens/s", title=f"offline throughput, {num_requests} requests")
+        axis.grid(alpha=0.3, axis="x")
+        return fig
+
+    write_plot(args.plot, figure)
+    return payload

@@ -60,7 +60,10 @@ class ServerMetrics:
         self.request_prefill_time = histogram("request_prefill_time_seconds", "First scheduling to first token.")
         self.request_decode_time = histogram("request_decode_time_seconds", "First token to finish.")
         self.request_success = Counter(
-            f"{PREFIX}request_success", "Requests finished, by reason.", ["finished_reason"], registry=self.registry
+            f"{PREFIX}request_success",
+            "Completions finished, by reason (n > 1 counts each).",
+            ["finished_reason"],
+            registry=self.registry,
         )
 
     def exposition(self) -> bytes:

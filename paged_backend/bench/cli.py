@@ -1,0 +1,31 @@
+"""`paged-backend bench {throughput,latency,serve,quantization}`: vLLM's `vllm bench` shape. Each subcommand hands its
+arguments to the benchmark's own argparse parser (so `--help` lists them and benchmarks/*.py share them)."""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+bench_app = typer.Typer(help="Benchmarks: offline throughput, batch-1 latency, online serving.", no_args_is_help=True)
+PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+COMMANDS = {
+    "throughput": "Offline throughput: the engine against HF static and HF continuous batching.",
+    "latency": "Batch-1 decode latency: the engine against HF generate.",
+    "serve": "Online serving load (Poisson or concurrency) against any OpenAI-compatible URL.",
+    "quantization": "Quantized weights and fp8 KV pools against fp32: memory, tok/s, agreement, KL.",
+}
+
+
+def _command(name: str, summary: str):
+    def command(ctx: typer.Context) -> None:
+        importlib.import_module(f"paged_backend.bench.{name}").main(ctx.args)
+
+    command.__doc__ = summary
+    return command
+
+
+def register(app: typer.Typer) -> None:
+    for name, summary in COMMANDS.items():
+        bench_app.command(name, context_settings=PASS_THROUGH, add_help_option=False)(_command(name, summary))
+    app.add_typer(bench_app, name="bench")

@@ -1,0 +1,60 @@
+"""`paged-backend bench throughput` and `bench latency`, small: the CLI runs them, each prints its table and
+writes JSON and a PNG; a JSONL workload is read as given."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from paged_backend.bench.workload import jsonl_workload
+from paged_backend.cli import app
+from paged_backend.models import byte_tokenizer
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_throughput_quick_on_a_jsonl_workload(tmp_path):
+    dataset = tmp_path / "workload.jsonl"
+    dataset.write_text('{"prompt": "hello there", "max_tokens": 6}\n{"prompt": [5, 6, 7, 8], "max_tokens": 4}\n\n'
+                       '{"prompt": "a", "output_len": 3}\n')  # fmt: skip
+    json_path, png_path = tmp_path / "throughput.json", tmp_path / "throughput.png"
+    result = CliRunner().invoke(app, ["bench", "throughput", "--quick", "--vocab-size", "256", "--dataset", str(dataset),
+                                      "--static-batch-sizes", "3", "--skip", "hf-cb",
+                                      "--output-json", str(json_path), "--plot", str(png_path)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "| system | seconds | req/s | output tok/s |" in result.output
+    written = json.loads(json_path.read_text())
+    assert written["num_requests"] == 3 and written["output_tokens"] == 13
+    # HF's continuous-batching manager takes 10-20 s to wind down even on three requests: skipped here.
+    assert [r["system"] for r in written["results"]] == ["paged-backend engine mbt=512", "HF generate static batch=3"]
+    assert set(written["speedup"]) == {"vs_best_hf_static"}
+    assert png_path.read_bytes()[:8] == PNG
+
+
+def test_latency_quick(tmp_path):
+    json_path, png_path = tmp_path / "latency.json", tmp_path / "latency.png"
+    result = CliRunner().invoke(app, ["bench", "latency", "--quick", "--vocab-size", "256", "--input-len", "8",
+                                      "--output-len", "4", "--num-iters", "2", "--output-json", str(json_path),
+                                      "--plot", str(png_path)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    written = json.loads(json_path.read_text())
+    assert set(written["results"]) == {"paged-backend engine", "HF generate"}
+    assert all(len(r["iterations_s"]) == 2 and r["p99"] > 0 for r in written["results"].values())
+    assert png_path.read_bytes()[:8] == PNG
+
+
+def test_jsonl_workload_names_the_bad_line(tmp_path):
+    dataset = tmp_path / "bad.jsonl"
+    dataset.write_text('{"prompt": "ok", "max_tokens": 2}\n{"prompt": "no budget"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: needs a non-empty \"prompt\" and a positive \"max_tokens\""):
+        jsonl_workload(dataset, byte_tokenizer())
+
+
+def test_bench_serve_rejects_an_unknown_slo():
+    from paged_backend.bench.serve import parse_goodput
+
+    assert parse_goodput(["ttft:200", "tpot:50"]) == {"ttft": 0.2, "tpot": 0.05}
+    with pytest.raises(SystemExit, match="--goodput takes KEY:MILLISECONDS"):
+        parse_goodput(["latency:5"])
