@@ -35,6 +35,21 @@ def resolve_kv_dtype(name: str | torch.dtype | None, model_dtype: torch.dtype) -
     return KV_CACHE_DTYPES[name] or model_dtype
 
 
+def check_kv_dtype_runs(dtype: torch.dtype, device: torch.device, backend: str | None) -> None:
+    """Refuse at load a pool the chosen attention kernels cannot read: e5m2 runs on the cpu and torch backends
+    (the Triton and CUDA kernels read e4m3), so on a GPU it needs backend 'torch'."""
+    from paged_backend.ops import ENV_VAR
+
+    if backend in (None, "auto"):
+        backend = os.environ.get(ENV_VAR) or None
+    gpu_kernel = backend in ("triton", "cuda") or (backend in (None, "auto") and device.type == "cuda")
+    if dtype == torch.float8_e5m2 and gpu_kernel:
+        raise InvalidRequest(
+            "kv cache dtype fp8_e5m2 is read by the cpu and torch attention backends only; on a "
+            "GPU use fp8 (e4m3), or attention backend 'torch'"
+        )
+
+
 def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers, K and V."""
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

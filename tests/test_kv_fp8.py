@@ -95,3 +95,14 @@ def test_calculated_scale_stops_large_keys_saturating_e4m3():
         stored = key_cache.view(-1, 2, 16)[4:12].float() * scale
         errors.append(float((stored - key).norm() / key.norm()))
     assert errors[0] > 0.3 and errors[1] < 0.05
+
+
+def test_e5m2_is_refused_at_load_where_gpu_kernels_would_read_it():
+    from paged_backend.errors import InvalidRequest
+    from paged_backend.kv_cache import check_kv_dtype_runs
+
+    for device, backend in ((torch.device("cuda"), None), (torch.device("cpu"), "triton")):
+        with pytest.raises(InvalidRequest, match="fp8_e5m2 is read by the cpu and torch attention backends only"):
+            check_kv_dtype_runs(torch.float8_e5m2, device, backend)
+    check_kv_dtype_runs(torch.float8_e5m2, torch.device("cuda"), "torch")
+    check_kv_dtype_runs(torch.float8_e4m3fn, torch.device("cuda"), None)

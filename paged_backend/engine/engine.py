@@ -21,6 +21,7 @@ from paged_backend.kv_cache import (
     PagedKVCache,
     available_memory,
     bytes_per_block,
+    check_kv_dtype_runs,
     num_blocks_for_budget,
     resolve_kv_dtype,
 )
@@ -96,6 +97,7 @@ class Engine:
         cache = config.cache
         num_layers, kv_heads, head_dim, max_positions = _model_shape(model.config)
         kv_dtype = resolve_kv_dtype(cache.cache_dtype, model.dtype)
+        check_kv_dtype_runs(kv_dtype, model.device, config.attention_backend)
         device = model.device
         num_blocks = self._num_blocks(cache, (num_layers, kv_heads, head_dim, cache.block_size, kv_dtype), device)
         block_bytes = bytes_per_block(num_layers, kv_heads, head_dim, cache.block_size, kv_dtype)

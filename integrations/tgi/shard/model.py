@@ -23,6 +23,7 @@ from paged_backend.kv_cache import (
     PagedKVCache,
     available_memory,
     bytes_per_block,
+    check_kv_dtype_runs,
     num_blocks_for_budget,
     resolve_kv_dtype,
 )
@@ -75,8 +76,9 @@ class ShardModel:
         quantization: str | None = None,
         quantization_param: str | None = None,
     ) -> None:
-        model, self.tokenizer = load_model(model_id, dtype=dtype, device=device, quantization=quantization,
-                                           quantization_param=quantization_param)
+        model, self.tokenizer = load_model(
+            model_id, dtype=dtype, device=device, quantization=quantization, quantization_param=quantization_param
+        )
         check_runs_paged(model)
         model.set_attn_implementation(register_paged_attention())
         self.model = model.eval()
@@ -87,6 +89,7 @@ class ShardModel:
         self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
         self.max_position_embeddings = getattr(text_config, "max_position_embeddings", 2048)
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, model.dtype)
+        check_kv_dtype_runs(self.kv_dtype, model.device, None)
         self.block_size = block_size
         self.requested_num_blocks = num_blocks
         self.memory_fraction = memory_fraction
