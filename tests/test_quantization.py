@@ -206,3 +206,29 @@ def test_grpc_shard_loads_the_quantized_model(checkpoints):
 
     shard = ShardModel(checkpoints["qwen2"], device="cpu", num_blocks=16, quantization="torchao")
     assert type(shard.model.model.layers[0].mlp.down_proj.weight).__module__.startswith("torchao")
+
+
+def test_grpc_backend_serves_a_shard_started_with_quantize():
+    """TGI's third backend: our router driving `text-generation-server serve --quantize torchao` over gRPC."""
+    import shutil
+    import tempfile
+
+    from tests._tgi_helpers import ROUTER_ARGS, Shard, TgiServer, running
+
+    directory = tempfile.mkdtemp(prefix="tgi-q-", dir="/tmp")  # unix socket paths must stay short
+    text = "The quick brown fox"
+    try:
+        shard = Shard(f"{directory}/shard", ["--num-blocks", "64", "--device", "cpu", "--quantize", "torchao"])
+        with running(shard):
+            router = TgiServer("grpc", ["--shard-uds-path", f"{directory}/shard", *ROUTER_ARGS])
+            with running(router):
+                generated = Client(router.url, timeout=120).generate(
+                    text, max_new_tokens=NEW_TOKENS, decoder_input_details=True
+                )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    model, tokenizer = load_model(None, device="cpu", quantization="torchao")
+    ids = tokenizer(text).input_ids
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids) :]
+    assert [t.id for t in generated.details.tokens] == expected.tolist()
