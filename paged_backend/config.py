@@ -17,7 +17,8 @@ class CacheConfig(_Config):
     kv_cache_memory_bytes: int | None = Field(None, gt=0, description="pool size in bytes")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of free device memory for KV")
     swap_space: float = Field(0.0, ge=0, description="GiB of CPU memory for swapped-out KV blocks")
-    cache_dtype: str = Field("auto", description="auto | float16 | bfloat16 | float32 | fp8")
+    cache_dtype: str = Field("auto", description="auto | float16 | bfloat16 | float32 | fp8 | fp8_e4m3 | fp8_e5m2")
+    calculate_kv_scales: bool = Field(False, description="fp8 pools: per-layer K/V scales from the first step")
     enable_prefix_caching: bool = True
     watermark: float = Field(0.01, ge=0, lt=1, description="fraction of blocks kept free at admission")
 
@@ -60,6 +61,12 @@ class EngineConfig(_Config):
     model: str | None = Field(None, description="local directory or hub id; None = the embedded tiny model")
     tokenizer: str | None = None
     dtype: str = Field("auto", description="auto | float32 | float16 | bfloat16")
+    quantization: str | None = Field(
+        None,
+        description="awq | gptq | fp8 | bitsandbytes | compressed-tensors | "
+        "torchao (vLLM's names); None: as the checkpoint is saved",
+    )
+    quantization_param: str | None = Field(None, description="scheme of the method, e.g. int8_weight_only")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     # Bigger than one device (accelerate places the weights; each layer's KV sits on its execution device).
     device_map: str | dict | None = Field(None, description="auto | balanced | sequential | {module: device}")

@@ -29,6 +29,7 @@ KV_CACHE_DTYPES = {
     "fp32": torch.float32,
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
 }
 
 
@@ -38,6 +39,21 @@ def resolve_kv_dtype(name: str | torch.dtype | None, model_dtype: torch.dtype) -
     if name not in KV_CACHE_DTYPES:
         raise InvalidRequest(f"unknown kv cache dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
     return KV_CACHE_DTYPES[name] or model_dtype
+
+
+def check_kv_dtype_runs(dtype: torch.dtype, device: torch.device, backend: str | None) -> None:
+    """Refuse at load a pool the chosen attention kernels cannot read: e5m2 runs on the cpu and torch backends
+    (the Triton and CUDA kernels read e4m3), so on a GPU it needs backend 'torch'."""
+    from paged_backend.ops import ENV_VAR
+
+    if backend in (None, "auto"):
+        backend = os.environ.get(ENV_VAR) or None
+    gpu_kernel = backend in ("triton", "cuda") or (backend in (None, "auto") and device.type == "cuda")
+    if dtype == torch.float8_e5m2 and gpu_kernel:
+        raise InvalidRequest(
+            "kv cache dtype fp8_e5m2 is read by the cpu and torch attention backends only; on a "
+            "GPU use fp8 (e4m3), or attention backend 'torch'"
+        )
 
 
 def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
@@ -126,6 +142,7 @@ class PagedKVCache:
         # Per-layer dequantization scales; only meaningful for fp8 pools.
         self.k_scales = [1.0] * num_layers
         self.v_scales = [1.0] * num_layers
+        self.scales_pending: set[int] = set()  # layers whose scales come from their next write (kv_scales.py)
         self.cpu_kvs = []
         if num_cpu_blocks:
             pin = any(kv.device.type == "cuda" for kv in self.kvs)

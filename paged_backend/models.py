@@ -26,6 +26,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from paged_backend import quantization as quantization_module
 from paged_backend.errors import InvalidRequest
 from paged_backend.offload import dispatch_kwargs, uses_accelerate
 
@@ -172,11 +173,15 @@ def load_model(
     max_memory: str | dict | None = None,
     cpu_offload_gb: float = 0.0,
     offload_folder: str | None = None,
+    quantization: str | None = None,
+    quantization_param: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """Load `(model, tokenizer)` from a local HF directory or hub id; None gives the embedded tiny model.
 
     `device_map` / `max_memory` / `cpu_offload_gb` / `offload_folder` place the model with accelerate
     (`paged_backend.offload`) instead of moving it whole to `device`.
+    `quantization` / `quantization_param`: see `paged_backend.quantization` (a checkpoint saved quantized needs
+    neither).
 
     >>> model, tok = load_model(None, device="cpu")
     >>> type(model).__name__
@@ -188,17 +193,19 @@ def load_model(
         raise InvalidRequest("device maps and offload load a checkpoint: give --model (a directory or hub id)")
     if model is None:
         loaded, tok = embedded_model(resolve_dtype(dtype, target))
-        return loaded.to(target), tok
+        quantization_module.quantize_in_place(loaded.to(target), quantization, quantization_param)
+        return loaded, tok
     source = os.path.expanduser(model)
     if _is_path(model) and not os.path.isdir(source):
         raise InvalidRequest(f"model path or id '{model}' not found: no such directory")
     try:
-        config_dtype = getattr(AutoConfig.from_pretrained(source), "dtype", None)
-        torch_dtype = resolve_dtype(dtype, target, config_dtype)
-        placement = {}
+        config = AutoConfig.from_pretrained(source)
+        torch_dtype = resolve_dtype(dtype, target, getattr(config, "dtype", None))
+        quantized = quantization_module.resolve(quantization, quantization_param, config, target)
+        placement = {"quantization_config": quantized} if quantized is not None else {}
         if dispatched:
-            placement = dispatch_kwargs(source, torch_dtype, target, device_map=device_map, max_memory=max_memory,
-                                        cpu_offload_gb=cpu_offload_gb, offload_folder=offload_folder)  # fmt: skip
+            placement |= dispatch_kwargs(source, torch_dtype, target, device_map=device_map, max_memory=max_memory,
+                                         cpu_offload_gb=cpu_offload_gb, offload_folder=offload_folder)  # fmt: skip
         loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **placement)
         tok = AutoTokenizer.from_pretrained(os.path.expanduser(tokenizer) if tokenizer else source)
     except OSError as exc:

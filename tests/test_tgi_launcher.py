@@ -37,8 +37,8 @@ def test_env_vars_follow_tgi_names_and_flags_win(monkeypatch):
 
 
 def test_flags_without_meaning_are_reported_never_silent():
-    args = parse_flags(["--quantize", "awq", "--num-shard", "2", "--waiting-served-ratio", "1.2", "--sharded", "true"])
-    assert ignored_flags(args) == ["--waiting-served-ratio", "--quantize"]
+    args = parse_flags(["--speculate", "2", "--num-shard", "2", "--waiting-served-ratio", "1.2", "--sharded", "true"])
+    assert ignored_flags(args) == ["--waiting-served-ratio", "--speculate"]
     assert ignored_flags(parse_flags(["--backend", "grpc", "--waiting-served-ratio", "1.2"])) == []
 
 

@@ -15,6 +15,7 @@ import math
 import signal
 import sys
 
+from paged_backend.errors import PagedBackendError
 from paged_backend.tgi.launcher_flags import ignored_flags, parse_flags
 from paged_backend.tgi.settings import RouterSettings, model_to_load
 
@@ -46,6 +47,7 @@ def engine_config(args: argparse.Namespace):
         device=args.device,
         gpu_memory_utilization=args.cuda_memory_fraction,
         **placement_flags(args),
+        **_quantization(args),
     )
     config = engine_args.to_engine_config()
     config.tokenizer = args.tokenizer_name
@@ -62,12 +64,20 @@ def placement_flags(args: argparse.Namespace) -> dict:
 
 
 def _kv_cache_dtype(name: str) -> str:
-    # TGI spells fp8 variants after torch dtypes; the pool knows fp8 (e4m3).
-    if name in ("fp8", "fp8_e4m3fn"):
-        return "fp8"
-    if name == "fp8_e5m2":
-        raise LaunchError("--kv-cache-dtype fp8_e5m2 is not supported; use fp8_e4m3fn")
-    return name
+    # TGI spells fp8 variants after torch dtypes; the pool knows vLLM's names.
+    return {"fp8_e4m3fn": "fp8", "fp8_e5m2": "fp8_e5m2"}.get(name, name)
+
+
+def _quantization(args: argparse.Namespace) -> dict:
+    """TGI's `--quantize NAME` as EngineConfig's (quantization, quantization_param)."""
+    from paged_backend.errors import InvalidRequest
+    from paged_backend.quantization import from_tgi
+
+    try:
+        quantization, param = from_tgi(args.quantize)
+    except InvalidRequest as error:
+        raise LaunchError(str(error)) from error
+    return {"quantization": quantization, "quantization_param": param}
 
 
 def num_shards(args: argparse.Namespace) -> int | None:
@@ -102,7 +112,7 @@ def build_backend(args: argparse.Namespace, shards=None):
 
         model, tokenizer = load_model(
             model_to_load(args.model_id), tokenizer=args.tokenizer_name, dtype=args.dtype or "auto",
-            device=args.device, **placement_flags(args),
+            device=args.device, **placement_flags(args), **_quantization(args),
         )  # fmt: skip
         max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", 2048)
         return ReferenceBackend(model, tokenizer, max_positions)
@@ -160,7 +170,10 @@ def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> N
         # uvicorn re-raises the SIGTERM it caught once it has shut down; as an exception it still runs `finally`.
         signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
-        backend = build_backend(args, shards)
+        try:
+            backend = build_backend(args, shards)
+        except PagedBackendError as error:  # a model or format this machine cannot run: say so, no traceback
+            raise LaunchError(str(error)) from error
         settings = router_settings(args, backend.max_model_len)
         try:
             tracer = otlp_tracer(args.otlp_endpoint, args.otlp_service_name) if args.otlp_endpoint else None

@@ -50,7 +50,14 @@ FLAGS: list[Flag] = [
     Flag("--tokenizer-name", str, None, "tokenizer directory or id when it differs from the model"),
     # grpc: passed on to the shards this launcher starts (--num-shard).
     Flag("--dtype", str, None, "float16 | bfloat16 | float32 (default: auto)", used_by=ALL),
-    Flag("--kv-cache-dtype", str, None, "KV pool dtype: fp8 | fp8_e4m3fn | float16 | bfloat16", frozenset({"paged"})),
+    Flag(
+        "--kv-cache-dtype", str, None, "KV pool dtype: fp8 | fp8_e4m3fn | fp8_e5m2 | float16 | bfloat16",
+        frozenset({"paged"}),
+    ),
+    Flag(
+        "--quantize", str, None, "weights: awq | gptq | bitsandbytes[-nf4|-fp4] | fp8 | eetq | marlin | exl2 | torchao",
+        frozenset({"paged", "reference"}),
+    ),
     Flag(
         "--device",
         str,
@@ -93,7 +100,6 @@ FLAGS: list[Flag] = [
     Flag("--json-output", None, False, "JSON log lines", NONE),
     Flag("--sharded", str, None, "true | false: tensor parallelism", SHARDED),
     Flag("--num-shard", int, None, "tensor-parallel shards (grpc: shard processes; paged: engine ranks)", SHARDED),
-    Flag("--quantize", str, None, "weight quantization", NONE),
     Flag("--speculate", int, None, "speculative decoding", NONE),
     Flag("--trust-remote-code", None, False, "run model code from the hub", NONE),
     Flag("--cuda-graphs", str, None, "CUDA graph batch sizes", NONE),

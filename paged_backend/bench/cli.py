@@ -1,4 +1,4 @@
-"""`paged-backend bench {throughput,latency,serve}`: vLLM's `vllm bench` shape. Each subcommand hands its
+"""`paged-backend bench {throughput,latency,serve,quantization}`: vLLM's `vllm bench` shape. Each subcommand hands its
 arguments to the benchmark's own argparse parser (so `--help` lists them and benchmarks/*.py share them)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ COMMANDS = {
     "throughput": "Offline throughput: the engine against HF static and HF continuous batching.",
     "latency": "Batch-1 decode latency: the engine against HF generate.",
     "serve": "Online serving load (Poisson or concurrency) against any OpenAI-compatible URL.",
+    "quantization": "Quantized weights and fp8 KV pools against fp32: memory, tok/s, agreement, KL.",
 }
 
 

@@ -22,11 +22,14 @@ from paged_backend.kv_cache import (
     PagedKVCache,
     available_memory,
     bytes_per_block,
+    check_kv_dtype_runs,
     num_blocks_for_budget,
     resolve_kv_dtype,
 )
 from paged_backend.kv_groups import kv_cache_groups, sliding_windows
 from paged_backend.kv_snapshot import KVHistory, pool_snapshot
+from paged_backend.kv_scales import start_calibration
+from paged_backend.model_support import check_runs_paged
 from paged_backend.models import load_model
 from paged_backend.offload import input_device, layer_devices
 
@@ -90,10 +93,12 @@ class Engine:
             model, tokenizer = load_model(
                 config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=config.device,
                 device_map=config.device_map, max_memory=config.max_memory, cpu_offload_gb=config.cpu_offload_gb,
-                offload_folder=config.offload_folder,
+                offload_folder=config.offload_folder, quantization=config.quantization,
+                quantization_param=config.quantization_param,
             )  # fmt: skip
         elif tokenizer is None:
             raise InvalidRequest("a model object was given without its tokenizer; pass tokenizer=...")
+        check_runs_paged(model)
         cache = config.cache
         num_layers, kv_heads, head_dim, max_positions = _model_shape(model.config)
         device = input_device(model)  # accelerate-dispatched models: each layer's KV on its own device
@@ -102,6 +107,10 @@ class Engine:
         if config.scheduler.disable_hybrid_kv_cache_manager or config.parallel.world_size > 1:
             windows = (None,) * len(windows)  # windowed layers kept whole, as full ones are (ranks pool one group)
         groups = kv_cache_groups(windows)
+        kv_dtype = resolve_kv_dtype(cache.cache_dtype, model.dtype)
+        check_kv_dtype_runs(kv_dtype, device, config.attention_backend)
+        if cache.calculate_kv_scales and config.parallel.world_size > 1:
+            raise InvalidRequest("calculate_kv_scales runs in one process only; drop it or use tensor/pipeline size 1")
         self.parallel = None
         if config.parallel.world_size > 1:  # rank 0 of a TP x PP group: its shard, its per-rank pool, the workers
             from paged_backend.distributed.driver import ParallelDriver
@@ -111,7 +120,6 @@ class Engine:
             self.parallel = ParallelDriver(config, model)
             model, self.kv_cache = self.parallel.model, self.parallel.kv_cache
         else:
-            kv_dtype = resolve_kv_dtype(cache.cache_dtype, model.dtype)
             num_slots = len(groups[0].layers)
             num_blocks, num_cpu_blocks = kv_pool_blocks(cache, num_slots, kv_heads, head_dim, kv_dtype, device)
             self.kv_cache = PagedKVCache(
@@ -119,6 +127,8 @@ class Engine:
                 dtype=kv_dtype, device=device, num_cpu_blocks=num_cpu_blocks, groups=groups,
                 layer_devices=layer_devices(model, num_layers),
             )
+            if cache.calculate_kv_scales:
+                start_calibration(self.kv_cache)
         # The runner switches attention to "paged_backend" (and eval mode) for its own forwards only: a model
         # object the caller passed in is left as it was, usable with plain generate() between and after steps.
         self.model, self.tokenizer = model, tokenizer

@@ -22,6 +22,7 @@ from paged_backend.attention import (
 from paged_backend.block_manager import BlockManager
 from paged_backend.engine.scheduler import ScheduledSequence
 from paged_backend.kv_cache import PagedKVCache
+from paged_backend.kv_scales import calibrate_layer
 
 
 class StepCache(Cache):
@@ -32,6 +33,8 @@ class StepCache(Cache):
         self.kv_cache, self.metadata = kv_cache, metadata
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.kv_cache.scales_pending:
+            calibrate_layer(self.kv_cache, layer_idx, key_states, value_states)
         handle = PackedKV(self.kv_cache, layer_idx, key_states, value_states, self.metadata)
         return handle, handle
 

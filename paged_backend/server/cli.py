@@ -73,6 +73,10 @@ def serve(
     pipeline_parallel_size: engine_args.PipelineParallelSize = None,
     distributed_executor_backend: engine_args.DistributedExecutorBackend = None,
     distributed_timeout_seconds: engine_args.DistributedTimeoutSeconds = None,
+    quantization: engine_args.Quantization = None,
+    quantization_param: engine_args.QuantizationParam = None,
+    kv_cache_dtype: engine_args.KvCacheDtype = None,
+    calculate_kv_scales: engine_args.CalculateKvScales = None,
 ) -> None:
     """Serve OpenAI /v1/completions and /v1/chat/completions, /v1/models, vLLM's /tokenize, /detokenize and
     /version, /health and /metrics."""
@@ -93,7 +97,8 @@ def serve(
         gpu_memory_utilization=gpu_memory_utilization, device_map=device_map, max_memory=max_memory,
         cpu_offload_gb=cpu_offload_gb, offload_folder=offload_folder, tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size, distributed_executor_backend=distributed_executor_backend,
-        distributed_timeout_seconds=distributed_timeout_seconds,
+        distributed_timeout_seconds=distributed_timeout_seconds, quantization=quantization,
+        quantization_param=quantization_param, cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
     )  # fmt: skip
     try:
         engine = Engine(args.to_engine_config())

@@ -33,6 +33,20 @@ EnablePrefixCaching = Annotated[
 Dtype = Annotated[str | None, typer.Option("--dtype", help="auto | float32 | float16 | bfloat16")]
 Device = Annotated[str | None, typer.Option("--device", help="auto | cpu | cuda | cuda:N")]
 Seed = Annotated[int | None, typer.Option("--seed", help="global random seed")]
+Quantization = Annotated[
+    str | None,
+    typer.Option("--quantization", "-q", help="awq | gptq | fp8 | bitsandbytes | compressed-tensors | torchao"),
+]
+QuantizationParam = Annotated[
+    str | None, typer.Option("--quantization-param", help="scheme, e.g. int8_weight_only | int4_weight_only | nf4")
+]
+KvCacheDtype = Annotated[
+    str | None, typer.Option("--kv-cache-dtype", help="auto | bfloat16 | float16 | float32 | fp8 | fp8_e4m3 | fp8_e5m2")
+]
+CalculateKvScales = Annotated[
+    bool | None,
+    typer.Option("--calculate-kv-scales/--no-calculate-kv-scales", help="fp8 KV: per-layer scales from the first step"),
+]
 GpuMemoryUtilization = Annotated[
     float | None, typer.Option("--gpu-memory-utilization", help="fraction of free device memory for the KV pool")
 ]
@@ -95,6 +109,10 @@ class EngineArgs:
     pipeline_parallel_size: int | None = None
     distributed_executor_backend: str | None = None
     distributed_timeout_seconds: float | None = None
+    quantization: str | None = None
+    quantization_param: str | None = None
+    cache_dtype: str | None = None  # --kv-cache-dtype
+    calculate_kv_scales: bool | None = None
 
     def to_engine_config(self) -> EngineConfig:
         """The config with every given flag set on the field of the same name."""

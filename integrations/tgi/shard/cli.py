@@ -31,10 +31,12 @@ def serve(
     sharded: Annotated[
         bool, Opt("--sharded/--no-sharded", help="tensor parallelism: one shard per rank (RANK, WORLD_SIZE, MASTER_*)")
     ] = False,
-    quantize: Annotated[str | None, Opt(help="weight quantization (ignored)")] = None,
+    quantize: Annotated[
+        str | None, Opt(help="awq | gptq | bitsandbytes[-nf4|-fp4] | fp8 | eetq | marlin | exl2 | torchao")
+    ] = None,
     speculate: Annotated[int | None, Opt(help="speculative decoding (ignored)")] = None,
     dtype: Annotated[str | None, Opt(help="float16 | bfloat16 | float32")] = None,
-    kv_cache_dtype: Annotated[str | None, Opt(help="fp8_e4m3fn | float16 | bfloat16 | float32")] = None,
+    kv_cache_dtype: Annotated[str | None, Opt(help="fp8_e4m3fn | fp8_e5m2 | float16 | bfloat16 | float32")] = None,
     trust_remote_code: Annotated[bool, Opt(help="run hub model code (ignored)")] = False,
     uds_path: Annotated[
         str, Opt(help="socket prefix; this shard binds {uds_path}-{rank}")
@@ -48,8 +50,9 @@ def serve(
     device: Annotated[str, Opt(envvar="PAGED_BACKEND_DEVICE", help="auto | cpu | cuda | cuda:N")] = "auto",
 ) -> None:
     """Serve TextGenerationService for MODEL_ID on a unix socket."""
-    from paged_backend.errors import InvalidRequest
+    from paged_backend.errors import InvalidRequest, PagedBackendError
     from paged_backend.models import resolve_device
+    from paged_backend.quantization import from_tgi
     from paged_backend.tgi.shard import tensor_parallel
     from paged_backend.tgi.shard.model import ShardModel
     from paged_backend.tgi.shard.server import serve as serve_shard
@@ -64,7 +67,6 @@ def serve(
         tensor_parallel.join_group(rank, resolve_device(device))
     given = {
         "--revision": revision,
-        "--quantize": quantize,
         "--speculate": speculate,
         "--trust-remote-code": trust_remote_code or None,
         "--json-output": json_output or None,
@@ -76,15 +78,21 @@ def serve(
         ignored.append(f"ATTENTION={os.environ['ATTENTION']} (this shard always runs paged attention)")
     if ignored:
         logger.warning("ignoring %s: no meaning for the paged-backend shard", ", ".join(ignored))
-    model = ShardModel(
-        model_to_load(model_id),
-        dtype=dtype or "auto",
-        device=device,
-        kv_cache_dtype=_kv_cache_dtype(kv_cache_dtype),
-        num_blocks=num_blocks,
-        memory_fraction=float(os.environ.get("CUDA_MEMORY_FRACTION", "1.0")),
-        rank=rank,
-    )
+    try:
+        quantization, quantization_param = from_tgi(quantize)
+        model = ShardModel(
+            model_to_load(model_id),
+            quantization=quantization,
+            quantization_param=quantization_param,
+            dtype=dtype or "auto",
+            device=device,
+            kv_cache_dtype=_kv_cache_dtype(kv_cache_dtype),
+            num_blocks=num_blocks,
+            memory_fraction=float(os.environ.get("CUDA_MEMORY_FRACTION", "1.0")),
+            rank=rank,
+        )
+    except PagedBackendError as error:  # a model or format this machine cannot run
+        raise typer.BadParameter(str(error)) from error
     # TGI's launcher exports PREFIX_CACHING; with it the router's radix allocator sends cache_len > 0.
     prefix_caching = os.environ.get("PREFIX_CACHING", "0").lower() in {"1", "true"}
     asyncio.run(
@@ -102,9 +110,7 @@ def serve(
 def _kv_cache_dtype(name: str | None) -> str:
     if name is None:
         return "auto"
-    if name == "fp8_e5m2":
-        raise typer.BadParameter("--kv-cache-dtype fp8_e5m2 is not supported; use fp8_e4m3fn")
-    return "fp8" if name in ("fp8", "fp8_e4m3fn") else name
+    return {"fp8_e4m3fn": "fp8"}.get(name, name)
 
 
 @app.command("download-weights")

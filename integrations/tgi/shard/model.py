@@ -24,9 +24,11 @@ from paged_backend.kv_cache import (
     PagedKVCache,
     available_memory,
     bytes_per_block,
+    check_kv_dtype_runs,
     num_blocks_for_budget,
     resolve_kv_dtype,
 )
+from paged_backend.model_support import check_runs_paged
 from paged_backend.models import load_model
 from paged_backend.tgi.shard.batch import ShardBatch, ShardRequest
 from paged_backend.tgi.shard.tensor_parallel import ShardRank
@@ -73,9 +75,14 @@ class ShardModel:
         block_size: int = 16,
         num_blocks: int | None = None,
         memory_fraction: float = 1.0,
+        quantization: str | None = None,
+        quantization_param: str | None = None,
         rank: ShardRank = ShardRank(),
     ) -> None:
-        model, self.tokenizer = load_model(model_id, dtype=dtype, device=device)
+        model, self.tokenizer = load_model(
+            model_id, dtype=dtype, device=device, quantization=quantization, quantization_param=quantization_param
+        )
+        check_runs_paged(model)
         model.set_attn_implementation(register_paged_attention())
         self.model = model.eval()
         text_config = model.config.get_text_config()
@@ -89,6 +96,7 @@ class ShardModel:
             self.num_kv_heads = local_num_kv_heads(text_config, rank.world_size)
         self.max_position_embeddings = getattr(text_config, "max_position_embeddings", 2048)
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, model.dtype)
+        check_kv_dtype_runs(self.kv_dtype, model.device, None)
         self.block_size = block_size
         self.requested_num_blocks = num_blocks
         self.memory_fraction = memory_fraction
