@@ -27,8 +27,8 @@ from paged_backend.kv_cache import (
     resolve_kv_dtype,
 )
 from paged_backend.kv_groups import kv_cache_groups, sliding_windows
-from paged_backend.kv_snapshot import KVHistory, pool_snapshot
 from paged_backend.kv_scales import start_calibration
+from paged_backend.kv_snapshot import KVHistory, pool_snapshot
 from paged_backend.model_support import check_runs_paged
 from paged_backend.models import load_model
 from paged_backend.offload import input_device, layer_devices
