@@ -71,12 +71,28 @@ def close_and_check(llm: LLM) -> None:
 OTHER_LAUNCHES: set[int] = set()  # pids of launchers a test started on purpose (torchrun nodes) and their trees
 
 
-def engine_processes() -> list[psutil.Process]:
-    """Processes the engines of this test process started (its descendants outside `OTHER_LAUNCHES`)."""
+def is_multiprocessing_helper(process: psutil.Process, root: int) -> bool:
+    """multiprocessing's own fork server and resource tracker (children of `root` itself): they live as long as
+    the interpreter that started them and leave with it, so they are no engine's leftovers. Worker ranks fork
+    from the fork server, so they share its command line but are its children, not `root`'s."""
+    try:
+        command = " ".join(process.cmdline())
+        parent = process.ppid()
+    except psutil.NoSuchProcess:
+        return False
+    helper = "multiprocessing.forkserver" in command or "multiprocessing.resource_tracker" in command
+    return helper and parent == root
+
+
+def engine_processes(root: int | None = None) -> list[psutil.Process]:
+    """Processes the engines of `root` (default: this test process) started: its descendants outside
+    `OTHER_LAUNCHES`, less multiprocessing's helpers."""
+    root = root or os.getpid()
     return [
         child
-        for child in psutil.Process(os.getpid()).children(recursive=True)
+        for child in psutil.Process(root).children(recursive=True)
         if not ({child.pid} | {parent.pid for parent in child.parents()}) & OTHER_LAUNCHES
+        and not is_multiprocessing_helper(child, root)
     ]
 
 

@@ -11,7 +11,7 @@ import openai
 import psutil
 import pytest
 
-from tests._distributed_helpers import MAX_TOKENS, PROMPTS, reference, save_models
+from tests._distributed_helpers import MAX_TOKENS, PROMPTS, engine_processes, reference, save_models
 from tests._server_helpers import running_server
 
 
@@ -36,7 +36,7 @@ def test_serve_tp2_greedy_equals_hf(server):
 
 
 def test_killed_worker_is_a_5xx_and_the_server_exits_nonzero(server):
-    [worker] = psutil.Process(server.process.pid).children()
+    [worker] = engine_processes(server.process.pid)
     client = server.client()
     model = client.models.list().data[0].id
     failures = []

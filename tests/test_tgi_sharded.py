@@ -19,6 +19,7 @@ from text_generation import Client
 
 from paged_backend.engine import LLM, SamplingParams
 from paged_backend.models import embedded_model
+from tests._distributed_helpers import engine_processes
 from tests._tgi_helpers import MAX_NEW_TOKENS, PROMPTS, ROUTER_ARGS, TgiServer, free_port, running, serving_in_thread
 
 
@@ -76,7 +77,7 @@ def test_launch_paged_num_shard_2_runs_the_engine_tensor_parallel():
     engine = backend.async_engine.engine
     try:
         assert engine.config.parallel.tensor_parallel_size == 2
-        workers = psutil.Process().children(recursive=True)
+        workers = engine_processes()
         assert workers  # the second rank runs in its own process
         with serving_in_thread(create_app(backend, router_settings(args, backend.max_model_len))) as url:
             tokens = client_tokens(url)

@@ -29,16 +29,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class MultiprocExecutor:
-    """Worker processes on this machine (torch.multiprocessing). Forked on CPU, where a fork shares the loaded
-    weights for free; spawned once CUDA is initialised (a CUDA context does not survive a fork)."""
+    """Worker processes on this machine (torch.multiprocessing), never forked from the driver itself: a fork of a
+    driver whose OpenMP pool, gRPC or server threads already ran can deadlock in the child (GNU OpenMP hangs at the
+    child's first parallel region), which is what any process that generated before building a parallel engine
+    is. On CPU they fork from multiprocessing's fork server, a clean process that imported the worker once, so
+    starts stay cheap; once CUDA is initialised they are spawned."""
 
     name = "mp"
 
     def start(self, config: EngineConfig, model, topology: Topology, device: torch.device) -> str:
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        method = "spawn" if torch.cuda.is_initialized() else "fork"
-        context = mp.get_context(method)
-        shared = model if method == "fork" or config.model is None else None  # spawned GPU ranks load their own
+        context = mp.get_context("spawn" if torch.cuda.is_initialized() else "forkserver")
+        if context.get_start_method() == "forkserver":
+            context.set_forkserver_preload(["paged_backend.distributed.worker"])
+        shared = model if config.model is None else None  # a model with a checkpoint is loaded by each rank
         self.processes = [
             context.Process(
                 target=worker_main,
