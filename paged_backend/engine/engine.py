@@ -48,6 +48,8 @@ class EngineStats:
     num_steps: int
     step_time: float  # seconds inside step()
     forward_time: float  # seconds inside the model forward
+    running_lora_adapters: tuple[str, ...] = ()  # adapters of running / waiting requests (vLLM's lora_requests_info)
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -400,6 +402,7 @@ class Engine:
             num_steps=counters["num_steps"],
             step_time=counters["step_time"],
             forward_time=counters["forward_time"],
+            **({} if self.lora is None else self.lora.adapters_in(scheduler)),
         )
 
 

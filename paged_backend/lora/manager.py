@@ -20,6 +20,11 @@ from paged_backend.lora.layers import SlotLayers
 from paged_backend.lora.request import LoRARequest
 
 
+def served_adapters(engine) -> dict[str, LoRAAdapter]:
+    """The adapters an engine serves by name (none when LoRA is disabled)."""
+    return {} if engine.lora is None else dict(engine.lora.adapters)
+
+
 class LoRAManager:
     def __init__(self, model: nn.Module, *, max_loras: int, max_lora_rank: int) -> None:
         self.model, self.max_loras, self.max_lora_rank = model, max_loras, max_lora_rank
@@ -39,16 +44,18 @@ class LoRAManager:
 
     # ------------------------------------------------------------- registry
     def load(self, lora_request: LoRARequest) -> LoRAAdapter:
-        """Load the adapter unless one of that name is loaded; raises `BadLoRAAdapter` saying what to fix."""
+        """The adapter of that name, read and registered first if needed; raises `BadLoRAAdapter`."""
         adapter = self.adapters.get(lora_request.lora_name)
-        if adapter is not None:
-            return adapter
+        return self.register(self.read(lora_request)) if adapter is None else adapter
+
+    def read(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """Read and check an adapter without registering it (safe off the engine thread: reads files only)."""
         if not lora_request.lora_path:
             raise BadLoRAAdapter(
                 f"LoRA adapter {lora_request.lora_name!r} is not loaded and the request gives no lora_path"
             )
         weight = next(p for p in self.model.parameters())
-        adapter = load_adapter(
+        return load_adapter(
             lora_request.lora_name,
             lora_request.lora_int_id,
             lora_request.lora_path,
@@ -57,22 +64,41 @@ class LoRAManager:
             dtype=weight.dtype,
             device=weight.device,
         )
+
+    def register(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        if adapter.name in self.adapters:
+            raise BadLoRAAdapter(f"a LoRA adapter named {adapter.name!r} is already loaded; unload it or rename")
         self.adapters[adapter.name] = adapter
         return adapter
 
-    def add(self, name: str, path: str) -> LoRAAdapter:
-        """Load a named adapter from a directory (server flags and runtime loading)."""
-        if name in self.adapters:
-            raise BadLoRAAdapter(f"a LoRA adapter named {name!r} is already loaded; unload it first or rename")
+    def request_for(self, name: str, path: str) -> LoRARequest:
+        """A LoRARequest with a fresh integer id, for adapters named by flags or runtime loading."""
         used = {adapter.int_id for adapter in self.adapters.values()}
         while self._next_int_id in used:
             self._next_int_id += 1
-        return self.load(LoRARequest(name, self._next_int_id, path))
+        self._next_int_id += 1
+        return LoRARequest(name, self._next_int_id - 1, path)
+
+    def add(self, name: str, path: str) -> LoRAAdapter:
+        """Load and register a named adapter from a directory."""
+        return self.register(self.read(self.request_for(name, path)))
 
     def remove(self, name: str) -> None:
         """Forget an adapter. Requests already running with it finish with it; new ones cannot name it."""
         if self.adapters.pop(name, None) is None:
             raise BadLoRAAdapter(f"no LoRA adapter named {name!r} is loaded; loaded: {sorted(self.adapters)}")
+
+    @staticmethod
+    def adapters_in(scheduler) -> dict[str, tuple[str, ...]]:
+        """Names of the adapters running (or swapped out) and waiting, for vLLM's `lora_requests_info`."""
+
+        def names(seqs) -> tuple[str, ...]:
+            return tuple(sorted({s.request.lora_adapter.name for s in seqs if s.request.lora_adapter is not None}))
+
+        return {
+            "running_lora_adapters": names(scheduler.running + scheduler.swapped),
+            "waiting_lora_adapters": names(scheduler.waiting),
+        }
 
     # ------------------------------------------------------------ scheduling
     def admits(self, adapter: LoRAAdapter | None, active: Iterable[LoRAAdapter | None]) -> bool:

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from paged_backend.errors import PagedBackendError
 from paged_backend.server import engine_args
-from paged_backend.server.engine_args import EngineArgs
+from paged_backend.server.engine_args import EngineArgs, set_lora_args
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # paged_backend.server.tool_parsers.TOOL_PARSERS' names
 
@@ -59,6 +59,13 @@ def serve(
     device: engine_args.Device = None,
     seed: engine_args.Seed = None,
     gpu_memory_utilization: engine_args.GpuMemoryUtilization = None,
+    enable_lora: engine_args.EnableLora = False,
+    max_loras: engine_args.MaxLoras = None,
+    max_lora_rank: engine_args.MaxLoraRank = None,
+    lora_modules: engine_args.LoraModules = None,
+    allow_runtime_lora_updating: Annotated[
+        bool, typer.Option(help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes)")
+    ] = False,
 ) -> None:
     """Serve OpenAI /v1/completions and /v1/chat/completions, /v1/models, vLLM's /tokenize, /detokenize and
     /version, /health and /metrics."""
@@ -79,6 +86,7 @@ def serve(
         gpu_memory_utilization=gpu_memory_utilization,
     )  # fmt: skip
     try:
+        set_lora_args(args, enable_lora, max_loras, max_lora_rank, lora_modules)
         engine = Engine(args.to_engine_config())
     except (PagedBackendError, ValidationError) as error:
         typer.echo(f"error: {error}", err=True)
@@ -88,6 +96,7 @@ def serve(
         max_request_body_bytes=max_request_body_bytes, drain_timeout=drain_timeout,
         served_model_name=served_model_name, strict_fields=strict_fields,
         enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+        allow_runtime_lora_updating=allow_runtime_lora_updating,
     )  # fmt: skip
     app = build_app(engine, settings)
     # The engine drains first; uvicorn's own timeout is only a backstop for connections that still hang.

@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 from paged_backend.engine.request import RequestOutput
 from paged_backend.server.async_engine import AsyncEngine
+from paged_backend.server.lora_metrics import lora_requests_info
 
 PREFIX = "paged_backend:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
@@ -38,6 +39,9 @@ class _EngineStatsCollector(Collector):
         }
         for name, (documentation, value) in counters.items():
             yield CounterMetricFamily(f"{PREFIX}{name}", documentation, value)
+        lora = self.async_engine.engine.lora
+        if lora is not None:
+            yield lora_requests_info(PREFIX, stats, lora.max_loras)
 
 
 class ServerMetrics:
