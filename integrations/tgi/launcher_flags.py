@@ -17,6 +17,7 @@ BACKENDS = ("paged", "reference", "grpc")
 ALL = frozenset(BACKENDS)
 ROUTER = frozenset({"grpc"})  # knobs of the batching loop, which only our Python router runs
 NONE: frozenset[str] = frozenset()
+PAGED = frozenset({"paged"})
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ FLAGS: list[Flag] = [
     Flag("--disable-custom-kernels", None, False, "custom CUDA kernels", NONE),
     Flag("--rope-scaling", str, None, "RoPE scaling", NONE),
     Flag("--rope-factor", float, None, "RoPE factor", NONE),
-    Flag("--lora-adapters", str, None, "LoRA adapters", NONE),
+    Flag("--lora-adapters", str, None, "LoRA adapters: id=path,... (requests pick one by adapter_id)", PAGED),
     Flag("--enable-prefill-logprobs", None, False, "prompt logprobs (always available here)", NONE),
     Flag("--watermark-gamma", float, None, "watermarking", NONE),
     Flag("--watermark-delta", float, None, "watermarking", NONE),
