@@ -2,7 +2,7 @@
 
 Everything is checked against the model before a request is queued: the files exist, the rank fits
 `max_lora_rank`, and every adapted module is a linear layer of the model. peft's scaling (`lora_alpha / r`, or
-`/ sqrt(r)` with rsLoRA, per-module `alpha_pattern`) is kept per module and applied after B, as peft does.
+`/ sqrt(r)` with rsLoRA, per-module `alpha_pattern`) is kept per module (the device slots fold it into B).
 """
 
 from __future__ import annotations

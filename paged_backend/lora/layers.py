@@ -1,9 +1,10 @@
 """Batched low-rank updates over a packed step in which every row may use a different adapter (or none).
 
 Each adapted linear layer keeps every device slot's A and B side by side (`A [slots * R, in]`,
-`B [out, slots * R]`, R = max_lora_rank, unused rank columns zero). A step then costs two matmuls per layer
-whatever its mix of adapters: shrink every row against all slots, zero the columns that are not the row's own
-slot, expand. The base projection runs once, shared, and is never modified.
+`B [out, slots * R]` with peft's scaling folded in, R = max_lora_rank, unused rank columns zero). A step then
+costs two matmuls per layer whatever its mix of adapters: shrink every row against the step's slots, zero the
+columns that are not the row's own slot, expand, add to the shared base projection's output. The base
+projection runs once and is never modified; base-only steps skip all of this.
 
 The update is a forward hook on the model's own `nn.Linear`s that does nothing unless its owner has a step
 active on this thread, so the model's plain `generate()` and other engines on the same object are unaffected.
@@ -21,10 +22,10 @@ from torch import nn
 
 @dataclass
 class StepRows:
-    """One step's rows: their slot (0 for base rows) and the mask that keeps each row's own slot columns."""
+    """One step's rows: the mask that keeps each row's own slot columns (none for base rows)."""
 
-    slots: torch.Tensor  # [T] long
-    mask: torch.Tensor  # [T, slots * R] in the model dtype: 1 on the row's slot columns, 0 elsewhere
+    mask: torch.Tensor  # [T, C] in the model dtype: 1 on the row's slot columns, 0 elsewhere
+    num_columns: int  # C: the columns of slots 0..highest slot in this step (fewer slots, less work)
 
 
 class LayerStack:
@@ -33,26 +34,23 @@ class LayerStack:
     def __init__(self, module: nn.Linear, num_slots: int, max_rank: int) -> None:
         options = dict(dtype=module.weight.dtype, device=module.weight.device)
         self.lora_a = torch.zeros(num_slots * max_rank, module.in_features, **options)
-        self.lora_b = torch.zeros(module.out_features, num_slots * max_rank, **options)
-        self.scaling = torch.zeros(num_slots, **options)
+        self.lora_b = torch.zeros(module.out_features, num_slots * max_rank, **options)  # scaling folded in
         self.max_rank = max_rank
 
     def clear(self, slot: int) -> None:
         columns = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
         self.lora_a[columns].zero_()
         self.lora_b[:, columns].zero_()
-        self.scaling[slot] = 0
 
     def write(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> None:
         start, rank = slot * self.max_rank, lora_a.shape[0]
         self.lora_a[start : start + rank].copy_(lora_a)
-        self.lora_b[:, start : start + rank].copy_(lora_b)
-        self.scaling[slot] = scaling
+        self.lora_b[:, start : start + rank].copy_(lora_b * scaling)
 
     def delta(self, x: torch.Tensor, rows: StepRows) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        shrunk = (flat @ self.lora_a.T) * rows.mask
-        return (shrunk @ self.lora_b.T) * self.scaling[rows.slots].unsqueeze(1)
+        flat, columns = x.reshape(-1, x.shape[-1]), rows.num_columns
+        shrunk = (flat @ self.lora_a[:columns].T) * rows.mask
+        return shrunk @ self.lora_b[:, :columns].T
 
 
 def _apply(owner_ref, stack: LayerStack, module, args, output):
@@ -85,10 +83,11 @@ class SlotLayers:
 
     def rows(self, token_slots: list[int], device, dtype) -> StepRows:
         """Rows for one step; `token_slots[t]` is the slot of packed row t, or -1 for the base model."""
+        num_columns = (max(token_slots) + 1) * self.max_rank
         slots = torch.tensor(token_slots, dtype=torch.long, device=device)
-        column_slot = torch.arange(self.num_slots * self.max_rank, device=device) // self.max_rank
+        column_slot = torch.arange(num_columns, device=device) // self.max_rank
         mask = (column_slot.unsqueeze(0) == slots.unsqueeze(1)).to(dtype)
-        return StepRows(slots.clamp(min=0), mask)
+        return StepRows(mask, num_columns)
 
 
 def _bind(owner_ref, stack: LayerStack):
