@@ -18,6 +18,10 @@ from paged_backend.config import EngineConfig
 Model = Annotated[
     str | None, typer.Option("--model", help="local directory or hub id; omit for the embedded tiny model")
 ]
+Models = Annotated[
+    list[str] | None,
+    typer.Option("--model", help="local directory or hub id, repeatable (several models); omit for the embedded one"),
+]
 BlockSize = Annotated[int | None, typer.Option("--block-size", help="tokens per KV block (power of two, 1..256)")]
 NumBlocks = Annotated[
     int | None, typer.Option("--num-blocks", help="KV pool size in blocks; overrides the memory budget")
