@@ -77,6 +77,24 @@ def test_32_concurrent_streams_across_both_models_finish(server):
         assert f'paged_backend:num_requests_running{{model_name="{name}"}}' in metrics
 
 
+def test_one_models_overload_never_starves_the_others_admission(server):
+    """Flood llama far past its 96-block pool; a qwen request is admitted and finishes meanwhile."""
+
+    async def run() -> tuple[float, float]:
+        client = server.async_client()
+        flood = [asyncio.ensure_future(client.completions.create(model="llama", prompt=PROMPT * 4, max_tokens=48,
+                                                                 temperature=0, extra_body={"ignore_eos": True}))
+                 for _ in range(24)]  # fmt: skip
+        await asyncio.sleep(0.5)
+        await client.completions.create(model="qwen", prompt=PROMPT, max_tokens=4, temperature=0)
+        qwen_done = asyncio.get_running_loop().time()
+        await asyncio.gather(*flood)
+        return qwen_done, asyncio.get_running_loop().time()
+
+    qwen_done, flood_done = asyncio.run(run())
+    assert qwen_done < flood_done  # answered while llama still worked through its backlog
+
+
 def test_an_unknown_model_gets_a_404_naming_the_served_ones(server):
     with pytest.raises(openai.NotFoundError) as caught:
         server.client().completions.create(model="gpt-4", prompt="hi", max_tokens=2)
