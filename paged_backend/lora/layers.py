@@ -53,14 +53,6 @@ class LayerStack:
         return shrunk @ self.lora_b[:, :columns].T
 
 
-def _apply(owner_ref, stack: LayerStack, module, args, output):
-    owner = owner_ref()
-    rows = None if owner is None else getattr(owner.local, "rows", None)
-    if rows is None:
-        return None
-    return output + stack.delta(args[0], rows).view_as(output)
-
-
 class SlotLayers:
     """The device slots of every adapted layer of one model, and the per-step rows the hooks read."""
 
@@ -78,7 +70,7 @@ class SlotLayers:
         for name, (lora_a, lora_b, scaling) in weights.items():
             if name not in self.stacks:
                 self.stacks[name] = stack = LayerStack(self.linears[name], self.num_slots, self.max_rank)
-                self._handles.append(self.linears[name].register_forward_hook(_bind(weakref.ref(self), stack)))
+                self._handles.append(self.linears[name].register_forward_hook(_hook(weakref.ref(self), stack)))
             self.stacks[name].write(slot, lora_a, lora_b, scaling)
 
     def rows(self, token_slots: list[int], device, dtype) -> StepRows:
@@ -90,8 +82,15 @@ class SlotLayers:
         return StepRows(mask, num_columns)
 
 
-def _bind(owner_ref, stack: LayerStack):
-    return lambda module, args, output: _apply(owner_ref, stack, module, args, output)
+def _hook(owner_ref, stack: LayerStack):
+    """A forward hook adding the step's low-rank update; it returns None (no change) outside its owner's steps."""
+
+    def hook(module, args, output):
+        owner = owner_ref()
+        rows = None if owner is None else getattr(owner.local, "rows", None)
+        return None if rows is None else output + stack.delta(args[0], rows).view_as(output)
+
+    return hook
 
 
 def _remove_hooks(handles: list) -> None:

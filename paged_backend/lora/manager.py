@@ -22,7 +22,7 @@ from paged_backend.lora.request import LoRARequest
 
 def served_adapters(engine) -> dict[str, LoRAAdapter]:
     """The adapters an engine serves by name (none when LoRA is disabled)."""
-    return {} if engine.lora is None else dict(engine.lora.adapters)
+    return {} if engine.lora is None else engine.lora.adapters
 
 
 class LoRAManager:
@@ -31,6 +31,8 @@ class LoRAManager:
         self.adapters: dict[str, LoRAAdapter] = {}  # loaded, by name
         self.slots: OrderedDict[int, int] = OrderedDict()  # load_id -> device slot, least recently used first
         self.layers = SlotLayers(model, max_loras, max_lora_rank)
+        weight = next(model.parameters())
+        self.device, self.dtype = weight.device, weight.dtype
         self._next_int_id = 1
 
     @classmethod
@@ -54,21 +56,20 @@ class LoRAManager:
             raise BadLoRAAdapter(
                 f"LoRA adapter {lora_request.lora_name!r} is not loaded and the request gives no lora_path"
             )
-        weight = next(p for p in self.model.parameters())
         return load_adapter(
             lora_request.lora_name,
             lora_request.lora_int_id,
             lora_request.lora_path,
             self.model,
             max_rank=self.max_lora_rank,
-            dtype=weight.dtype,
-            device=weight.device,
+            dtype=self.dtype,
+            device=self.device,
         )
 
     def register(self, adapter: LoRAAdapter) -> LoRAAdapter:
         if adapter.name in self.adapters:
             raise BadLoRAAdapter(f"a LoRA adapter named {adapter.name!r} is already loaded; unload it or rename")
-        self.adapters[adapter.name] = adapter
+        self.adapters = {**self.adapters, adapter.name: adapter}  # replaced, not mutated: servers read it unlocked
         return adapter
 
     def request_for(self, name: str, path: str) -> LoRARequest:
@@ -85,8 +86,9 @@ class LoRAManager:
 
     def remove(self, name: str) -> None:
         """Forget an adapter. Requests already running with it finish with it; new ones cannot name it."""
-        if self.adapters.pop(name, None) is None:
+        if name not in self.adapters:
             raise BadLoRAAdapter(f"no LoRA adapter named {name!r} is loaded; loaded: {sorted(self.adapters)}")
+        self.adapters = {key: value for key, value in self.adapters.items() if key != name}
 
     @staticmethod
     def adapters_in(scheduler) -> dict[str, tuple[str, ...]]:
@@ -122,8 +124,7 @@ class LoRAManager:
         token_slots: list[int] = []
         for adapter, num_rows in step_adapters:
             token_slots += [-1 if adapter is None else self.slots[adapter.load_id]] * num_rows
-        weight = next(p for p in self.model.parameters())
-        self.layers.local.rows = self.layers.rows(token_slots, weight.device, weight.dtype)
+        self.layers.local.rows = self.layers.rows(token_slots, self.device, self.dtype)
         try:
             yield
         finally:
