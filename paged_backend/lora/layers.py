@@ -47,10 +47,11 @@ class LayerStack:
         self.lora_a[start : start + rank].copy_(lora_a)
         self.lora_b[:, start : start + rank].copy_(lora_b * scaling)
 
-    def delta(self, x: torch.Tensor, rows: StepRows) -> torch.Tensor:
+    def add_to(self, output: torch.Tensor, x: torch.Tensor, rows: StepRows) -> torch.Tensor:
+        """`output + delta(x)`; the add is fused into the expand matmul."""
         flat, columns = x.reshape(-1, x.shape[-1]), rows.num_columns
-        shrunk = (flat @ self.lora_a[:columns].T) * rows.mask
-        return shrunk @ self.lora_b[:, :columns].T
+        shrunk = torch.mm(flat, self.lora_a[:columns].T).mul_(rows.mask)
+        return torch.addmm(output.reshape(-1, output.shape[-1]), shrunk, self.lora_b[:, :columns].T).view_as(output)
 
 
 class SlotLayers:
@@ -88,7 +89,7 @@ def _hook(owner_ref, stack: LayerStack):
     def hook(module, args, output):
         owner = owner_ref()
         rows = None if owner is None else getattr(owner.local, "rows", None)
-        return None if rows is None else output + stack.delta(args[0], rows).view_as(output)
+        return None if rows is None else stack.add_to(output, args[0], rows)
 
     return hook
 
