@@ -24,6 +24,8 @@ def test_a_config_file_lists_models_with_options_and_shares(tmp_path):
     engines = build_engines(base, specs)  # one 4 MiB budget split 3:1 between two copies of the embedded model
     blocks = {name: engine.block_manager.num_blocks for name, engine in engines.items()}
     assert blocks["a"] == pytest.approx(3 * blocks["b"], rel=0.02)
+    with pytest.raises(InvalidRequest, match="cannot read"):
+        model_specs(base, [], [], str(tmp_path / "absent.yaml"))
     flags = model_specs(base, ["/m/a", "/m/b"], ["a", "b"], None)  # --model A --model B --served-model-name ...
     assert [(s.name, s.config.model, s.share) for s in flags] == [("a", "/m/a", 1.0), ("b", "/m/b", 1.0)]
     with pytest.raises(InvalidRequest, match="must differ"):

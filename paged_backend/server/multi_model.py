@@ -46,15 +46,18 @@ class ModelSpec:
 def read_models_file(path: str) -> list[dict]:
     """`models:` (YAML) or `[[models]]` (TOML): each entry `model`, optional `served_model_name`, `share` and any
     engine option (`max_num_seqs`, `enable_lora`, `lora_modules`, ...)."""
-    text = Path(path).read_text()
-    if path.endswith(".toml"):
-        import tomllib
+    import yaml
 
-        document = tomllib.loads(text)
-    else:
-        import yaml
+    try:
+        text = Path(path).read_text()
+        if path.endswith(".toml"):
+            import tomllib
 
-        document = yaml.safe_load(text)
+            document = tomllib.loads(text)
+        else:
+            document = yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as error:
+        raise InvalidRequest(f"cannot read the models config {path}: {error}") from error
     models = (document or {}).get("models") if isinstance(document, dict) else None
     if not isinstance(models, list) or not models or not all(isinstance(m, dict) for m in models):
         raise InvalidRequest(f"{path}: give a non-empty `models` list of tables, each with at least `model`")
