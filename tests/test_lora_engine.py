@@ -3,6 +3,7 @@ generate per adapter; adapters never share prefix-cache KV; eviction under max_l
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -99,6 +100,14 @@ def test_the_callers_model_object_is_left_as_it_was(llama):
             input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False
         )
     assert plain[0, len(PROMPTS[1]) :].tolist() == expected[None][1]
+    # A second engine on the same object (its own adapters, or none) never sees the first one's updates.
+    other = LLM(model, tokenizer=byte_tokenizer(), enable_lora=True, max_loras=1, max_lora_rank=8, num_blocks=64)
+    [base, adapted] = other.generate([PROMPTS[1]] * 2, GREEDY, lora_request=[None, loras["attn4"]])
+    assert base.outputs[0].token_ids == expected[None][1] and adapted.outputs[0].token_ids == expected["attn4"][1]
+    hooks = sum(len(module._forward_hooks) for module in model.modules())
+    del llm, other
+    gc.collect()
+    assert hooks > 0 and sum(len(module._forward_hooks) for module in model.modules()) == 0  # gone with the engines
 
 
 def _broken(tmp_path, source, name, edit):
