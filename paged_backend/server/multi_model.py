@@ -103,7 +103,10 @@ class ModelRouter:
             return await self.shared(scope, receive, send)
         message = await receive()  # the guard hands over the whole body in one message
         body = message.get("body", b"")
-        name = _requested_model(body) or self.default
+        model, lora_name = _body_fields(body)
+        if model is None and lora_name is not None and self._app_for(lora_name) is not None:
+            model = lora_name  # /v1/unload_lora_adapter without `model`: the model that holds the adapter
+        name = model or self.default
         app = self._app_for(name)
         if app is None:
             served = ", ".join(f"'{n}'" for n in self._served_names())
@@ -131,13 +134,16 @@ class ModelRouter:
         return names
 
 
-def _requested_model(body: bytes) -> str | None:
+def _body_fields(body: bytes) -> tuple[str | None, str | None]:
+    """The JSON body's `model` and `lora_name` (None where absent or not strings)."""
     try:
         document = json.loads(body) if body else None
     except ValueError:
-        return None  # the model's own app answers the malformed body with its usual 400
-    model = document.get("model") if isinstance(document, dict) else None
-    return model if isinstance(model, str) else None
+        return None, None  # the model's own app answers the malformed body with its usual 400
+    if not isinstance(document, dict):
+        return None, None
+    model, lora_name = document.get("model"), document.get("lora_name")
+    return (model if isinstance(model, str) else None), (lora_name if isinstance(lora_name, str) else None)
 
 
 def _shared_app(apps: dict[str, FastAPI]) -> FastAPI:
