@@ -30,6 +30,8 @@ def test_a_config_file_lists_models_with_options_and_shares(tmp_path):
     assert [(s.name, s.config.model, s.share) for s in flags] == [("a", "/m/a", 1.0), ("b", "/m/b", 1.0)]
     with pytest.raises(InvalidRequest, match="must differ"):
         model_specs(base, ["x", "y"], ["same", "same"], None)
+    with pytest.raises(InvalidRequest, match="not both"):
+        model_specs(base, ["x"], [], str(yaml_file))
     with pytest.raises(InvalidRequest, match="one per model"):
         model_specs(base, ["x", "y"], ["only-one"], None)
 

@@ -218,6 +218,8 @@ def model_specs(base: EngineConfig, models: list[str], names: list[str], config_
     """Specs from repeated `--model` / `--served-model-name` (engine flags shared, equal shares) or a config file.
     A KV memory budget in `base` is the total that `build_engines` splits, so no model inherits it whole."""
     base = base.model_copy(update={"cache": base.cache.model_copy(update={"kv_cache_memory_bytes": None})})
+    if config_file is not None and (models or names):
+        raise InvalidRequest("give the models either with --model / --served-model-name or in --config, not both")
     if config_file is not None:
         specs = []
         for entry in read_models_file(config_file):
