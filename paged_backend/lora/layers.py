@@ -31,8 +31,8 @@ class StepRows:
 class LayerStack:
     """All slots' weights for one linear layer."""
 
-    def __init__(self, module: nn.Linear, num_slots: int, max_rank: int) -> None:
-        options = dict(dtype=module.weight.dtype, device=module.weight.device)
+    def __init__(self, module: nn.Linear, num_slots: int, max_rank: int, like: torch.Tensor) -> None:
+        options = dict(dtype=like.dtype, device=like.device)  # the adapter's, not a quantized weight's dtype
         self.lora_a = torch.zeros(num_slots * max_rank, module.in_features, **options)
         self.lora_b = torch.zeros(module.out_features, num_slots * max_rank, **options)  # scaling folded in
         self.max_rank = max_rank
@@ -70,7 +70,7 @@ class SlotLayers:
             stack.clear(slot)
         for name, (lora_a, lora_b, scaling) in weights.items():
             if name not in self.stacks:
-                self.stacks[name] = stack = LayerStack(self.linears[name], self.num_slots, self.max_rank)
+                self.stacks[name] = stack = LayerStack(self.linears[name], self.num_slots, self.max_rank, lora_a)
                 self._handles.append(self.linears[name].register_forward_hook(_hook(weakref.ref(self), stack)))
             self.stacks[name].write(slot, lora_a, lora_b, scaling)
 
