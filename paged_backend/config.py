@@ -75,6 +75,10 @@ class EngineConfig(_Config):
     offload_folder: str | None = Field(None, description="where disk-offloaded weights go (non-safetensors)")
     seed: int = 0
     attention_backend: Literal["auto", "torch", "cpu", "triton", "cuda"] = "auto"
+    enable_lora: bool = False
+    max_loras: int = Field(1, ge=1, description="most LoRA adapters in one step (device slots, evicted LRU)")
+    max_lora_rank: int = Field(16, ge=1, description="largest LoRA rank accepted")
+    lora_modules: dict[str, str] = Field(default_factory=dict, description="adapter name -> peft directory")
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)

@@ -23,3 +23,7 @@ class BackendUnavailable(PagedBackendError):
 
 class UnsupportedModel(PagedBackendError):
     """The model uses a feature paged attention does not implement."""
+
+
+class BadLoRAAdapter(InvalidRequest):
+    """A LoRA adapter is missing, malformed, too large for `max_lora_rank`, or targets modules the model lacks."""

@@ -17,6 +17,7 @@ import sys
 
 from paged_backend.errors import PagedBackendError
 from paged_backend.tgi.launcher_flags import ignored_flags, parse_flags
+from paged_backend.tgi.lora import lora_options
 from paged_backend.tgi.settings import RouterSettings, model_to_load
 
 logger = logging.getLogger("paged_backend.tgi")
@@ -52,6 +53,8 @@ def engine_config(args: argparse.Namespace):
     config = engine_args.to_engine_config()
     config.tokenizer = args.tokenizer_name
     config.parallel.tensor_parallel_size = num_shards(args) or 1
+    for name, value in lora_options(args.lora_adapters).items():
+        setattr(config, name, value)
     if args.kv_cache_dtype:
         config.cache.cache_dtype = _kv_cache_dtype(args.kv_cache_dtype)
     return config

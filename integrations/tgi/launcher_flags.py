@@ -19,6 +19,7 @@ ROUTER = frozenset({"grpc"})  # knobs of the batching loop, which only our Pytho
 SHARDED = frozenset({"paged", "grpc"})  # backends that run tensor-parallel shards
 LOADERS = frozenset({"paged", "reference"})  # backends that load the weights in this process
 NONE: frozenset[str] = frozenset()
+PAGED = frozenset({"paged"})
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ FLAGS: list[Flag] = [
     Flag("--disable-custom-kernels", None, False, "custom CUDA kernels", NONE),
     Flag("--rope-scaling", str, None, "RoPE scaling", NONE),
     Flag("--rope-factor", float, None, "RoPE factor", NONE),
-    Flag("--lora-adapters", str, None, "LoRA adapters", NONE),
+    Flag("--lora-adapters", str, None, "LoRA adapters: id=path,... (requests pick one by adapter_id)", PAGED),
     Flag("--enable-prefill-logprobs", None, False, "prompt logprobs (always available here)", NONE),
     Flag("--watermark-gamma", float, None, "watermarking", NONE),
     Flag("--watermark-delta", float, None, "watermarking", NONE),

@@ -10,6 +10,7 @@ from paged_backend.errors import InvalidRequest, PromptTooLong
 from paged_backend.server.async_engine import AsyncEngine, EngineNotRunning, EngineStepFailed, RequestAborted
 from paged_backend.tgi.backend import BackendEvent, BackendLoad, GeneratedToken, PrefillTokens
 from paged_backend.tgi.errors import GenerationError, OverloadedError, ValidationError
+from paged_backend.tgi.lora import lora_request
 from paged_backend.tgi.metrics import TgiMetrics
 from paged_backend.tgi.sampling import finish_reason, sampling_params, top_tokens
 from paged_backend.tgi.validation import ValidRequest
@@ -25,6 +26,7 @@ class PagedBackend:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self._request_ids = itertools.count()
+        self.model_id = engine.config.model
         self._running = False
 
     async def start(self, metrics: TgiMetrics) -> None:
@@ -54,7 +56,10 @@ class PagedBackend:
             request.parameters, request.stopping, request.top_n_tokens, prefill_logprobs=request.decoder_input_details
         )
         request_id = f"tgi-{next(self._request_ids)}"
-        outputs = self.async_engine.generate(request_id, sampling_params=params, prompt_token_ids=request.input_ids)
+        lora = lora_request(self.async_engine.engine, request.adapter_id, self.model_id)
+        outputs = self.async_engine.generate(
+            request_id, sampling_params=params, prompt_token_ids=request.input_ids, lora_request=lora
+        )
         num_sent = 0
         prefill_pending = request.decoder_input_details
         try:

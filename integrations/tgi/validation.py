@@ -54,6 +54,7 @@ class ValidRequest:
     decoder_input_details: bool = False
     # Best-of requests sample several candidates; the face keeps the most likely one.
     best_of: int = 1
+    adapter_id: str | None = None  # a LoRA adapter loaded with --lora-adapters; None = the base model
 
     @property
     def input_length(self) -> int:
@@ -167,4 +168,5 @@ def validate(
         top_n_tokens=params.top_n_tokens or 0,
         decoder_input_details=params.decoder_input_details,
         best_of=params.best_of or 1,
+        adapter_id=params.adapter_id,
     )

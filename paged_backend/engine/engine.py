@@ -29,6 +29,7 @@ from paged_backend.kv_cache import (
 from paged_backend.kv_groups import kv_cache_groups, sliding_windows
 from paged_backend.kv_scales import start_calibration
 from paged_backend.kv_snapshot import KVHistory, pool_snapshot
+from paged_backend.lora import LoRAManager, LoRARequest
 from paged_backend.model_support import check_runs_paged
 from paged_backend.models import load_model
 from paged_backend.offload import input_device, layer_devices
@@ -54,6 +55,8 @@ class EngineStats:
     num_steps: int
     step_time: float  # seconds inside step()
     forward_time: float  # seconds inside the model forward
+    running_lora_adapters: tuple[str, ...] = ()  # adapters of running / waiting requests (vLLM's lora_requests_info)
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -111,6 +114,9 @@ class Engine:
         check_kv_dtype_runs(kv_dtype, device, config.attention_backend)
         if cache.calculate_kv_scales and config.parallel.world_size > 1:
             raise InvalidRequest("calculate_kv_scales runs in one process only; drop it or use tensor/pipeline size 1")
+        if config.enable_lora and config.parallel.world_size > 1:  # refused before any worker starts
+            raise InvalidRequest("LoRA adapters run in one process (their weights are not sharded yet); use "
+                                 "tensor_parallel_size=1 and pipeline_parallel_size=1 with enable_lora")
         self.parallel = None
         if config.parallel.world_size > 1:  # rank 0 of a TP x PP group: its shard, its per-rank pool, the workers
             from paged_backend.distributed.driver import ParallelDriver
@@ -147,6 +153,9 @@ class Engine:
             self.runner = ModelRunner(model, self.kv_cache, self.block_manager, backend)
         else:
             self.runner = self.parallel.runner(self.block_manager, backend)
+        self.lora = LoRAManager.for_engine(config, model, self.runner, self.scheduler) if config.enable_lora else None
+        if config.lora_modules and self.lora is None:
+            raise InvalidRequest("lora_modules were given but LoRA is disabled; set enable_lora=True (--enable-lora)")
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=device)
         self.requests: dict[str, Request] = {}
@@ -204,8 +213,11 @@ class Engine:
         *,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request. Bad input raises `InvalidRequest` / `PromptTooLong` at once and queues nothing."""
+        """Queue a request. Bad input raises `InvalidRequest` / `PromptTooLong` at once and queues nothing.
+
+        `lora_request` runs the request with that adapter (loaded here, before anything is queued)."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use; give each request a unique id")
         params = sampling_params or SamplingParams()
@@ -235,12 +247,22 @@ class Engine:
                 f"(prompt plus at least one generated token): shorten the prompt or raise max_model_len, the KV "
                 f"pool, or (without chunked prefill) max_num_batched_tokens"
             )
+        adapter = self._lora_adapter(lora_request)
         request = Request(request_id, prompt, prompt_token_ids, params, priority, next(self._arrivals))
+        request.lora_adapter = adapter
         request.bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
         request.seqs.append(Sequence(request, 0))
         request.seqs[0].grammar = grammar
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
+
+    def _lora_adapter(self, lora_request: LoRARequest | None):
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise InvalidRequest(f"LoRA adapter {lora_request.lora_name!r} asked for but LoRA is disabled; "
+                                 "start the engine with enable_lora=True (--enable-lora)")
+        return self.lora.load(lora_request)
 
     @property
     def vocab_size(self) -> int:
@@ -445,6 +467,7 @@ class Engine:
             num_steps=counters["num_steps"],
             step_time=counters["step_time"],
             forward_time=counters["forward_time"],
+            **({} if self.lora is None else self.lora.adapters_in(scheduler)),
         )
 
 
@@ -477,10 +500,12 @@ class LLM:
         *,
         priority: list[int] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in input order.
 
         `priority` (one per prompt, smaller first) matters with the "priority" scheduling policy.
+        `lora_request`: one adapter for all prompts, or one (or None for the base model) per prompt.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -488,12 +513,16 @@ class LLM:
         if len(params) != len(prompts):
             raise InvalidRequest(f"{len(params)} sampling params for {len(prompts)} prompts; give one or one each")
         priority = priority or [0] * len(prompts)
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise InvalidRequest(f"{len(loras)} lora requests for {len(prompts)} prompts; give one or one each")
         ids: list[str] = []
         try:
-            for prompt, param, rank in zip(prompts, params, priority, strict=True):
+            for prompt, param, rank, lora in zip(prompts, params, priority, loras, strict=True):
                 request_id = str(next(self._ids))
                 text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
-                self.engine.add_request(request_id, text, param, prompt_token_ids=token_ids, priority=rank)
+                self.engine.add_request(request_id, text, param, prompt_token_ids=token_ids, priority=rank,
+                                        lora_request=lora)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:  # all or nothing: a bad prompt leaves no half-queued batch behind

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_backend.errors import InvalidRequest
+from paged_backend.lora.adapter import LoRAAdapter
 from paged_backend.structured.params import StructuredOutputsParams
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample as argmax (as vLLM does)
@@ -251,6 +252,7 @@ class Request:
     finished: bool = False
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled while the prompt is computed
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    lora_adapter: LoRAAdapter | None = None  # the loaded adapter this request runs with; None = base model
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:
@@ -260,6 +262,11 @@ class Request:
     def reads_prefix_cache(self) -> bool:
         """Prompt logprobs need logits at every prompt position, which a cached prefix never produced."""
         return self.prompt_logprobs is None or len(self.prompt_logprobs) >= len(self.prompt_token_ids)
+
+    @property
+    def prefix_cache_key(self) -> int | None:
+        """Extra key of this request's prefix-cache blocks: KV computed under one adapter never serves another."""
+        return None if self.lora_adapter is None else self.lora_adapter.load_id
 
     def output(self) -> RequestOutput:
         seqs = self.seqs

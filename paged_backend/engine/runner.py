@@ -56,6 +56,7 @@ class ModelRunner:
         self.block_manager = block_manager
         self.attention_backend = attention_backend
         self.device = kv_cache.device
+        self.lora = None  # a LoRAManager when adapters are enabled: it tells the layers each packed row's adapter
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor, PagedMetadata, list[int]]:
         """Flatten the step into input ids, positions, paged metadata and the rows whose logits are kept."""
@@ -104,7 +105,10 @@ class ModelRunner:
         """One packed forward. Returns float32 logits `[num_sampling_sequences + len(extra_rows), vocab]`: the
         sampling sequences' last positions, then the packed `extra_rows` (prompt logprobs)."""
         ids, positions, metadata, sample_rows = self.prepare(scheduled)
-        return self.forward(ids, positions, metadata, sample_rows + list(extra_rows))
+        if self.lora is None:
+            return self.forward(ids, positions, metadata, sample_rows + list(extra_rows))
+        with self.lora.activate([(item.seq.request.lora_adapter, item.num_tokens) for item in scheduled]):
+            return self.forward(ids, positions, metadata, sample_rows + list(extra_rows))
 
     @torch.inference_mode()
     def forward(self, ids, positions, metadata: PagedMetadata, rows: list[int]) -> torch.Tensor:

@@ -52,6 +52,7 @@ class Scheduler:
         self.swapped: list[Sequence] = []  # kept sorted by `key`
         self.num_preemptions = 0
         self.num_split_prefills = 0  # prefill chunks that stopped before the end of their prompt
+        self.admits_adapter = None  # LoRAManager.admits when adapters are enabled: caps adapters running at once
 
     def key(self, seq: Sequence) -> tuple[int, int, int]:
         """Smaller = served first, preempted last."""
@@ -176,10 +177,15 @@ class Scheduler:
                 break
             if not self.config.enable_chunked_prefill and seq.num_tokens > budget:
                 break
-            lookup = seq.request.reads_prefix_cache
-            if not manager.can_allocate(seq.token_ids, lookup=lookup):
+            adapter = seq.request.lora_adapter
+            if adapter is not None and not self.admits_adapter(
+                adapter, [s.request.lora_adapter for s in self.running + self.swapped]
+            ):
+                break
+            lookup, extra_keys = seq.request.reads_prefix_cache, seq.request.prefix_cache_key
+            if not manager.can_allocate(seq.token_ids, extra_keys, lookup=lookup):
                 break
             self.waiting.pop(0)
-            seq.num_computed_tokens = manager.allocate(seq.seq_id, seq.token_ids, lookup=lookup)
+            seq.num_computed_tokens = manager.allocate(seq.seq_id, seq.token_ids, extra_keys, lookup=lookup)
             seq.status = SequenceStatus.RUNNING
             budget -= self._reserve_and_schedule(seq, min(seq.num_tokens - seq.num_computed_tokens, budget), out)

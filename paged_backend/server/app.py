@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from paged_backend import __version__
-from paged_backend.server import chat, completions, debug_routes, system_routes, utility_routes
+from paged_backend.server import chat, completions, debug_routes, lora_routes, system_routes, utility_routes
 from paged_backend.server.async_engine import AsyncEngine
 from paged_backend.server.guard import RequestGuard
 from paged_backend.server.metrics import ServerMetrics
@@ -54,6 +54,8 @@ def build_app(engine: Engine, settings: ServerSettings, tracer: RequestTracer | 
         app.include_router(module.router)
     if settings.enable_debug_routes:
         app.include_router(debug_routes.router)
+    if lora_routes.runtime_updating_allowed(settings.allow_runtime_lora_updating):
+        app.include_router(lora_routes.router)
     app.add_middleware(FieldPolicy, strict=settings.strict_fields)
     app.add_middleware(
         RequestGuard,

@@ -25,6 +25,7 @@ from paged_backend.errors import InvalidRequest, PagedBackendError
 
 if TYPE_CHECKING:
     from paged_backend.engine import Engine, EngineStats
+    from paged_backend.lora import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class AsyncEngine:
         *,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its cumulative outputs until it finishes.
 
@@ -107,7 +109,7 @@ class AsyncEngine:
         try:
             try:
                 await self._call_on_engine_thread(
-                    lambda: self._add(request_id, prompt, sampling_params, prompt_token_ids, priority)
+                    lambda: self._add(request_id, prompt, sampling_params, prompt_token_ids, priority, lora_request)
                 )
             except PagedBackendError:
                 finished = True  # rejected: nothing was queued, nothing to abort
@@ -127,6 +129,10 @@ class AsyncEngine:
                 self._idle.set()
             if not finished:
                 self.abort(request_id)
+
+    async def run_on_engine_thread(self, function: Callable[[], Any]) -> Any:
+        """Run `function` between two engine steps (it may change the engine) and return its result."""
+        return await self._call_on_engine_thread(function)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent); its blocks are freed at the next turn of the engine thread."""
@@ -207,9 +213,14 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _add(self, request_id, prompt, sampling_params, prompt_token_ids, priority) -> None:
+    def _add(self, request_id, prompt, sampling_params, prompt_token_ids, priority, lora_request) -> None:
         self.engine.add_request(
-            request_id, prompt, sampling_params, prompt_token_ids=prompt_token_ids, priority=priority
+            request_id,
+            prompt,
+            sampling_params,
+            prompt_token_ids=prompt_token_ids,
+            priority=priority,
+            lora_request=lora_request,
         )
         self._live_request_ids.add(request_id)
 

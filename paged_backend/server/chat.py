@@ -34,7 +34,7 @@ TEMPLATE_ARGUMENTS = frozenset(
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, server: ServerState = Depends(server_state)
 ) -> Response:
-    server.check_model(body.model)
+    lora_request = server.check_model(body.model)
     if body.stream and body.prompt_logprobs is not None:
         raise InvalidRequest("prompt_logprobs cannot be streamed on chat (as in vLLM); drop stream or prompt_logprobs")
     plan = tool_call_plan(server, body)
@@ -46,7 +46,7 @@ async def create_chat_completion(
     params = chat_sampling_params(body, plan, max_tokens)
     check_streamable(params, body.stream, body.best_of)
     generation = Generation(server.async_engine, server.metrics, "chatcmpl", body.request_id)
-    await cancel_on_disconnect(request, generation.start([prompt], params, body.priority))
+    await cancel_on_disconnect(request, generation.start([prompt], params, body.priority, lora_request))
     formatter = _ChatFormatter(server, body, generation.id, plan)
     if body.stream:
         chunks = sse.event_stream(_chunks(generation, formatter, body))

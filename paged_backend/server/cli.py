@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from paged_backend.errors import PagedBackendError
 from paged_backend.server import engine_args
-from paged_backend.server.engine_args import EngineArgs
+from paged_backend.server.engine_args import EngineArgs, set_lora_args
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # paged_backend.server.tool_parsers.TOOL_PARSERS' names
 
@@ -33,7 +33,9 @@ def serve(
     drain_timeout: Annotated[
         float, typer.Option(min=0, help="seconds in-flight requests get to finish on shutdown before being aborted")
     ] = 10.0,
-    served_model_name: Annotated[str | None, typer.Option(help="model name in the API; default: --model")] = None,
+    served_model_name: Annotated[
+        list[str] | None, typer.Option(help="model name in the API, one per --model; default: --model")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
     strict_fields: Annotated[
         bool, typer.Option(help="answer 400 to request fields this server does not know, instead of a logged warning")
@@ -53,7 +55,10 @@ def serve(
     enable_debug_routes: Annotated[
         bool, typer.Option(help="serve GET /debug/kv, the KV pool block by block (what `paged-backend kv-map` draws)")
     ] = False,
-    model: engine_args.Model = None,
+    model: engine_args.Models = None,
+    config: Annotated[
+        str | None, typer.Option(help="YAML or TOML file listing the models to serve and their engine options")
+    ] = None,
     block_size: engine_args.BlockSize = None,
     num_blocks: engine_args.NumBlocks = None,
     max_num_seqs: engine_args.MaxNumSeqs = None,
@@ -77,6 +82,13 @@ def serve(
     quantization_param: engine_args.QuantizationParam = None,
     kv_cache_dtype: engine_args.KvCacheDtype = None,
     calculate_kv_scales: engine_args.CalculateKvScales = None,
+    enable_lora: engine_args.EnableLora = False,
+    max_loras: engine_args.MaxLoras = None,
+    max_lora_rank: engine_args.MaxLoraRank = None,
+    lora_modules: engine_args.LoraModules = None,
+    allow_runtime_lora_updating: Annotated[
+        bool, typer.Option(help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes)")
+    ] = False,
 ) -> None:
     """Serve OpenAI /v1/completions and /v1/chat/completions, /v1/models, vLLM's /tokenize, /detokenize and
     /version, /health and /metrics."""
@@ -85,13 +97,15 @@ def serve(
     from paged_backend.engine import Engine
     from paged_backend.server.app import build_app
     from paged_backend.server.draining_server import DrainingServer
+    from paged_backend.server.multi_model import build_engines, build_multi_model_app, model_specs
     from paged_backend.server.state import ServerSettings
 
     if enable_auto_tool_choice and tool_call_parser is None:
         typer.echo("error: --enable-auto-tool-choice needs --tool-call-parser NAME (the format to parse)", err=True)
         raise typer.Exit(2)
+    models, names = model or [], served_model_name or []
     args = EngineArgs(
-        model=model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+        model=models[0] if len(models) == 1 else None, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, swap_space=swap_space,
         enable_prefix_caching=enable_prefix_caching, dtype=dtype, device=device, seed=seed,
         gpu_memory_utilization=gpu_memory_utilization, device_map=device_map, max_memory=max_memory,
@@ -100,31 +114,43 @@ def serve(
         distributed_timeout_seconds=distributed_timeout_seconds, quantization=quantization,
         quantization_param=quantization_param, cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
     )  # fmt: skip
+    engine = engines = None
     try:
-        engine = Engine(args.to_engine_config())
+        set_lora_args(args, enable_lora, max_loras, max_lora_rank, lora_modules)
+        if config is None and len(models) <= 1 and len(names) <= 1:
+            engine = Engine(args.to_engine_config())
+        else:  # several models: one engine and KV pool each, sharing one budget
+            base = args.to_engine_config()
+            engines = build_engines(base, model_specs(base, models, names, config))
     except (PagedBackendError, ValidationError) as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from error
     settings = ServerSettings(
         api_key=api_key, max_concurrent_requests=max_concurrent_requests,
         max_request_body_bytes=max_request_body_bytes, drain_timeout=drain_timeout,
-        served_model_name=served_model_name, strict_fields=strict_fields,
+        served_model_name=names[0] if names else None, strict_fields=strict_fields,
         enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
         otlp_traces_endpoint=otlp_traces_endpoint,
         enable_debug_routes=enable_debug_routes,
+        allow_runtime_lora_updating=allow_runtime_lora_updating,
     )  # fmt: skip
     try:
-        app = build_app(engine, settings)
+        if engines is None:
+            app = build_app(engine, settings)
+            draining = app.state.server.async_engine
+        else:
+            app = draining = build_multi_model_app(engines, settings)
     except RuntimeError as error:  # tracing asked for without the SDK, or an unknown OTLP protocol
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from error
     # The engine drains first; uvicorn's own timeout is only a backstop for connections that still hang.
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    server = DrainingServer(config, app.state.server.async_engine, drain_timeout)
+    server_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = DrainingServer(server_config, draining, drain_timeout)
     try:
         server.run()
     finally:
-        engine.close()  # stops the worker ranks of a parallel engine
+        for each in [engine] if engines is None else engines.values():
+            each.close()  # stops the worker ranks of a parallel engine
     if server.exit_code:
         raise typer.Exit(server.exit_code)
 

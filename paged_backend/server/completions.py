@@ -30,7 +30,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 async def create_completion(
     body: CompletionRequest, request: Request, server: ServerState = Depends(server_state)
 ) -> Response:
-    server.check_model(body.model)
+    lora_request = server.check_model(body.model)
     prompts = [
         server.tokenizer(p, add_special_tokens=body.add_special_tokens).input_ids if isinstance(p, str) else p
         for p in body.prompts()
@@ -46,7 +46,7 @@ async def create_completion(
     params = completion_sampling_params(body, max_tokens)
     check_streamable(params, body.stream, body.best_of)
     generation = Generation(server.async_engine, server.metrics, "cmpl", body.request_id)
-    await cancel_on_disconnect(request, generation.start(prompts, params, body.priority))
+    await cancel_on_disconnect(request, generation.start(prompts, params, body.priority, lora_request))
     sent_as_text = [p if isinstance(p, str) and body.truncate_prompt_tokens is None else None for p in body.prompts()]
     formatter = _ChoiceFormatter(server, body, generation, sent_as_text)
     if body.stream:

@@ -18,6 +18,10 @@ from paged_backend.config import EngineConfig
 Model = Annotated[
     str | None, typer.Option("--model", help="local directory or hub id; omit for the embedded tiny model")
 ]
+Models = Annotated[
+    list[str] | None,
+    typer.Option("--model", help="local directory or hub id, repeatable (several models); omit for the embedded one"),
+]
 BlockSize = Annotated[int | None, typer.Option("--block-size", help="tokens per KV block (power of two, 1..256)")]
 NumBlocks = Annotated[
     int | None, typer.Option("--num-blocks", help="KV pool size in blocks; overrides the memory budget")
@@ -49,6 +53,13 @@ CalculateKvScales = Annotated[
 ]
 GpuMemoryUtilization = Annotated[
     float | None, typer.Option("--gpu-memory-utilization", help="fraction of free device memory for the KV pool")
+]
+EnableLora = Annotated[bool, typer.Option("--enable-lora", help="serve LoRA adapters (vLLM's flag)")]
+MaxLoras = Annotated[int | None, typer.Option("--max-loras", help="most LoRA adapters in one batch")]
+MaxLoraRank = Annotated[int | None, typer.Option("--max-lora-rank", help="largest LoRA rank accepted")]
+LoraModules = Annotated[
+    list[str] | None,
+    typer.Option("--lora-modules", help='adapter as name=path or {"name":..,"path":..}; repeatable'),
 ]
 
 # Bigger than one device, through accelerate (paged_backend.offload).
@@ -113,9 +124,21 @@ class EngineArgs:
     quantization_param: str | None = None
     cache_dtype: str | None = None  # --kv-cache-dtype
     calculate_kv_scales: bool | None = None
+    enable_lora: bool | None = None
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    lora_modules: dict[str, str] | None = None
 
     def to_engine_config(self) -> EngineConfig:
         """The config with every given flag set on the field of the same name."""
         from paged_backend.engine import engine_config  # the engine (transformers models) loads only when used
 
         return engine_config(**{name: value for name, value in asdict(self).items() if value is not None})
+
+
+def set_lora_args(args: EngineArgs, enable_lora, max_loras, max_lora_rank, lora_modules: list[str] | None) -> None:
+    """The LoRA flags onto `args`; `--lora-modules` values are parsed (raises InvalidRequest on a bad one)."""
+    from paged_backend.lora.request import parse_lora_modules
+
+    args.enable_lora, args.max_loras, args.max_lora_rank = enable_lora or None, max_loras, max_lora_rank
+    args.lora_modules = parse_lora_modules(lora_modules) if lora_modules else None

@@ -92,13 +92,20 @@ class Generation:
         self._final: dict[int, RequestOutput] = {}
         self._n = 1
 
-    async def start(self, prompts: list[str | list[int]], params: SamplingParams, priority: int = 0) -> None:
+    async def start(
+        self, prompts: list[str | list[int]], params: SamplingParams, priority: int = 0, lora_request=None
+    ) -> None:
         """Add every prompt and wait for its first output, so bad input fails before any response byte."""
         self._n = params.n
         for index, prompt in enumerate(prompts):
             text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
             stream = self.async_engine.generate(
-                f"{self.id}-{index}-{self._engine_id}", text, params, prompt_token_ids=token_ids, priority=priority
+                f"{self.id}-{index}-{self._engine_id}",
+                text,
+                params,
+                prompt_token_ids=token_ids,
+                priority=priority,
+                lora_request=lora_request,
             )
             self._streams.append(self.metrics.track(stream, params))
         firsts = [asyncio.ensure_future(anext(stream)) for stream in self._streams]

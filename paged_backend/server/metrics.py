@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from paged_backend.engine.request import RequestOutput, SamplingParams
 from paged_backend.server.async_engine import AsyncEngine
+from paged_backend.server.lora_metrics import lora_requests_info
 from paged_backend.tracing import RequestTiming, RequestTracer
 
 PREFIX = "paged_backend:"
@@ -40,6 +41,9 @@ class _EngineStatsCollector(Collector):
         }
         for name, (documentation, value) in counters.items():
             yield CounterMetricFamily(f"{PREFIX}{name}", documentation, value)
+        lora = self.async_engine.engine.lora
+        if lora is not None:
+            yield lora_requests_info(PREFIX, stats, lora.max_loras)
 
 
 class ServerMetrics:

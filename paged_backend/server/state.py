@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from fastapi import Request
 from transformers import PreTrainedTokenizerBase
 
+from paged_backend.lora import LoRARequest
+from paged_backend.lora.manager import served_adapters
 from paged_backend.server.async_engine import AsyncEngine
 from paged_backend.server.metrics import ServerMetrics
 from paged_backend.server.openai_errors import ModelNotFound
@@ -28,6 +30,7 @@ class ServerSettings:
     tool_call_parser: str | None = None  # which format "auto" parses: hermes, llama3_json or mistral
     otlp_traces_endpoint: str | None = None  # OTLP collector for one span per request (vLLM's flag)
     enable_debug_routes: bool = False  # GET /debug/kv (the KV pool map's data); off: 404
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's)
 
 
 @dataclass
@@ -45,10 +48,16 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.async_engine.engine.max_model_len
 
-    def check_model(self, requested: str | None) -> None:
-        """OpenAI answers 404 model_not_found for a model it does not serve; omitting it means ours."""
-        if requested is not None and requested != self.model_name:
-            raise ModelNotFound(f"model '{requested}' is not served here; this server serves '{self.model_name}'")
+    def check_model(self, requested: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model, also when omitted). OpenAI answers 404
+        model_not_found for a model it does not serve."""
+        if requested is None or requested == self.model_name:
+            return None
+        adapter = served_adapters(self.async_engine.engine).get(requested)
+        if adapter is None:
+            served = ", ".join(f"'{name}'" for name in [self.model_name, *served_adapters(self.async_engine.engine)])
+            raise ModelNotFound(f"model '{requested}' is not served here; this server serves {served}")
+        return LoRARequest(adapter.name, adapter.int_id, adapter.path)
 
 
 def server_state(request: Request) -> ServerState:

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from paged_backend.server.lora_routes import adapter_cards
 from paged_backend.server.state import ServerState, server_state
 
 router = APIRouter()
@@ -34,4 +35,4 @@ async def metrics(server: ServerState = Depends(server_state)) -> Response:
 async def list_models(server: ServerState = Depends(server_state)) -> JSONResponse:
     model = {"id": server.model_name, "object": "model", "created": STARTED, "owned_by": "paged-backend",
              "max_model_len": server.max_model_len}  # fmt: skip
-    return JSONResponse({"object": "list", "data": [model]})
+    return JSONResponse({"object": "list", "data": [model, *adapter_cards(server, STARTED)]})
