@@ -54,6 +54,8 @@ def engine_config(args: argparse.Namespace):
     config.parallel.tensor_parallel_size = num_shards(args) or 1
     if args.kv_cache_dtype:
         config.cache.cache_dtype = _kv_cache_dtype(args.kv_cache_dtype)
+    if args.speculate:  # TGI without a Medusa/MLP head speculates by n-gram lookup
+        config.speculative_config = {"method": "ngram", "num_speculative_tokens": args.speculate}
     return config
 
 

@@ -77,6 +77,7 @@ def serve(
     quantization_param: engine_args.QuantizationParam = None,
     kv_cache_dtype: engine_args.KvCacheDtype = None,
     calculate_kv_scales: engine_args.CalculateKvScales = None,
+    speculative_config: engine_args.SpeculativeConfigJson = None,
 ) -> None:
     """Serve OpenAI /v1/completions and /v1/chat/completions, /v1/models, vLLM's /tokenize, /detokenize and
     /version, /health and /metrics."""
@@ -99,6 +100,7 @@ def serve(
         pipeline_parallel_size=pipeline_parallel_size, distributed_executor_backend=distributed_executor_backend,
         distributed_timeout_seconds=distributed_timeout_seconds, quantization=quantization,
         quantization_param=quantization_param, cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
+        speculative_config=speculative_config,
     )  # fmt: skip
     try:
         engine = Engine(args.to_engine_config())

@@ -50,6 +50,13 @@ CalculateKvScales = Annotated[
 GpuMemoryUtilization = Annotated[
     float | None, typer.Option("--gpu-memory-utilization", help="fraction of free device memory for the KV pool")
 ]
+SpeculativeConfigJson = Annotated[
+    str | None,
+    typer.Option(
+        "--speculative-config",
+        help='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3} or {"model": PATH, "num_speculative_tokens": 3}',
+    ),
+]
 
 # Bigger than one device, through accelerate (paged_backend.offload).
 DeviceMap = Annotated[
@@ -113,6 +120,7 @@ class EngineArgs:
     quantization_param: str | None = None
     cache_dtype: str | None = None  # --kv-cache-dtype
     calculate_kv_scales: bool | None = None
+    speculative_config: str | None = None  # --speculative-config JSON
 
     def to_engine_config(self) -> EngineConfig:
         """The config with every given flag set on the field of the same name."""

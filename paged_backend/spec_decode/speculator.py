@@ -97,10 +97,10 @@ def build_speculator(engine, backend: str | None) -> Speculator | None:
     if engine.parallel is not None:
         raise InvalidRequest("speculative_config runs in one process only; drop it or use tensor/pipeline size 1")
     manager = engine.block_manager
-    if manager.num_groups > 1:
-        # Windowed groups free blocks behind the window as decoding moves on; a rollback could need them again.
+    if any(window is not None for window in manager.sliding_windows):
+        # Windowed layers free blocks behind the window as decoding moves on; a rollback could need them again.
         raise InvalidRequest(
-            "speculative_config does not run with sliding-window layer groups (a rollback could need blocks the "
+            "speculative_config does not run with sliding-window layers kept apart (a rollback could need blocks the "
             "window already freed); pass disable_hybrid_kv_cache_manager=True to keep one block table"
         )
     draft = None
