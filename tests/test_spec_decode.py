@@ -95,7 +95,8 @@ def test_draft_equal_to_target_accepts_everything(make_llm):
 
 
 def test_requests_that_cannot_speculate_fall_back_alone(make_llm, plain_outputs):
-    """Logprobs and penalties change per-token state: those requests decode plainly, the rest still speculate."""
+    """A penalty depends on the tokens drawn before it: that request decodes plainly; the others (one asking for
+    logprobs, which speculation reports row by row as plain decoding does) still speculate."""
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     llm = make_llm(speculative_config=spec)
     cyclic = PROMPTS[0]
@@ -108,7 +109,13 @@ def test_requests_that_cannot_speculate_fall_back_alone(make_llm, plain_outputs)
     plain = make_llm().generate([cyclic] * 3, [greedy, greedy, SamplingParams(
         temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3)])  # fmt: skip
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
-    assert len(outputs[1].outputs[0].logprobs) == 20
+    plain_logprobs = make_llm().generate([cyclic], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                                  logprobs=1))[0].outputs[0]  # fmt: skip
+    spec_logprobs = outputs[1].outputs[0]
+    for spec_row, plain_row in zip(spec_logprobs.logprobs, plain_logprobs.logprobs, strict=True):
+        assert spec_row.keys() == plain_row.keys()
+        assert all(spec_row[token] == pytest.approx(plain_row[token], abs=1e-4) for token in spec_row)
+    assert spec_logprobs.cumulative_logprob == pytest.approx(plain_logprobs.cumulative_logprob, abs=1e-3)
     assert llm.engine.stats().spec_decode_num_drafts > 0
 
 

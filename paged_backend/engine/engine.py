@@ -381,9 +381,9 @@ class Engine:
                 plain_rows.append(row)
                 plain.append(seq)
                 continue
-            tokens = self.speculator.verify(logits[row : row + len(draft) + 1], seq, draft, self.sampler)
-            for token in tokens:
-                self._append_token(seq, token, None)
+            tokens, logprobs = self.speculator.verify(logits[row : row + len(draft) + 1], seq, draft, self.sampler)
+            for token, logprob in zip(tokens, logprobs, strict=True):
+                self._append_token(seq, token, logprob)
                 self._counters["generation_tokens"] += 1
                 if seq.is_finished:  # a stop or max_tokens mid-proposal: its blocks are already freed
                     break

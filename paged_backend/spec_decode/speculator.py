@@ -15,14 +15,13 @@ from paged_backend.spec_decode.rejection import verify_greedy, verify_sampled
 
 def speculates(seq: Sequence) -> bool:
     """Per request: only sampling whose next-token distribution does not depend on earlier draws in the same step
-    speculates. Penalties, bad words, min_tokens, grammars, logprobs and best_of fall back to plain decoding."""
+    speculates. Penalties, bad words, watermarks, min_tokens, grammars and prompt logprobs fall back to plain
+    decoding."""
     params = seq.request.params
     return (
         seq.grammar is None
         and not _processes(params)
-        and params.logprobs is None
         and params.prompt_logprobs is None
-        and not params.needs_cumulative_logprob
         and seq.num_output_tokens >= params.min_tokens
     )
 
@@ -65,8 +64,11 @@ class Speculator:
                 item.num_tokens += len(draft)
         return copies
 
-    def verify(self, logits: torch.Tensor, seq: Sequence, draft: list[int], sampler: Sampler) -> list[int]:
-        """Tokens this step emits for `seq` from its `len(draft) + 1` logits rows: accepted drafts plus one."""
+    def verify(
+        self, logits: torch.Tensor, seq: Sequence, draft: list[int], sampler: Sampler
+    ) -> tuple[list[int], list[dict[int, float] | None]]:
+        """Tokens this step emits for `seq` from its `len(draft) + 1` logits rows (accepted drafts plus one), and
+        their logprobs as the plain sampler reports them (cumulative logprob updated)."""
         params = seq.request.params
         if params.greedy:
             tokens = verify_greedy(logits, draft)
@@ -79,7 +81,15 @@ class Speculator:
         self.num_accepted_tokens += accepted
         for position in range(accepted):
             self.num_accepted_tokens_per_pos[position] += 1
-        return tokens
+        logprobs: list[dict[int, float] | None] = [None] * len(tokens)
+        if params.logprobs is not None or params.needs_cumulative_logprob:
+            raw = torch.log_softmax(logits[: len(tokens)], dim=-1)
+            for i, token in enumerate(tokens):
+                if params.needs_cumulative_logprob:
+                    seq.cumulative_logprob += float(raw[i, token])
+                if params.logprobs is not None:
+                    logprobs[i] = sampler._logprobs(raw[i], token, params.logprobs)
+        return tokens, logprobs
 
     def retain(self, seq_ids: set[int]) -> None:
         """Forget draft state of sequences not in `seq_ids` (finished, aborted)."""
