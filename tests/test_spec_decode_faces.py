@@ -38,7 +38,9 @@ def plain():
     llm = LLM(device="cpu", num_blocks=64, block_size=4)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params)
-    return {prompt: (out.outputs[0].token_ids, out.outputs[0].text) for prompt, out in zip(PROMPTS, outputs, strict=True)}
+    return {
+        prompt: (out.outputs[0].token_ids, out.outputs[0].text) for prompt, out in zip(PROMPTS, outputs, strict=True)
+    }
 
 
 def test_serve_speculates_and_matches_plain_decoding(faces, plain):

@@ -12,6 +12,8 @@ from paged_backend.spec_decode.config import SpeculativeConfig
 from paged_backend.spec_decode.ngram import propose_ngram
 from paged_backend.spec_decode.rejection import verify_greedy, verify_sampled
 
+MAX_BACKOFF = 64
+
 
 def speculates(seq: Sequence) -> bool:
     """Per request: only sampling whose next-token distribution does not depend on earlier draws in the same step
@@ -33,6 +35,9 @@ class Speculator:
         k = config.num_speculative_tokens
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * k
+        # Back-off: a sequence whose draft was rejected outright sits out 1, 3, 7, ... (at most 63) decode steps, so
+        # a workload the proposer cannot predict costs little more than plain decoding. {seq id: [misses, wait]}
+        self.backoff: dict[int, list[int]] = {}
 
     def propose(self, scheduled: list[ScheduledSequence], token_budget: int) -> list[tuple[int, int]]:
         """Give this step's eligible decodes their drafts (`item.draft`, slots appended, `num_tokens` grown) within
@@ -40,7 +45,7 @@ class Speculator:
         wanted: list[tuple[ScheduledSequence, int]] = []
         for item in scheduled:
             seq = item.seq
-            if item.num_tokens != 1 or not item.samples or not speculates(seq):
+            if item.num_tokens != 1 or not item.samples or not speculates(seq) or self._waits(seq.seq_id):
                 continue
             params = seq.request.params
             # The step emits drafts plus one: never past max_tokens or max_model_len.
@@ -76,6 +81,8 @@ class Speculator:
             probs = sampler._probabilities(logits, [params] * len(logits))
             tokens = verify_sampled(probs, draft, sampler.generator_for(seq))
         accepted = len(tokens) - 1
+        misses = 0 if accepted else self.backoff.get(seq.seq_id, [0, 0])[0] + 1
+        self.backoff[seq.seq_id] = [misses, min(2**misses, MAX_BACKOFF) - 1]
         self.num_drafts += 1
         self.num_draft_tokens += len(draft)
         self.num_accepted_tokens += accepted
@@ -91,8 +98,16 @@ class Speculator:
                     logprobs[i] = sampler._logprobs(raw[i], token, params.logprobs)
         return tokens, logprobs
 
+    def _waits(self, seq_id: int) -> bool:
+        state = self.backoff.get(seq_id)
+        if state is None or state[1] == 0:
+            return False
+        state[1] -= 1
+        return True
+
     def retain(self, seq_ids: set[int]) -> None:
         """Forget draft state of sequences not in `seq_ids` (finished, aborted)."""
+        self.backoff = {seq_id: state for seq_id, state in self.backoff.items() if seq_id in seq_ids}
         if self.draft is not None:
             self.draft.retain(seq_ids)
 
