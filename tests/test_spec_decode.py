@@ -119,6 +119,15 @@ def test_requests_that_cannot_speculate_fall_back_alone(make_llm, plain_outputs)
     assert llm.engine.stats().spec_decode_num_drafts > 0
 
 
+def test_disable_by_batch_size_turns_speculation_off_for_big_steps(make_llm):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 2}
+    llm = make_llm(speculative_config=spec)
+    llm.generate([PROMPTS[0]] * 2, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert llm.engine.stats().spec_decode_num_drafts == 0
+    llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert llm.engine.stats().spec_decode_num_drafts > 0
+
+
 def test_seeded_sampling_is_reproducible(make_llm):
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=5, ignore_eos=True)

@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--draft-layers", type=int, default=4, help="decoder layers kept in the truncated draft")
     parser.add_argument("--new-tokens", type=int, default=96, help="tokens per request")
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--disable-by-batch-size", type=int, default=8, help="for the row that sets it")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     return parser
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     modes = {
         "plain": None,
         f"n-gram (k={k}, lookup 1..3)": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3},
+        f"n-gram, disable_by_batch_size={args.disable_by_batch_size}": {
+            "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
+            "disable_by_batch_size": args.disable_by_batch_size},
         f"draft: {args.draft_layers} of {MODEL['num_layers']} layers (k={k})": {
             "model": truncated(model, args.draft_layers), "num_speculative_tokens": k},
         f"draft = target (k={k}, acceptance ceiling)": {"model": model, "num_speculative_tokens": k},

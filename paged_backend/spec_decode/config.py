@@ -23,6 +23,9 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_max: int | None = Field(None, ge=1, description="longest suffix n-gram looked up")
     prompt_lookup_min: int | None = Field(None, ge=1, description="shortest suffix n-gram looked up")
     model: Any = Field(None, description="draft model: a directory, hub id or a loaded model object")
+    disable_by_batch_size: int | None = Field(
+        None, ge=1, description="no speculation in steps that run this many sequences or more (compute-bound)"
+    )
 
     @model_validator(mode="after")
     def _resolve(self):

@@ -43,6 +43,9 @@ class Speculator:
         """Give this step's eligible decodes their drafts (`item.draft`, slots appended, `num_tokens` grown) within
         `token_budget` extra tokens; returns copy-on-write pairs the cache must do first."""
         wanted: list[tuple[ScheduledSequence, int]] = []
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(scheduled) >= limit:  # big batches are compute-bound: rejected rows cost
+            return []
         for item in scheduled:
             seq = item.seq
             if item.num_tokens != 1 or not item.samples or not speculates(seq) or self._waits(seq.seq_id):
