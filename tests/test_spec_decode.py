@@ -181,3 +181,23 @@ def test_sliding_window_models_are_refused_unless_one_table(make_llm):
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params)] == [
         o.outputs[0].token_ids for o in plain.generate(PROMPTS[:3], params)
     ]
+
+
+def test_draft_model_from_a_directory_and_refusals(make_llm, tmp_path):
+    """`{"model": PATH}` loads the draft; another vocabulary or a parallel engine is refused with what to change."""
+    from paged_backend.engine import engine_config
+    from paged_backend.models import byte_tokenizer, tiny_model
+
+    truncated_copy(reference_model("llama")).save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    llm = make_llm(speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2})
+    plain = make_llm()
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)] == [
+        o.outputs[0].token_ids for o in plain.generate(PROMPTS[:2], params)
+    ]
+    assert llm.engine.stats().spec_decode_num_drafts > 0 and draft_pool_free(llm)
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        make_llm(speculative_config={"model": tiny_model("llama", vocab_size=320), "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="one process"):
+        engine_config(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, tensor_parallel_size=2)

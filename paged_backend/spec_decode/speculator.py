@@ -122,8 +122,6 @@ def build_speculator(engine, backend: str | None) -> Speculator | None:
     config = engine.config.speculative_config
     if config is None:
         return None
-    if engine.parallel is not None:
-        raise InvalidRequest("speculative_config runs in one process only; drop it or use tensor/pipeline size 1")
     manager = engine.block_manager
     if any(window is not None for window in manager.sliding_windows):
         # Windowed layers free blocks behind the window as decoding moves on; a rollback could need them again.
