@@ -17,15 +17,10 @@ MAX_BACKOFF = 64
 
 def speculates(seq: Sequence) -> bool:
     """Per request: only sampling whose next-token distribution does not depend on earlier draws in the same step
-    speculates. Penalties, bad words, watermarks, min_tokens, grammars and prompt logprobs fall back to plain
-    decoding."""
+    speculates. Penalties, bad words, watermarks, min_tokens and prompt logprobs fall back to plain decoding;
+    grammars speculate (their matcher walks the draft to mask each row, then rolls back)."""
     params = seq.request.params
-    return (
-        seq.grammar is None
-        and not _processes(params)
-        and params.prompt_logprobs is None
-        and seq.num_output_tokens >= params.min_tokens
-    )
+    return not _processes(params) and params.prompt_logprobs is None and seq.num_output_tokens >= params.min_tokens
 
 
 class Speculator:
@@ -78,6 +73,8 @@ class Speculator:
         """Tokens this step emits for `seq` from its `len(draft) + 1` logits rows (accepted drafts plus one), and
         their logprobs as the plain sampler reports them (cumulative logprob updated)."""
         params = seq.request.params
+        if seq.grammar is not None:
+            logits, draft = grammar_rows(logits, seq.grammar, draft, sampler.structured)
         if params.greedy:
             tokens = verify_greedy(logits, draft)
         else:
@@ -113,6 +110,23 @@ class Speculator:
         self.backoff = {seq_id: state for seq_id, state in self.backoff.items() if seq_id in seq_ids}
         if self.draft is not None:
             self.draft.retain(seq_ids)
+
+
+def grammar_rows(logits: torch.Tensor, matcher, draft: list[int], structured) -> tuple[torch.Tensor, list[int]]:
+    """Rows masked by the grammar state each draft prefix leads to, and the draft cut before its first token the
+    grammar forbids (or after the one that completes it). The matcher ends where it started."""
+    masked = logits.clone()
+    walked = 0
+    for i in range(len(draft) + 1):
+        structured.apply_masks(masked[i : i + 1], [matcher])
+        if i == len(draft) or masked[i, draft[i]] == float("-inf"):
+            break
+        matcher.accept(draft[i])
+        walked += 1
+        if matcher.is_terminated():  # the sequence ends on this token: the row after it is never sampled from
+            break
+    matcher.rollback(walked)
+    return masked[: walked + 1], draft[:walked]
 
 
 def build_speculator(engine, backend: str | None) -> Speculator | None:
