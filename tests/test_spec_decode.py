@@ -221,3 +221,29 @@ def test_structured_outputs_speculate_with_the_grammar_rolled_back(make_llm):
     assert [o.outputs[0].text for o in outputs[:3]] == [o.outputs[0].text for o in plain]
     assert all(re.fullmatch(regex, o.outputs[0].text) for o in outputs), [o.outputs[0].text for o in outputs]
     assert llm.engine.stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_sampled_engine_outputs_follow_the_target_distribution(make_llm):
+    """End to end through the engine: top_k=4 makes a 4-token vocabulary. The draft (the target itself, proposing its
+    argmax) is accepted with its probability and otherwise replaced from the residual, so given the first sampled
+    token, the second follows the target model's distribution (chi-square over 2400 seeds)."""
+    prompt = PROMPTS[3]
+    draft = copy.deepcopy(reference_model("llama"))
+    llm = make_llm(speculative_config={"model": draft, "num_speculative_tokens": 2}, num_blocks=1024,
+                   max_num_seqs=256, max_num_batched_tokens=4096)  # fmt: skip
+    draws = 2400
+    outputs = llm.generate([prompt] * draws, [SamplingParams(temperature=1.0, top_k=4, seed=seed, max_tokens=3,
+                                                             ignore_eos=True) for seed in range(draws)])  # fmt: skip
+    assert llm.engine.stats().spec_decode_num_drafts >= draws // 2
+    pairs = [tuple(o.outputs[0].token_ids) for o in outputs]
+    first = max(set(p[0] for p in pairs), key=[p[0] for p in pairs].count)
+    seconds = [p[1] for p in pairs if p[0] == first]
+    with torch.no_grad():
+        logits = reference_model("llama")(torch.tensor([prompt + [first]])).logits[0, -1].double()
+    top = logits.topk(4)
+    expected = torch.softmax(top.values, dim=-1) * len(seconds)
+    observed = [seconds.count(token) for token in top.indices.tolist()]
+    assert sum(observed) == len(seconds)  # nothing outside the top 4
+    assert chisquare(observed, expected.numpy()).pvalue > 0.001, (observed, expected)
+    stats = llm.engine.stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens  # both paths ran

@@ -32,7 +32,6 @@ from paged_backend.kv_snapshot import KVHistory, pool_snapshot
 from paged_backend.model_support import check_runs_paged
 from paged_backend.models import load_model
 from paged_backend.offload import input_device, layer_devices
-from paged_backend.spec_decode.speculator import build_speculator
 
 CPU_DEFAULT_KV_BYTES = 512 << 20  # on CPU "free memory" is the whole machine: default to 512 MiB (or 10%)
 
@@ -153,6 +152,8 @@ class Engine:
             self.runner = ModelRunner(model, self.kv_cache, self.block_manager, backend)
         else:
             self.runner = self.parallel.runner(self.block_manager, backend)
+        from paged_backend.spec_decode.speculator import build_speculator  # it imports engine modules itself
+
         self.speculator = build_speculator(self, backend)
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=device)
