@@ -69,14 +69,15 @@ def draft_pool_free(llm) -> bool:
     return manager.num_free_blocks == manager.num_blocks - 1
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "ngram-swap"])
 def test_greedy_tokens_identical_to_plain_decoding(make_llm, plain_outputs, method):
     spec = {"num_speculative_tokens": 3}
-    if method == "ngram":
+    if method.startswith("ngram"):
         spec.update(method="ngram", prompt_lookup_max=3, prompt_lookup_min=1)
     else:
         spec["model"] = truncated_copy(reference_model("llama"))
-    llm = make_llm(speculative_config=spec, **TINY_POOL)
+    swap = dict(swap_space=0.001, preemption_mode="swap") if method == "ngram-swap" else {}
+    llm = make_llm(speculative_config=spec, **TINY_POOL, **swap)
     assert generate(llm) == plain_outputs
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0 and stats.num_split_prefills > 0 and stats.prefix_cache_hits > 0
