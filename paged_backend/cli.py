@@ -85,14 +85,18 @@ def _summary(outputs, stats, elapsed: float) -> str:
     generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     overhead = 1 - stats.forward_time / stats.step_time if stats.step_time else 0.0
-    return "\n".join([
+    lines = [
         f"requests            {len(outputs)} in {elapsed:.2f} s ({len(outputs) / elapsed:.2f} req/s)",
         f"tokens              {prompt_tokens} prompt, {generated} generated ({generated / elapsed:.1f} tok/s)",
         f"peak KV use         {100 * stats.peak_kv_usage:.1f}% of the pool",
         f"preemptions         {stats.num_preemptions}",
         f"prefix-cache hits   {100 * stats.prefix_cache_hit_rate:.1f}% of prompt tokens",
         f"engine steps        {stats.num_steps}, {100 * overhead:.1f}% of step time outside the model forward",
-    ])
+    ]
+    if stats.spec_decode_num_draft_tokens:
+        lines.append(f"speculation         {stats.spec_decode_num_accepted_tokens} of "
+                     f"{stats.spec_decode_num_draft_tokens} draft tokens accepted")  # fmt: skip
+    return "\n".join(lines)
 
 
 @app.command()

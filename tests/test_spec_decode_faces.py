@@ -69,3 +69,19 @@ def test_launch_speculate_matches_plain_decoding(faces, plain):
         assert len(tokens) == MAX_TOKENS or response.details.finish_reason != "length"
     assert "ignoring --speculate" not in launch.output()
     launch.wait_until_drained()
+
+
+def test_run_speculative_config_gives_plain_tokens_and_reports_acceptance(tmp_path, plain):
+    from typer.testing import CliRunner
+
+    from paged_backend.cli import app
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    args = ["run", "--input", str(prompts), "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--no-progress",
+            "--device", "cpu", "--num-blocks", "64", "--block-size", "4", "--speculative-config", json.dumps(NGRAM)]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [row["outputs"][0]["token_ids"] for row in rows] == [plain[p][0] for p in PROMPTS]
+    assert "draft tokens accepted" in result.stderr
