@@ -85,14 +85,18 @@ def _summary(outputs, stats, elapsed: float) -> str:
     generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     overhead = 1 - stats.forward_time / stats.step_time if stats.step_time else 0.0
-    return "\n".join([
+    lines = [
         f"requests            {len(outputs)} in {elapsed:.2f} s ({len(outputs) / elapsed:.2f} req/s)",
         f"tokens              {prompt_tokens} prompt, {generated} generated ({generated / elapsed:.1f} tok/s)",
         f"peak KV use         {100 * stats.peak_kv_usage:.1f}% of the pool",
         f"preemptions         {stats.num_preemptions}",
         f"prefix-cache hits   {100 * stats.prefix_cache_hit_rate:.1f}% of prompt tokens",
         f"engine steps        {stats.num_steps}, {100 * overhead:.1f}% of step time outside the model forward",
-    ])
+    ]
+    if stats.spec_decode_num_draft_tokens:
+        lines.append(f"speculation         {stats.spec_decode_num_accepted_tokens} of "
+                     f"{stats.spec_decode_num_draft_tokens} draft tokens accepted")  # fmt: skip
+    return "\n".join(lines)
 
 
 @app.command()
@@ -132,6 +136,7 @@ def run(
     quantization_param: engine_args.QuantizationParam = None,
     kv_cache_dtype: engine_args.KvCacheDtype = None,
     calculate_kv_scales: engine_args.CalculateKvScales = None,
+    speculative_config: engine_args.SpeculativeConfigJson = None,
     max_tokens: Annotated[int, typer.Option(help="default max new tokens per prompt")] = 16,
     temperature: Annotated[float, typer.Option(help="default temperature (0 = greedy)")] = 0.0,
     top_p: Annotated[float, typer.Option(help="default nucleus probability")] = 1.0,
@@ -159,6 +164,7 @@ def run(
         pipeline_parallel_size=pipeline_parallel_size, distributed_executor_backend=distributed_executor_backend,
         distributed_timeout_seconds=distributed_timeout_seconds, quantization=quantization,
         quantization_param=quantization_param, cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
+        speculative_config=speculative_config,
     )  # fmt: skip
     defaults = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
     text = input.read_text() if input is not None and str(input) != "-" else sys.stdin.read()

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from paged_backend.spec_decode.config import SpeculativeConfig, parse_speculative_config
+
 
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -82,6 +84,20 @@ class EngineConfig(_Config):
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description='vLLM\'s: {"method": "ngram", "num_speculative_tokens": k} or {"model": PATH, ...}'
+    )
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative_config(cls, value):
+        return parse_speculative_config(value)
+
+    @model_validator(mode="after")
+    def _speculation_runs_in_one_process(self):
+        if self.speculative_config is not None and self.parallel.world_size > 1:
+            raise ValueError("speculative_config runs in one process only; drop it or use tensor/pipeline size 1")
+        return self
 
     @field_validator("device_map", mode="before")
     @classmethod

@@ -38,8 +38,16 @@ def test_env_vars_follow_tgi_names_and_flags_win(monkeypatch):
 
 def test_flags_without_meaning_are_reported_never_silent():
     args = parse_flags(["--speculate", "2", "--num-shard", "2", "--waiting-served-ratio", "1.2", "--sharded", "true"])
-    assert ignored_flags(args) == ["--waiting-served-ratio", "--speculate"]
+    assert ignored_flags(args) == ["--waiting-served-ratio"]
     assert ignored_flags(parse_flags(["--backend", "grpc", "--waiting-served-ratio", "1.2"])) == []
+    assert ignored_flags(parse_flags(["--backend", "grpc", "--speculate", "2"])) == ["--speculate"]
+
+
+def test_speculate_maps_to_ngram_speculation_as_tgi_does():
+    config = engine_config(parse_flags(["--speculate", "2"])).speculative_config
+    assert (config.method, config.num_speculative_tokens) == ("ngram", 2)
+    with pytest.raises(LaunchError, match="--speculate runs on one shard"):
+        engine_config(parse_flags(["--speculate", "2", "--num-shard", "2"]))
 
 
 def test_legacy_max_input_length_and_startup_checks():

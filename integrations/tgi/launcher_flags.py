@@ -101,7 +101,7 @@ FLAGS: list[Flag] = [
     Flag("--json-output", None, False, "JSON log lines", NONE),
     Flag("--sharded", str, None, "true | false: tensor parallelism", SHARDED),
     Flag("--num-shard", int, None, "tensor-parallel shards (grpc: shard processes; paged: engine ranks)", SHARDED),
-    Flag("--speculate", int, None, "speculative decoding", NONE),
+    Flag("--speculate", int, None, "speculative tokens per step (paged: n-gram prompt lookup)", frozenset({"paged"})),
     Flag("--trust-remote-code", None, False, "run model code from the hub", NONE),
     Flag("--cuda-graphs", str, None, "CUDA graph batch sizes", NONE),
     Flag("--master-addr", str, None, "torch.distributed address of the shards (default localhost)", ROUTER),

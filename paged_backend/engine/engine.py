@@ -57,6 +57,11 @@ class EngineStats:
     forward_time: float  # seconds inside the model forward
     running_lora_adapters: tuple[str, ...] = ()  # adapters of running / waiting requests (vLLM's lora_requests_info)
     waiting_lora_adapters: tuple[str, ...] = ()
+    # Speculative decoding (vLLM's names): proposals verified, tokens proposed, accepted, accepted per position.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -156,6 +161,9 @@ class Engine:
         self.lora = LoRAManager.for_engine(config, model, self.runner, self.scheduler) if config.enable_lora else None
         if config.lora_modules and self.lora is None:
             raise InvalidRequest("lora_modules were given but LoRA is disabled; set enable_lora=True (--enable-lora)")
+        from paged_backend.spec_decode.speculator import build_speculator  # it imports engine modules itself
+
+        self.speculator = build_speculator(self, backend)
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=device)
         self.requests: dict[str, Request] = {}
@@ -305,6 +313,8 @@ class Engine:
                 self.scheduler.remove(seq)
         request.finished = True
         request.metrics.finished_time = time.monotonic()
+        if self.speculator is not None:
+            self._retain_drafts()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -316,6 +326,9 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
+        if self.speculator is not None:  # drafts ride along in the same forward, their slots appended now
+            plan.copies += self.speculator.propose(plan.scheduled, self.config.scheduler.max_num_batched_tokens
+                                                   - plan.num_tokens)  # fmt: skip
         self.kv_cache.swap_out(plan.swap_out)
         self.kv_cache.copy_blocks(plan.copies)
         self.kv_cache.swap_in(plan.swap_in)
@@ -332,14 +345,24 @@ class Engine:
             record_prompt_logprobs(logits[len(logits) - len(prompt_rows) :], prompt_segments)
 
         sampling: list[Sequence] = []
+        first_rows: list[int] = []  # each sampling sequence's first logits row (drafts add rows)
+        drafts: dict[int, list[int]] = {}
+        row = 0
         for item in plan.scheduled:
             seq = item.seq
-            seq.num_computed_tokens = item.start + item.num_tokens
+            seq.num_computed_tokens = item.start + item.num_tokens - len(item.draft)  # drafts are not verified yet
             self.block_manager.commit(seq.seq_id, seq.num_computed_tokens)
             if item.samples:
+                first_rows.append(row)
+                row += 1 + len(item.draft)
                 sampling.append(seq)
+                if item.draft:
+                    drafts[seq.seq_id] = item.draft
         advanced: dict[str, Request] = {}
         rows, seqs = self._fork_new_samples(sampling, advanced)
+        rows = [first_rows[row] for row in rows]
+        if drafts:
+            rows, seqs = self._verify_drafts(logits, rows, seqs, drafts, advanced)
         tokens, logprobs = [], []
         if seqs:
             tokens, logprobs = self.sampler(logits[torch.tensor(rows, device=logits.device)], seqs)
@@ -358,11 +381,42 @@ class Engine:
                 request.metrics.finished_time = now
                 del self.requests[request.request_id]
             outputs.append(request.output())
+        if self.speculator is not None:
+            self._retain_drafts()
         self._peak_kv_usage = max(self._peak_kv_usage, self._kv_usage())
         self.kv_history.record(self.block_manager)
         self._counters["num_steps"] += 1
         self._counters["step_time"] += time.perf_counter() - started
         return outputs
+
+    def _retain_drafts(self) -> None:
+        self.speculator.retain({seq.seq_id for request in self.requests.values() for seq in request.seqs})
+
+    def _verify_drafts(
+        self, logits, rows: list[int], seqs: list[Sequence], drafts: dict[int, list[int]], advanced: dict
+    ) -> tuple[list[int], list[Sequence]]:
+        """Emit the verified tokens of speculating sequences and roll their rejected slots back; returns the rows and
+        sequences left for the plain sampler."""
+        plain_rows, plain = [], []
+        for row, seq in zip(rows, seqs, strict=True):
+            draft = drafts.get(seq.seq_id)
+            if draft is None:
+                plain_rows.append(row)
+                plain.append(seq)
+                continue
+            tokens, logprobs = self.speculator.verify(logits[row : row + len(draft) + 1], seq, draft, self.sampler)
+            for token, logprob in zip(tokens, logprobs, strict=True):
+                self._append_token(seq, token, logprob)
+                self._counters["generation_tokens"] += 1
+                if seq.is_finished:  # a stop or max_tokens mid-proposal: its blocks are already freed
+                    break
+            advanced[seq.request.request_id] = seq.request
+            if not seq.is_finished:
+                # The accepted drafts' KV is valid; the last token is pending, as after a plain decode.
+                seq.num_computed_tokens = seq.num_tokens - 1
+                self.block_manager.truncate(seq.seq_id, seq.num_computed_tokens)
+                self.block_manager.commit(seq.seq_id, seq.num_computed_tokens)
+        return plain_rows, plain
 
     def _fork_new_samples(
         self, sampling: list[Sequence], advanced: dict[str, Request]
@@ -468,6 +522,18 @@ class Engine:
             step_time=counters["step_time"],
             forward_time=counters["forward_time"],
             **({} if self.lora is None else self.lora.adapters_in(scheduler)),
+            **self._spec_decode_stats(),
+        )
+
+    def _spec_decode_stats(self) -> dict:
+        spec = self.speculator
+        if spec is None:
+            return {}
+        return dict(
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos),
         )
 
 

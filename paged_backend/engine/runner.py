@@ -72,7 +72,7 @@ class ModelRunner:
         for item in scheduled:
             seq, start = item.seq, item.start
             end = start + item.num_tokens
-            input_ids += seq.token_ids[start:end]
+            input_ids += seq.token_ids[start : end - len(item.draft)] + item.draft
             positions += range(start, end)
             # One group: the plain calls (the TGI shard's router-assigned block view answers only these).
             seq_tables = manager.block_tables(seq.seq_id) if num_groups > 1 else (manager.block_table(seq.seq_id),)
@@ -86,8 +86,8 @@ class ModelRunner:
                 tables[group].append(table)
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + item.num_tokens)
-            if item.samples:
-                sample_rows.append(query_start_loc[-1] - 1)
+            if item.samples:  # a speculating sequence keeps one row per draft token too, to verify them
+                sample_rows += range(query_start_loc[-1] - 1 - len(item.draft), query_start_loc[-1])
         int32 = dict(dtype=torch.int32, device=self.device)
         shared = PagedMetadata(
             slot_mapping=None,
@@ -102,8 +102,8 @@ class ModelRunner:
         return ids, pos, metadata, sample_rows
 
     def execute(self, scheduled: list[ScheduledSequence], extra_rows: list[int] = ()) -> torch.Tensor:
-        """One packed forward. Returns float32 logits `[num_sampling_sequences + len(extra_rows), vocab]`: the
-        sampling sequences' last positions, then the packed `extra_rows` (prompt logprobs)."""
+        """One packed forward. Returns float32 logits `[num_sample_rows + len(extra_rows), vocab]`: the sampling
+        sequences' last positions (with drafts: their last `len(draft) + 1`), then the packed `extra_rows`."""
         ids, positions, metadata, sample_rows = self.prepare(scheduled)
         if self.lora is None:
             return self.forward(ids, positions, metadata, sample_rows + list(extra_rows))

@@ -20,12 +20,13 @@ from paged_backend.engine.request import Sequence, SequenceStatus
 class ScheduledSequence:
     seq: Sequence
     start: int  # first position computed this step
-    num_tokens: int
+    num_tokens: int  # drafts included
+    draft: list[int] = field(default_factory=list)  # speculative tokens fed after the sequence's own (spec_decode)
 
     @property
     def samples(self) -> bool:
         """This chunk reaches the sequence's last token, so the step samples its next one."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        return self.start + self.num_tokens - len(self.draft) == self.seq.num_tokens
 
 
 @dataclass

@@ -61,6 +61,13 @@ LoraModules = Annotated[
     list[str] | None,
     typer.Option("--lora-modules", help='adapter as name=path or {"name":..,"path":..}; repeatable'),
 ]
+SpeculativeConfigJson = Annotated[
+    str | None,
+    typer.Option(
+        "--speculative-config",
+        help='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3} or {"model": PATH, "num_speculative_tokens": 3}',
+    ),
+]
 
 # Bigger than one device, through accelerate (paged_backend.offload).
 DeviceMap = Annotated[
@@ -128,6 +135,7 @@ class EngineArgs:
     max_loras: int | None = None
     max_lora_rank: int | None = None
     lora_modules: dict[str, str] | None = None
+    speculative_config: str | None = None  # --speculative-config JSON
 
     def to_engine_config(self) -> EngineConfig:
         """The config with every given flag set on the field of the same name."""

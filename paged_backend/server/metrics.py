@@ -38,12 +38,22 @@ class _EngineStatsCollector(Collector):
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
             "prompt_tokens": ("Prompt tokens processed.", stats.prompt_tokens),
             "generation_tokens": ("Tokens generated.", stats.generation_tokens),
+            "spec_decode_num_drafts": ("Speculative proposals verified.", stats.spec_decode_num_drafts),
+            "spec_decode_num_draft_tokens": ("Speculative tokens proposed.", stats.spec_decode_num_draft_tokens),
+            "spec_decode_num_accepted_tokens": ("Speculative tokens accepted.", stats.spec_decode_num_accepted_tokens),
         }
         for name, (documentation, value) in counters.items():
             yield CounterMetricFamily(f"{PREFIX}{name}", documentation, value)
         lora = self.async_engine.engine.lora
         if lora is not None:
             yield lora_requests_info(PREFIX, stats, lora.max_loras)
+        per_position = CounterMetricFamily(
+            f"{PREFIX}spec_decode_num_accepted_tokens_per_pos", "Speculative tokens accepted, by draft position.",
+            labels=["position"],
+        )  # fmt: skip
+        for position, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            per_position.add_metric([str(position)], value)
+        yield per_position
 
 
 class ServerMetrics:

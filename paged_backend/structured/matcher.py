@@ -21,6 +21,11 @@ class Matcher:
         """Advance by one token; False (and a matcher that only allows EOS from then on) if it was not allowed."""
         return self._matcher.consume_token(token_id)
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative drafts walked to mask their rows)."""
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
     def is_terminated(self) -> bool:
         """The grammar is complete: EOS was accepted, or nothing but EOS can follow."""
         return self._matcher.is_stopped()

@@ -1,0 +1,88 @@
+"""A small draft model that proposes greedily from its own paged KV pool (a second PagedKVCache + BlockManager).
+
+Its own pool, not the target's: the draft has other layer counts and head shapes, so its blocks could not share
+the target's tensors, and keeping its blocks out of the target's manager means a draft can never preempt or
+evict target work. Each sequence's draft KV is kept between steps; before proposing it is cut back to the
+longest prefix the target has verified (`truncate`) and the missing tokens are prefilled in one packed forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from paged_backend.block_manager import BlockManager
+from paged_backend.engine.engine import _model_shape
+from paged_backend.engine.runner import ModelRunner
+from paged_backend.engine.scheduler import ScheduledSequence
+from paged_backend.kv_cache import PagedKVCache
+
+
+@dataclass
+class _DraftSequence:
+    """What the runner reads of a sequence: its id and the tokens to feed."""
+
+    seq_id: int
+    token_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class DraftModelProposer:
+    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, backend: str | None) -> None:
+        num_layers, kv_heads, head_dim, _ = _model_shape(model.config)
+        dtype = next(model.parameters()).dtype
+        self.kv_cache = PagedKVCache(num_layers, kv_heads, head_dim, num_blocks, block_size, dtype=dtype, device=device)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False, watermark=0.0)
+        self.runner = ModelRunner(model, self.kv_cache, self.block_manager, backend)
+
+    def propose(self, requests: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
+        """{seq id: up to k greedy draft tokens} for (seq id, verified tokens, k) triples; sequences whose draft KV
+        does not fit the pool get no proposal."""
+        manager = self.block_manager
+        limits = {seq_id: k for seq_id, _, k in requests}
+        proposals: dict[int, list[int]] = {}
+        items: list[ScheduledSequence] = []
+        for seq_id, tokens, _ in requests:
+            start = self._sync(seq_id, tokens)
+            if start is not None:
+                proposals[seq_id] = []
+                items.append(ScheduledSequence(_DraftSequence(seq_id, list(tokens)), start, len(tokens) - start))
+        while items:  # the first round catches each draft KV up in one packed forward, then one token a round
+            tokens = self.runner.execute(items).argmax(dim=-1).tolist()
+            fed: list[ScheduledSequence] = []
+            for item, token in zip(items, tokens, strict=True):
+                seq = item.seq
+                proposals[seq.seq_id].append(token)
+                if len(proposals[seq.seq_id]) < limits[seq.seq_id] and manager.can_append(seq.seq_id, 1):
+                    manager.append_slots(seq.seq_id, [token])
+                    seq.token_ids.append(token)
+                    fed.append(ScheduledSequence(seq, seq.num_tokens - 1, 1))
+            items = fed
+        return proposals
+
+    def _sync(self, seq_id: int, tokens: list[int]) -> int | None:
+        """Make the draft pool hold `tokens` (KV computed up to the returned position); None if it cannot."""
+        manager = self.block_manager
+        if manager.has(seq_id):
+            held = manager.seqs[seq_id].token_ids
+            common = 0
+            limit = min(len(held), len(tokens) - 1)  # at least the last token is fed again, for its logits
+            while common < limit and held[common] == tokens[common]:
+                common += 1
+            manager.truncate(seq_id, common)
+            if manager.can_append(seq_id, len(tokens) - common):
+                manager.append_slots(seq_id, tokens[common:])
+                return common
+            manager.free(seq_id)
+        if not manager.can_allocate(tokens, lookup=False):
+            return None
+        manager.allocate(seq_id, tokens, lookup=False)
+        return 0
+
+    def retain(self, seq_ids: set[int]) -> None:
+        for seq_id in [seq_id for seq_id in self.block_manager.seqs if seq_id not in seq_ids]:
+            self.block_manager.free(seq_id)
