@@ -242,8 +242,11 @@ def model_specs(base: EngineConfig, models: list[str], names: list[str], config_
 
 def _flat(config: EngineConfig) -> dict:
     """An EngineConfig as the flat keywords `engine_config` takes."""
-    values = config.model_dump(exclude={"cache", "scheduler"})
-    return {**values, **config.cache.model_dump(), **config.scheduler.model_dump()}
+    nested = ("cache", "scheduler", "parallel")
+    values = config.model_dump(exclude=set(nested))
+    for name in nested:
+        values.update(getattr(config, name).model_dump())
+    return values
 
 
 def kv_budget(config: EngineConfig) -> int:

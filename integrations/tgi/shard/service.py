@@ -144,9 +144,10 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
 
     def _step(self, batch: ShardBatch):
         results, forward_ns = self.model.generate_token(batch)
-        # Sharded, every rank runs every request but reports only its own: the router merges the shards' answers.
+        # Sharded, every rank runs every request but reports only its share, by batch position as TGI's shards
+        # do (`i % world_size == rank`): the router appends the shards' answers into one list.
         rank = self.model.rank
-        mine = [result for result in results if result.request.id % rank.world_size == rank.rank]
+        mine = [result for i, result in enumerate(results) if i % rank.world_size == rank.rank]
         generations = [self._generation(result) for result in mine]
         running = [result.request for result in results if result.finish_reason is None]
         cached = None
