@@ -1,6 +1,6 @@
 """The Ray executor: worker ranks are Ray actors in a placement group on a local Ray instance (one session for
-every case: Ray's start-up is the slow part). Greedy tokens with TP=2 equal HF for the replicated-KV Llama (each
-actor imports torch anew, ~5 s a case on the CI box: the other models run under mp and torchrun).
+every case: Ray's start-up is the slow part). Greedy tokens with TP=2 equal HF for all three
+models (each actor imports torch anew, ~5 s a case on the CI box).
 The near-tie argument is in tests/_distributed_helpers.py."""
 
 import psutil
@@ -31,7 +31,7 @@ def ray_worker_processes() -> list[psutil.Process]:
     return [p for p in psutil.process_iter(["cmdline"]) if "RayWorker" in " ".join(p.info["cmdline"] or [])]
 
 
-@pytest.mark.parametrize("name", ["llama-kv1"])  # the executor is model-blind; the other two run under mp and torchrun
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-kv1", "qwen2"])
 def test_ray_tp2_greedy_equals_hf(ray_session, model_dirs, name):
     llm = LLM(model_dirs[name], device="cpu", num_blocks=64, block_size=4, tensor_parallel_size=2,
               distributed_executor_backend="ray")  # fmt: skip

@@ -24,8 +24,25 @@ def server(tmp_path_factory):
 
 
 def test_serve_tp2_greedy_equals_hf(server):
+    assert_greedy_equals_hf(server, "llama-gqa")
+
+
+@pytest.mark.parametrize(("name", "layout"), [("llama-kv1", ("-pp", "2")), ("qwen2", ("-tp", "2"))])
+def test_serve_other_models_and_pipeline_parallel_equal_hf(tmp_path_factory, name, layout):
+    """The other two models, one through pipeline stages; leaving `running_server` sends SIGTERM, which must stop
+    the worker rank too."""
+    model_dir = save_models(tmp_path_factory.mktemp(f"serve-{name}"))[name]
+    flags = ("--model", model_dir, "--num-blocks", "512", "--block-size", "4", *layout)
+    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}), running_server(*flags) as running:
+        assert_greedy_equals_hf(running, name)
+        [worker] = engine_processes(running.process.pid)
+    _, alive = psutil.wait_procs([worker], timeout=15)
+    assert not [process for process in alive if process.status() != psutil.STATUS_ZOMBIE], "SIGTERM left a rank"
+
+
+def assert_greedy_equals_hf(server, name: str) -> None:
     client = server.client()
-    for prompt, expected in zip(PROMPTS, reference("llama-gqa"), strict=True):
+    for prompt, expected in zip(PROMPTS, reference(name), strict=True):
         completion = client.completions.create(
             model=client.models.list().data[0].id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=1,
             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
