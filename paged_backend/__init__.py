@@ -1,5 +1,7 @@
 """paged-backend: paged KV cache, paged attention and continuous batching for existing frameworks."""
 
+import logging
+
 from paged_backend.block_manager import BlockManager, BlockStats
 from paged_backend.errors import (
     BackendUnavailable,
@@ -10,6 +12,12 @@ from paged_backend.errors import (
     UnsupportedModel,
 )
 from paged_backend.kv_cache import PagedKVCache
+
+# With the [quantization] extra installed, transformers imports torchao at start-up, which logs a warning for each
+# CUDA-only kernel library a CPU build cannot load and for each deprecated pytree registration: noise on every
+# command, not something to act on. Real errors still show. (Nothing above imports transformers.)
+for _noisy in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_noisy).setLevel(logging.ERROR)
 
 __version__ = "0.1.0"
 
