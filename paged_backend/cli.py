@@ -124,14 +124,10 @@ def run(
     dtype: Annotated[str | None, typer.Option(help="auto | float32 | float16 | bfloat16")] = None,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | cuda:N")] = None,
     seed: Annotated[int | None, typer.Option(help="engine seed for unseeded sampling")] = None,
-    device_map: Annotated[
-        str | None, typer.Option(help="accelerate placement: auto | balanced | sequential | JSON {module: device}")
-    ] = None,
-    max_memory: Annotated[str | None, typer.Option(help="accelerate's memory per device: 0=20GiB,cpu=60GiB")] = None,
-    cpu_offload_gb: Annotated[
-        float | None, typer.Option(help="GiB of weights moved off the device: GPU -> CPU memory (on CPU: -> disk)")
-    ] = None,
-    offload_folder: Annotated[str | None, typer.Option(help="folder for disk-offloaded weights")] = None,
+    device_map: engine_args.DeviceMap = None,
+    max_memory: engine_args.MaxMemory = None,
+    cpu_offload_gb: engine_args.CpuOffloadGb = None,
+    offload_folder: engine_args.OffloadFolder = None,
     quantization: engine_args.Quantization = None,
     quantization_param: engine_args.QuantizationParam = None,
     kv_cache_dtype: engine_args.KvCacheDtype = None,

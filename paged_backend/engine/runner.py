@@ -8,6 +8,8 @@ position (`logits_to_keep`), never for the whole packed prompt.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from transformers import Cache, PreTrainedModel
 
@@ -72,15 +74,12 @@ class ModelRunner:
         for item in scheduled:
             seq, start = item.seq, item.start
             end = start + item.num_tokens
-            input_ids += seq.token_ids[start : end - len(item.draft)] + item.draft
+            input_ids += seq.token_ids[start : end - len(item.draft)]
+            input_ids += item.draft
             positions += range(start, end)
-            # One group: the plain calls (the TGI shard's router-assigned block view answers only these).
-            seq_tables = manager.block_tables(seq.seq_id) if num_groups > 1 else (manager.block_table(seq.seq_id),)
-            for group, table in enumerate(seq_tables):
+            for group, table in enumerate(manager.block_tables(seq.seq_id)):
                 if item.num_tokens == 1:  # the decode hot path: one slot, no list building
                     slots[group].append(table[start // block_size] * block_size + start % block_size)
-                elif num_groups == 1:
-                    slots[group] += manager.slot_mapping(seq.seq_id, start, end)
                 else:
                     slots[group] += manager.slot_mapping(seq.seq_id, start, end, group)
                 tables[group].append(table)
@@ -105,9 +104,10 @@ class ModelRunner:
         """One packed forward. Returns float32 logits `[num_sample_rows + len(extra_rows), vocab]`: the sampling
         sequences' last positions (with drafts: their last `len(draft) + 1`), then the packed `extra_rows`."""
         ids, positions, metadata, sample_rows = self.prepare(scheduled)
-        if self.lora is None:
-            return self.forward(ids, positions, metadata, sample_rows + list(extra_rows))
-        with self.lora.activate([(item.seq.request.lora_adapter, item.num_tokens) for item in scheduled]):
+        adapters = nullcontext() if self.lora is None else self.lora.activate(
+            [(item.seq.request.lora_adapter, item.num_tokens) for item in scheduled]
+        )
+        with adapters:
             return self.forward(ids, positions, metadata, sample_rows + list(extra_rows))
 
     @torch.inference_mode()

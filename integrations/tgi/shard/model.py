@@ -57,10 +57,11 @@ class RouterBlocks:
         self.block_size = block_size
         self.requests: dict[int, ShardRequest] = {}
 
-    def block_table(self, seq_id: int) -> list[int]:
-        return self.requests[seq_id].blocks
+    def block_tables(self, seq_id: int) -> tuple[list[int]]:
+        """One group: TGI's router assigns one table per request."""
+        return (self.requests[seq_id].blocks,)
 
-    def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
+    def slot_mapping(self, seq_id: int, start: int, end: int, group: int = 0) -> list[int]:
         return self.requests[seq_id].slots[start:end]
 
 
