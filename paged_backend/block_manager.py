@@ -7,7 +7,9 @@ Block 0 is the null/padding block and is never handed out.
 
 Layer groups (see `kv_groups`): every sequence has one block table per group, all drawn from the one pool.
 A windowed group replaces blocks that fall wholly out of its window with the null block and frees them, so
-its share of a sequence stays bounded; its prefix-cache hits only need the blocks inside the window.
+its share of a sequence stays bounded; its prefix-cache hits only need the blocks inside the window. A
+windowed group also takes a long prompt's blocks chunk by chunk (`chunk=` / `until=`), never the whole prompt
+at once, so with every layer windowed a sequence can grow past the pool's size.
 
 The cache (`PagedKVCache`) does what this class decides: copy-on-write pairs and swap maps come back
 from the calls that need them.
@@ -239,9 +241,23 @@ class BlockManager:
         window = self.sliding_windows[group]
         return 0 if window is None else max(0, first_query - window + 1) // self.block_size
 
-    def max_blocks_per_sequence(self, num_tokens: int) -> int:
-        """Blocks a sequence of `num_tokens` holds at once (every group), when all of it is allocated at once."""
-        return self.num_groups * self.blocks_needed(num_tokens)
+    def peak_blocks_per_sequence(self, num_tokens: int, chunk: int) -> int:
+        """Most blocks a sequence of `num_tokens` holds at once (every group) when it computes at most `chunk`
+        tokens per step: full groups hold every block; a windowed group its window plus one step's chunk."""
+        peak = 0
+        for window in self.sliding_windows:
+            held = self.blocks_needed(num_tokens)
+            if window is not None:  # the chunk's queries see back window - 1 tokens; +1 for an unaligned start
+                held = min(held, self.blocks_needed(window - 1 + min(chunk, num_tokens)) + 1)
+            peak += held
+        return peak
+
+    def _cover(self, group: int, num_tokens: int, until: int | None) -> int:
+        """Leading tokens whose slots `group` holds: all of them in a full group, only those before `until` (the
+        end of the step's chunk) in a windowed group."""
+        if until is None or self.sliding_windows[group] is None:
+            return num_tokens
+        return min(until, num_tokens)
 
     # -------------------------------------------------------------- allocation
     def _prefix_hashes(self, token_ids: Sequence[int], extra_keys: Hashable, stop: int) -> list[int]:
@@ -295,32 +311,46 @@ class BlockManager:
             hits.append([None] * start + found[g][start:hit])
         return hits, hashes[:hit]
 
-    def _blocks_to_take(self, token_ids: Sequence[int], hits: list[list[Block | None]]) -> int:
+    def _fresh_blocks(self, group: int, num_tokens: int, hits: list[Block | None], chunk: int | None) -> int:
+        """Blocks `group` takes from the pool for a new sequence: past its hits, up to what it covers."""
+        until = None if chunk is None else len(hits) * self.block_size + chunk
+        return self.blocks_needed(self._cover(group, num_tokens, until)) - len(hits)
+
+    def _blocks_to_take(self, token_ids: Sequence[int], hits: list[list[Block | None]], chunk: int | None) -> int:
         need = 0
-        for group_hits in hits:
-            taken = [b for b in group_hits if b is not None]
-            need += self.blocks_needed(len(token_ids)) - len(group_hits)
-            need += sum(1 for b in taken if b.ref_count == 0)  # cached-free hits leave the free queue
+        for group, group_hits in enumerate(hits):
+            need += self._fresh_blocks(group, len(token_ids), group_hits, chunk)
+            need += sum(1 for b in group_hits if b is not None and b.ref_count == 0)  # cached-free hits leave the queue
         return need
 
-    def can_allocate(self, token_ids: Sequence[int], extra_keys: Hashable = None, *, lookup: bool = True) -> bool:
+    def can_allocate(
+        self, token_ids: Sequence[int], extra_keys: Hashable = None, *, lookup: bool = True, chunk: int | None = None
+    ) -> bool:
         """Whether `allocate` would succeed now while keeping the watermark free."""
         hits, _ = self._find_cached_prefix(token_ids, extra_keys, lookup)
-        return self._blocks_to_take(token_ids, hits) <= self.num_free_blocks - self.watermark_blocks
+        return self._blocks_to_take(token_ids, hits, chunk) <= self.num_free_blocks - self.watermark_blocks
 
     def allocate(
-        self, seq_id: Hashable, token_ids: Sequence[int], extra_keys: Hashable = None, *, lookup: bool = True
+        self,
+        seq_id: Hashable,
+        token_ids: Sequence[int],
+        extra_keys: Hashable = None,
+        *,
+        lookup: bool = True,
+        chunk: int | None = None,
     ) -> int:
         """Give `seq_id` blocks for `token_ids`. Returns how many leading tokens are already cached.
 
         `lookup=False` skips the prefix cache (every token is computed) but still publishes the blocks on commit.
+        `chunk` (at least 1): windowed groups take blocks only for the cached prefix plus the first `chunk`
+        tokens computed; `append_slots(..., until=)` extends them as later chunks are scheduled.
         """
         if seq_id in self.seqs:
             raise InvalidRequest(f"sequence {seq_id!r} already has blocks; free it first")
         if not token_ids:
             raise InvalidRequest("cannot allocate an empty sequence; give at least one token")
         hits, hashes = self._find_cached_prefix(token_ids, extra_keys, lookup)
-        need = self._blocks_to_take(token_ids, hits)
+        need = self._blocks_to_take(token_ids, hits, chunk)
         if need > self.num_free_blocks:
             raise OutOfBlocks(
                 f"{need} KV blocks needed for a {len(token_ids)}-token sequence but only "
@@ -333,7 +363,7 @@ class BlockManager:
                     if block.ref_count == 0:
                         self.free_queue.remove(block)
                     block.ref_count += 1
-            fresh = self.blocks_needed(len(token_ids)) - len(group_hits)
+            fresh = self._fresh_blocks(group, len(token_ids), group_hits, chunk)
             table = [NULL_BLOCK if b is None else b.block_id for b in group_hits]
             tables.append(table + [self._take_free_block(group).block_id for _ in range(fresh)])
         self.seqs[seq_id] = SequenceBlocks(
@@ -358,46 +388,56 @@ class BlockManager:
 
     def _cow_needed(self, seq: SequenceBlocks, group: int) -> bool:
         """Writing the next token would land in a partially filled block others can see."""
-        if len(seq.token_ids) % self.block_size == 0:
+        n, table = len(seq.token_ids), seq.block_tables[group]
+        if n % self.block_size == 0 or n // self.block_size >= len(table) or seq.on_cpu:
             return False
-        return self.blocks[seq.block_tables[group][-1]].ref_count > 1
+        return self.blocks[table[n // self.block_size]].ref_count > 1
 
-    def blocks_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
+    def blocks_to_append(self, seq_id: Hashable, num_tokens: int = 1, until: int | None = None) -> int:
+        """Free blocks `append_slots(seq_id, num_tokens tokens, until)` takes."""
         seq = self.seqs[seq_id]
-        grow = self.blocks_needed(len(seq.token_ids) + num_tokens) - len(seq.block_tables[0])
-        return sum(grow + int(self._cow_needed(seq, g)) for g in range(self.num_groups))
+        n = len(seq.token_ids)
+        need = 0
+        for group, table in enumerate(seq.block_tables):
+            need += max(0, self.blocks_needed(self._cover(group, n + num_tokens, until)) - len(table))
+            need += num_tokens > 0 and self._cow_needed(seq, group)
+        return need
 
-    def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
-        return self.blocks_to_append(seq_id, num_tokens) <= self.num_free_blocks
+    def can_append(self, seq_id: Hashable, num_tokens: int = 1, until: int | None = None) -> bool:
+        return self.blocks_to_append(seq_id, num_tokens, until) <= self.num_free_blocks
 
-    def append_slots(self, seq_id: Hashable, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+    def append_slots(self, seq_id: Hashable, token_ids: Sequence[int], until: int | None = None) -> list[tuple[int, int]]:
         """Reserve slots for `token_ids` after the sequence's current tokens (whose KV must be computed).
 
-        Returns the (src, dst) block copies the cache must perform first (copy-on-write of a shared
-        partially filled last block).
+        `until`: the end of the positions this step computes; windowed groups cover only those (a prompt's next
+        chunk, with `token_ids` empty). Returns the (src, dst) block copies the cache must perform first
+        (copy-on-write of a shared partially filled last block).
         """
         seq = self.seqs[seq_id]
         if seq.on_cpu:
             raise InvalidRequest(f"sequence {seq_id!r} is swapped out; swap it in before appending")
-        self._drop_out_of_window(seq, len(seq.token_ids))
-        need = self.blocks_to_append(seq_id, len(token_ids))
+        if token_ids:  # the new tokens are the first queries: what they cannot see goes first
+            self._drop_out_of_window(seq, len(seq.token_ids))
+        need = self.blocks_to_append(seq_id, len(token_ids), until)
         if need > self.num_free_blocks:
             raise OutOfBlocks(
                 f"sequence {seq_id!r} needs {need} more KV blocks but only {self.num_free_blocks} are free; "
                 f"preempt a sequence or raise the KV memory budget"
             )
         copies: list[tuple[int, int]] = []
-        grow = self.blocks_needed(len(seq.token_ids) + len(token_ids)) - len(seq.block_tables[0])
+        n, end = len(seq.token_ids), len(seq.token_ids) + len(token_ids)
         for group, table in enumerate(seq.block_tables):
-            if len(seq.token_ids) % self.block_size:
-                last = self.blocks[table[-1]]
+            if token_ids and n % self.block_size and n // self.block_size < len(table):
+                index = n // self.block_size
+                last = self.blocks[table[index]]
                 if last.ref_count > 1:
                     fresh = self._take_free_block(group)
                     last.ref_count -= 1
-                    table[-1] = fresh.block_id
+                    table[index] = fresh.block_id
                     copies.append((last.block_id, fresh.block_id))
                 elif last.hash is not None:
                     self._unhash(last)  # about to be overwritten past its cached contents
+            grow = self.blocks_needed(self._cover(group, end, until)) - len(table)
             table.extend(self._take_free_block(group).block_id for _ in range(grow))
         seq.token_ids.extend(token_ids)
         return copies
@@ -437,8 +477,10 @@ class BlockManager:
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             key = self.hash_fn(parent, tokens, seq.extra_keys)
             for group, table in enumerate(seq.block_tables):
+                if i >= len(table) or table[i] == NULL_BLOCK:
+                    continue
                 block, cached = self.blocks[table[i]], self.cached_by_group[group]
-                if table[i] != NULL_BLOCK and key not in cached and block.hash is None:
+                if key not in cached and block.hash is None:
                     block.hash, block.parent_hash, block.token_ids = key, parent, tokens
                     cached[key] = block
             seq.block_hashes.append(key)

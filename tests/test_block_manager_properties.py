@@ -6,6 +6,8 @@ tokens. That checks prefix-cache hits, CoW and swaps by content, not just by cou
 
 The grouped machine runs the same rules with three layer groups (full attention, windows of 6 and 9 tokens):
 every group's table is written and read back, and windowed groups must hold only blocks a later query can see.
+Prompts are also prefilled in chunks, as the engine's scheduler does: windowed groups then take their blocks
+chunk by chunk and never hold more than their window plus one chunk.
 """
 
 from collections import Counter
@@ -46,9 +48,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """Positions whose block `group` still holds (a windowed group dropped the ones before)."""
         return range(self.bm.seqs[seq_id].num_dropped[group] * BLOCK_SIZE, len(self.tokens[seq_id]))
 
-    def _write(self, seq_id, start):
+    def _write(self, seq_id, start, end=None):
         for group in self._groups():
-            for pos in range(start, len(self.tokens[seq_id])):
+            for pos in range(start, len(self.tokens[seq_id]) if end is None else end):
                 self.gpu_mem[self.bm.slot(seq_id, pos, group)] = self.tokens[seq_id][pos]
 
     def _check_window_bound(self, seq_id):
@@ -65,12 +67,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     dst_mem.pop(dst * BLOCK_SIZE + offset, None)
 
     # --------------------------------------------------------------- rules
-    @rule(prompt=tokens)
-    def allocate(self, prompt):
+    @rule(prompt=tokens, chunk=st.none() | st.integers(1, 6))
+    def allocate(self, prompt, chunk):
         seq_id, self.next_id = self.next_id, self.next_id + 1
         free_before = self.bm.num_free_blocks
         try:
-            cached = self.bm.allocate(seq_id, prompt)
+            cached = self.bm.allocate(seq_id, prompt, chunk=chunk)
         except OutOfBlocks:
             assert self.bm.num_free_blocks == free_before  # a failed allocation changes nothing
             return
@@ -80,8 +82,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for pos in self._visible(seq_id, group):
                 if pos < cached:
                     assert self.gpu_mem[self.bm.slot(seq_id, pos, group)] == prompt[pos]
-        self._write(seq_id, cached)
-        self.bm.commit(seq_id, len(prompt))
+        step = chunk or len(prompt)
+        for start in range(cached, len(prompt), step):  # the scheduler's prefill chunks
+            end = min(start + step, len(prompt))
+            if start > cached:
+                if not self.bm.can_append(seq_id, 0, until=end):
+                    self.bm.free(seq_id)  # what a recompute preemption does
+                    del self.tokens[seq_id]
+                    return
+                assert self.bm.append_slots(seq_id, [], until=end) == []
+            self._write(seq_id, start, end)
+            self.bm.commit(seq_id, end)
+            for group, window in enumerate(self.WINDOWS):
+                if window is not None:
+                    assert self.bm.num_blocks_held(seq_id)[group] <= -(-(window - 1 + step) // BLOCK_SIZE) + 1
         self._check_window_bound(seq_id)
 
     @precondition(lambda self: self._live())

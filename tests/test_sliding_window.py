@@ -131,12 +131,45 @@ def test_every_layer_windowed_holds_a_bounded_number_of_blocks(windowed_llm):
 
 
 def test_a_max_model_len_the_pool_cannot_hold_is_refused_at_startup(windowed_llm):
-    with pytest.raises(InvalidRequest, match=r"max_model_len=400 .* at most 80 tokens"):
+    # Gemma 3 style: the full group holds every token, the windowed one 2 blocks: 11 usable blocks hold 9 x 16.
+    with pytest.raises(InvalidRequest, match=r"max_model_len=400 .* at most 144 tokens"):
         windowed_llm("gemma3", num_blocks=12, block_size=16, max_model_len=400, watermark=0.0)
-    with pytest.raises(InvalidRequest, match="lower max_model_len"):
-        windowed_llm("mistral", num_blocks=12, block_size=16, max_model_len=400)
-    llm = windowed_llm("mistral", num_blocks=12, block_size=16)  # not given: lowered to what the pool holds
-    assert llm.engine.max_model_len == 176
+    with pytest.raises(InvalidRequest, match="lower max_model_len to 144"):
+        windowed_llm("gemma3", num_blocks=12, block_size=16, max_model_len=145, watermark=0.0)
+    assert windowed_llm("gemma3", num_blocks=12, block_size=16, watermark=0.0).engine.max_model_len == 144
+    # Windowed everywhere: the pool bounds a sequence's blocks, not its length (the model's positions do).
+    mistral = windowed_llm("mistral", num_blocks=12, block_size=16, max_model_len=200).engine
+    assert mistral.max_model_len == 200
+    unchunked = windowed_llm("mistral", num_blocks=12, block_size=16, enable_chunked_prefill=False).engine
+    assert unchunked.max_model_len == 176  # a recompute re-prefills whole: the pool bounds it again
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_every_layer_windowed_grows_past_the_pool(mode, windowed_llm):
+    # 5 usable blocks of 4 tokens hold 20 tokens; prompts of 30-40 tokens generate 60 more, in chunks that fit.
+    llm = windowed_llm("mistral", num_blocks=6, block_size=4, watermark=0.0, preemption_mode=mode,
+                       swap_space=0.01 if mode == "swap" else 0)  # fmt: skip
+    engine, manager = llm.engine, llm.engine.block_manager
+    assert engine.max_model_len == 256 and engine.scheduler.max_chunk == 11
+    g = torch.Generator().manual_seed(5)
+    batch = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (40, 30)]
+    new_tokens = 60
+    for prompt in batch:
+        engine.add_request(str(len(prompt)), None, SamplingParams(temperature=0, max_tokens=new_tokens,
+                                                                  ignore_eos=True), prompt_token_ids=prompt)  # fmt: skip
+    outputs, peak = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        peak = max(peak, manager.num_used_blocks)
+        for request in engine.requests.values():
+            for seq in request.seqs:
+                if manager.has(seq.seq_id) and not manager.seqs[seq.seq_id].on_cpu:
+                    assert manager.num_blocks_held(seq.seq_id)[0] <= 6 // 4 + 2  # the window, never the sequence
+    assert peak <= 5 and engine.stats().num_preemptions > 0  # both cannot run at once: they took turns
+    for prompt in batch:
+        assert outputs[str(len(prompt))] == hf_greedy("mistral", tuple(prompt), new_tokens), len(prompt)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "paged_backend"])

@@ -152,7 +152,7 @@ class Engine:
         )
         self.max_model_len = self._max_model_len(config, max_positions)
         mode = config.scheduler.preemption_mode or ("swap" if num_cpu_blocks else "recompute")
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, mode)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, mode, self._prefill_chunk_limit(config))
         backend = None if config.attention_backend == "auto" else config.attention_backend
         if self.parallel is None:
             self.runner = ModelRunner(model, self.kv_cache, self.block_manager, backend)
@@ -173,21 +173,37 @@ class Engine:
         self.kv_history = KVHistory()  # usage and waste of recent steps, for the KV map
 
     def _max_model_len(self, config: EngineConfig, max_positions: int) -> int:
-        """The longest sequence the pool holds. A sequence must fit the pool on its own (and, unchunked, one step's
-        budget), or it could never be scheduled again after a recompute preemption, which re-prefills it whole."""
-        manager, asked = self.block_manager, config.scheduler.max_model_len
+        """The longest sequence the pool holds on its own, as one sequence must to be scheduled again after a
+        recompute preemption re-prefills it. Full-attention groups hold every token; windowed groups only their
+        window plus a step's chunk, so a model windowed everywhere is bounded by positions, not by the pool (its
+        prefill chunks then shrink to fit, see `_prefill_chunk_limit`); unchunked, one step's budget also bounds it."""
+        manager, scheduler, asked = self.block_manager, config.scheduler, config.scheduler.max_model_len
         usable = manager.num_blocks - 1 - manager.watermark_blocks
-        capacity = usable // manager.num_groups * manager.block_size
+
+        def fits(num_tokens: int) -> bool:
+            chunk = 1 if scheduler.enable_chunked_prefill else num_tokens
+            return manager.peak_blocks_per_sequence(num_tokens, chunk) <= usable
+
+        capacity = _largest(fits, max(max_positions, asked or 0))
+        if not scheduler.enable_chunked_prefill:
+            capacity = min(capacity, scheduler.max_num_batched_tokens)
         if asked is not None and asked > capacity:
             raise InvalidRequest(
-                f"max_model_len={asked} needs {manager.max_blocks_per_sequence(asked)} KV blocks for one sequence, "
-                f"but the pool has {usable} usable blocks of {manager.block_size} tokens ({manager.num_groups} layer "
-                f"group(s) per token), so it holds at most {capacity} tokens: raise num_blocks / "
+                f"max_model_len={asked} needs {manager.peak_blocks_per_sequence(asked, 1)} KV blocks for one "
+                f"sequence, but the pool has {usable} usable blocks of {manager.block_size} tokens "
+                f"({manager.num_groups} layer group(s)), so it holds at most {capacity} tokens: raise num_blocks / "
                 f"kv_cache_memory_bytes / gpu_memory_utilization, or lower max_model_len to {capacity}"
             )
-        if not config.scheduler.enable_chunked_prefill:
-            capacity = min(capacity, config.scheduler.max_num_batched_tokens)
         return min(asked or max_positions, capacity)
+
+    def _prefill_chunk_limit(self, config: EngineConfig) -> int:
+        """The largest prefill chunk with which a `max_model_len` sequence still fits the pool on its own: the whole
+        step budget unless windowed groups, which hold a chunk's worth of blocks, need smaller chunks."""
+        manager, budget = self.block_manager, config.scheduler.max_num_batched_tokens
+        usable = manager.num_blocks - 1 - manager.watermark_blocks
+        if not config.scheduler.enable_chunked_prefill:
+            return budget
+        return _largest(lambda chunk: manager.peak_blocks_per_sequence(self.max_model_len, chunk) <= usable, budget)
 
     def close(self) -> None:
         """Stop the worker ranks of a parallel engine (a no-op for one process); idempotent."""
@@ -657,3 +673,12 @@ def engine_config(**kwargs) -> EngineConfig:
     if unknown:
         raise InvalidRequest(f"unknown engine option(s): {', '.join(sorted(unknown))}")
     return EngineConfig(**nested, **kwargs)
+
+
+def _largest(fits, high: int) -> int:
+    """The largest n in 1..high with fits(n), for a monotone `fits` (0 if none)."""
+    low = 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low

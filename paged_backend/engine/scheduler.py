@@ -1,8 +1,9 @@
 """Iteration-level scheduling: which sequences run this step, how many tokens each, who gets preempted.
 
 Running sequences go first, decodes before prefill chunks so a long prompt never starves them. Waiting
-sequences are admitted only when their whole prompt fits above the watermark and nobody was preempted this
-step, which keeps admission from thrashing against preemption.
+sequences are admitted only when their whole prompt fits above the watermark (windowed layer groups: its first
+chunk, as they hold a bounded share) and nobody was preempted this step, which keeps admission from thrashing
+against preemption.
 """
 
 from __future__ import annotations
@@ -44,8 +45,11 @@ class SchedulerOutput:
 class Scheduler:
     """Decides each step's batch under the `max_num_seqs` / `max_num_batched_tokens` budgets."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, preemption_mode: str) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, preemption_mode: str, max_chunk: int | None = None
+    ) -> None:
         self.config = config
+        self.max_chunk = max_chunk or config.max_num_batched_tokens  # one sequence's prefill chunk (windowed pools)
         self.block_manager = block_manager
         self.preemption_mode = preemption_mode
         self.waiting: list[Sequence] = []  # kept sorted by `key`
@@ -98,7 +102,7 @@ class Scheduler:
             if num_new == 0:
                 self.running.append(seq)  # stays running; no budget left this step
                 continue
-            while not self._can_reserve(seq):
+            while not self._can_reserve(seq, num_new):
                 victim = max([*queue, seq], key=self.key)  # the lowest-priority one, possibly `seq` itself
                 if victim is not seq:
                     queue.remove(victim)
@@ -118,20 +122,19 @@ class Scheduler:
         remaining = seq.num_tokens - seq.num_computed_tokens
         if remaining > budget and not self.config.enable_chunked_prefill:
             return 0
-        return min(remaining, budget)
+        return min(remaining, budget, self.max_chunk)
 
     def _pending(self, seq: Sequence) -> list[int]:
         """Tokens sampled since the block manager last saw the sequence (they need slots)."""
         return seq.token_ids[self.block_manager.num_tokens(seq.seq_id) :]
 
-    def _can_reserve(self, seq: Sequence) -> bool:
-        return self.block_manager.can_append(seq.seq_id, len(self._pending(seq)))
+    def _can_reserve(self, seq: Sequence, num_new: int) -> bool:
+        until = seq.num_computed_tokens + num_new
+        return self.block_manager.can_append(seq.seq_id, len(self._pending(seq)), until)
 
     def _reserve_and_schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> int:
-        pending = self._pending(seq)
-        if pending:
-            out.copies += self.block_manager.append_slots(seq.seq_id, pending)
         start = seq.num_computed_tokens
+        out.copies += self.block_manager.append_slots(seq.seq_id, self._pending(seq), until=start + num_new)
         out.scheduled.append(ScheduledSequence(seq, start, num_new))
         if start + num_new < seq.num_tokens:
             self.num_split_prefills += 1
@@ -155,13 +158,14 @@ class Scheduler:
         manager = self.block_manager
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            need = sum(manager.num_blocks_held(seq.seq_id)) + manager.num_groups  # plus room for the next token
-            if need > manager.num_free_blocks - manager.watermark_blocks:
+            num_new = self._chunk(seq, budget)
+            grow = manager.blocks_to_append(seq.seq_id, len(self._pending(seq)), seq.num_computed_tokens + num_new)
+            # Its CPU copies are its own, so no copy-on-write follows: it needs its blocks plus the step's growth.
+            if sum(manager.num_blocks_held(seq.seq_id)) + grow > manager.num_free_blocks - manager.watermark_blocks:
                 break
             self.swapped.pop(0)
             out.swap_in += manager.swap_in([seq.seq_id])
             seq.status = SequenceStatus.RUNNING
-            num_new = self._chunk(seq, budget)
             if num_new == 0:
                 self.running.append(seq)
                 break
@@ -184,9 +188,10 @@ class Scheduler:
             ):
                 break
             lookup, extra_keys = seq.request.reads_prefix_cache, seq.request.prefix_cache_key
-            if not manager.can_allocate(seq.token_ids, extra_keys, lookup=lookup):
+            chunk = min(budget, self.max_chunk)  # windowed groups take only the first chunk's blocks now
+            if not manager.can_allocate(seq.token_ids, extra_keys, lookup=lookup, chunk=chunk):
                 break
             self.waiting.pop(0)
-            seq.num_computed_tokens = manager.allocate(seq.seq_id, seq.token_ids, extra_keys, lookup=lookup)
+            seq.num_computed_tokens = manager.allocate(seq.seq_id, seq.token_ids, extra_keys, lookup=lookup, chunk=chunk)
             seq.status = SequenceStatus.RUNNING
-            budget -= self._reserve_and_schedule(seq, min(seq.num_tokens - seq.num_computed_tokens, budget), out)
+            budget -= self._reserve_and_schedule(seq, self._chunk(seq, budget), out)
