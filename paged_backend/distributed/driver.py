@@ -140,7 +140,7 @@ class ParallelDriver:
         self.state.in_step = True
         try:
             dist.broadcast_object_list([step], src=0, group=self.state.ctx.control_group)
-            logits = self.worker.run(step, replay_kv_ops=False)
+            logits = self.worker.run(step, replay=False)
         except Exception as error:
             raise self._fail(error, "a worker failed during a step") from error
         self.state.in_step = False
@@ -168,5 +168,6 @@ class DriverRunner(ModelRunner):
         self.driver = driver
 
     def forward(self, ids, positions, metadata, rows: list[int]) -> torch.Tensor:
-        step = StepInput.pack(ids, positions, metadata, rows, self.kv_cache.take_pending())
+        lora = None if self.lora is None else self.lora.take_step()
+        step = StepInput.pack(ids, positions, metadata, rows, self.kv_cache.take_pending(), lora)
         return self.driver.step(step)

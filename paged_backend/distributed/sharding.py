@@ -124,6 +124,20 @@ class _AllReduce:
         return output
 
 
+def shard_lora(module: nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of a LoRA update `B @ A` of `module` (whole when the module is not sharded).
+
+    Column-parallel: every rank needs all of `A [r, in]` and its output rows of `B`. Row-parallel: its input
+    columns of `A` and all of `B`; each rank's `B @ (A_part @ x_part)` is partial and the layer's all-reduce sums it.
+    """
+    style, keep = getattr(module, "tp_shard", (None, None))
+    if style == COLWISE:
+        return lora_a, lora_b[keep]
+    if style == ROWWISE:
+        return lora_a[:, keep], lora_b
+    return lora_a, lora_b
+
+
 @torch.no_grad()
 def shard_model(model: nn.Module, tp_rank: int, tp_size: int, group=None) -> nn.Module:
     """Keep rank `tp_rank`'s slice of `model` (in place) and return it; row-parallel layers all-reduce over `group`
@@ -147,12 +161,14 @@ def shard_model(model: nn.Module, tp_rank: int, tp_size: int, group=None) -> nn.
             raise UnsupportedModel(f"{name} is a {type(module).__name__}, not a linear layer; it cannot be sharded")
         if style == COLWISE:
             keep = _head_rows(name, tp_rank, tp_size, heads, kv_heads, head_dim, module.out_features)
+            module.tp_shard = (COLWISE, keep)  # what shard_lora keeps of an adapter's update
             module.weight = nn.Parameter(module.weight[keep].clone(), requires_grad=False)
             if module.bias is not None:
                 module.bias = nn.Parameter(module.bias[keep].clone(), requires_grad=False)
             module.out_features = keep.stop - keep.start
         else:
             keep = _head_rows(name, tp_rank, tp_size, heads, kv_heads, head_dim, module.in_features)
+            module.tp_shard = (ROWWISE, keep)
             module.weight = nn.Parameter(module.weight[:, keep].clone(), requires_grad=False)
             if module.bias is not None and tp_rank:  # the bias is added once, by rank 0, before the sum
                 module.bias.zero_()

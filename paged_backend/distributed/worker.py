@@ -2,11 +2,14 @@
 
 The driver (rank 0) runs the same `RankWorker` for its own shard; workers loop in `serve_steps` until the driver
 broadcasts the stop message (None). A step carries the packed batch the driver's `ModelRunner.prepare` built and
-the block copies/swaps the scheduler asked for, so every rank's pool mirrors the driver's BlockManager.
+the block copies/swaps the scheduler asked for, so every rank's pool mirrors the driver's BlockManager; with LoRA it
+also carries the adapter slot writes and each row's slot, so every rank's slots mirror the driver's LoRAManager.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +23,8 @@ from paged_backend.distributed.sharding import local_num_kv_heads, shard_model
 from paged_backend.distributed.state import RankContext, Topology, init_rank, rank_device
 from paged_backend.engine.runner import ModelRunner
 from paged_backend.kv_cache import resolve_kv_dtype
+from paged_backend.lora.adapter import linear_shapes
+from paged_backend.lora.layers import SlotLayers
 
 
 @dataclass
@@ -34,12 +39,13 @@ class StepInput:
     query_start_loc: torch.Tensor
     rows: list[int]  # packed positions whose logits the driver samples from
     kv_ops: list[tuple[str, list[tuple[int, int]]]]  # (PagedKVCache method, block pairs), in order
+    lora: tuple[list, list[int], int] | None = None  # LoRAManager.take_step(): slot writes, row slots, largest rank
 
     @classmethod
-    def pack(cls, ids, positions, metadata: PagedMetadata, rows, kv_ops) -> StepInput:
+    def pack(cls, ids, positions, metadata: PagedMetadata, rows, kv_ops, lora=None) -> StepInput:
         fields = (ids, positions, metadata.slot_mapping, metadata.block_tables, metadata.seq_lens,
                   metadata.query_start_loc)  # fmt: skip
-        return cls(*(tensor.cpu() for tensor in fields), list(rows), kv_ops)
+        return cls(*(tensor.cpu() for tensor in fields), list(rows), kv_ops, lora)
 
     def unpack(self, device: torch.device, backend: str | None):
         to = lambda tensor: tensor.to(device, non_blocking=True)  # noqa: E731
@@ -63,8 +69,10 @@ class RankWorker:
         self.ctx, topology, cache = ctx, ctx.topology, config.cache
         num_layers, head_dim = kv_shape(model.config)
         layers = stage_layers(num_layers, topology.pp_size, ctx.pp_rank)
+        self.linear_shapes = linear_shapes(model)  # the whole model's, which adapters are checked against
         self.stage = PipelineStage(ctx, model, layers, model.config.get_text_config().hidden_size)
         self.model = shard_model(model.eval(), ctx.tp_rank, topology.tp_size, group=ctx.tp_group)
+        self.lora_layers = SlotLayers(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         kv_heads = local_num_kv_heads(model.config, topology.tp_size)
         kv_dtype = resolve_kv_dtype(cache.cache_dtype, model.dtype)
         # The budget is per rank; the BlockManager is global, so every rank takes the smallest count.
@@ -78,13 +86,16 @@ class RankWorker:
         self.vocab_size = model.get_output_embeddings().out_features
         self.logits_rank = topology.rank(topology.pp_size - 1, 0)  # the last stage's first rank
 
-    def run(self, step: StepInput, replay_kv_ops: bool = True) -> torch.Tensor | None:
-        """Run this rank's part of a step. On the driver, returns the logits of `step.rows`."""
-        if replay_kv_ops:
+    def run(self, step: StepInput, replay: bool = True) -> torch.Tensor | None:
+        """Run this rank's part of a step. On the driver, returns the logits of `step.rows`. `replay`: apply the
+        step's pool operations and adapter slots here (the driver's own engine already did)."""
+        if replay:
             for name, pairs in step.kv_ops:
                 getattr(self.kv_cache, name)(pairs)
         ids, positions, metadata = step.unpack(self.ctx.device, self.backend)
-        logits = self.stage.run(lambda: self.runner.forward(ids, positions, metadata, step.rows), ids.shape[1])
+        forward = lambda: self.runner.forward(ids, positions, metadata, step.rows)  # noqa: E731
+        with self._adapters(step.lora if replay else None):
+            logits = self.stage.run(forward, ids.shape[1])
         if self.logits_rank == 0:
             return logits
         group = self.ctx.compute_group
@@ -94,6 +105,22 @@ class RankWorker:
             logits = torch.empty(len(step.rows), self.vocab_size, device=self.ctx.device)
             dist.recv(logits, src=self.logits_rank, group=group)
         return logits
+
+
+    @contextmanager
+    def _adapters(self, lora: tuple[list, list[int], int] | None) -> Iterator[None]:
+        """Fill the slots the driver filled, and give the layers each row's slot for one forward."""
+        if lora is None:
+            yield
+            return
+        writes, token_slots, rank = lora
+        for slot, weights in writes:
+            self.lora_layers.write(slot, weights)
+        self.lora_layers.local.rows = self.lora_layers.rows(token_slots, rank, self.ctx.device, self.model.dtype)
+        try:
+            yield
+        finally:
+            self.lora_layers.local.rows = None
 
 
 def serve_steps(worker: RankWorker) -> None:

@@ -119,9 +119,6 @@ class Engine:
         check_kv_dtype_runs(kv_dtype, device, config.attention_backend)
         if cache.calculate_kv_scales and config.parallel.world_size > 1:
             raise InvalidRequest("calculate_kv_scales runs in one process only; drop it or use tensor/pipeline size 1")
-        if config.enable_lora and config.parallel.world_size > 1:  # refused before any worker starts
-            raise InvalidRequest("LoRA adapters run in one process (their weights are not sharded yet); use "
-                                 "tensor_parallel_size=1 and pipeline_parallel_size=1 with enable_lora")
         self.parallel = None
         if config.parallel.world_size > 1:  # rank 0 of a TP x PP group: its shard, its per-rank pool, the workers
             from paged_backend.distributed.driver import ParallelDriver
@@ -158,7 +155,9 @@ class Engine:
             self.runner = ModelRunner(model, self.kv_cache, self.block_manager, backend)
         else:
             self.runner = self.parallel.runner(self.block_manager, backend)
-        self.lora = LoRAManager.for_engine(config, model, self.runner, self.scheduler) if config.enable_lora else None
+        self.lora = None
+        if config.enable_lora:
+            self.lora = LoRAManager.for_engine(config, model, self.runner, self.scheduler, self.parallel)
         if config.lora_modules and self.lora is None:
             raise InvalidRequest("lora_modules were given but LoRA is disabled; set enable_lora=True (--enable-lora)")
         from paged_backend.spec_decode.speculator import build_speculator  # it imports engine modules itself

@@ -1,7 +1,8 @@
 """Reading one peft LoRA adapter (`adapter_config.json` + `adapter_model.safetensors`) for a given model.
 
 Everything is checked against the model before a request is queued: the files exist, the rank fits
-`max_lora_rank`, and every adapted module is a linear layer of the model. peft's scaling (`lora_alpha / r`, or
+`max_lora_rank`, and every adapted module is a linear layer of the model (by its whole shapes, `linear_shapes`,
+taken before tensor or pipeline parallelism cuts the model; each rank keeps its part when it fills a slot). peft's scaling (`lora_alpha / r`, or
 `/ sqrt(r)` with rsLoRA, per-module `alpha_pattern`) is kept per module (the device slots fold it into B).
 """
 
@@ -64,10 +65,23 @@ def _read_config(directory: Path) -> dict:
     return config
 
 
+def linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """`{module name: (in_features, out_features)}` of the model's linear layers (the adapters' targets)."""
+    return {name: (m.in_features, m.out_features) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
 def load_adapter(
-    name: str, int_id: int, path: str, model: nn.Module, *, max_rank: int, dtype: torch.dtype, device
+    name: str,
+    int_id: int,
+    path: str,
+    shapes: dict[str, tuple[int, int]],
+    *,
+    max_rank: int,
+    dtype: torch.dtype,
+    device,
 ) -> LoRAAdapter:
-    """Load and check the adapter at `path` against `model`; raises `BadLoRAAdapter` saying what to fix."""
+    """Load and check the adapter at `path` against a model's `linear_shapes`; raises `BadLoRAAdapter` saying what
+    to fix."""
     from safetensors.torch import load_file
 
     directory = Path(path)
@@ -78,7 +92,6 @@ def load_adapter(
     if not weights_path.is_file():
         raise BadLoRAAdapter(f"LoRA adapter {name!r}: {weights_path} is missing; save the adapter with safetensors")
     tensors = load_file(str(weights_path))
-    modules = dict(model.named_modules())
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.\w+)?\.weight", key)
@@ -87,8 +100,8 @@ def load_adapter(
         pairs.setdefault(match[1], {})[match[2]] = tensor
     weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
     for module_name, pair in pairs.items():
-        module = modules.get(module_name)
-        if module_name in ("lm_head",) or not isinstance(module, nn.Linear):
+        shape = shapes.get(module_name)
+        if module_name in ("lm_head",) or shape is None:
             raise BadLoRAAdapter(
                 f"LoRA adapter {name!r} targets {module_name!r}, which is not an attention or MLP linear layer of "
                 "this model; train the adapter for this base model"
@@ -97,7 +110,7 @@ def load_adapter(
             raise BadLoRAAdapter(f"LoRA adapter {name!r}: {module_name} lacks lora_A or lora_B")
         lora_a, lora_b = pair["A"], pair["B"]
         rank = lora_a.shape[0]
-        if lora_a.shape[1] != module.in_features or lora_b.shape != (module.out_features, rank):
+        if lora_a.shape[1] != shape[0] or lora_b.shape != (shape[1], rank):
             raise BadLoRAAdapter(f"LoRA adapter {name!r}: {module_name} shapes do not fit the model's layer")
         if rank > max_rank:
             raise BadLoRAAdapter(

@@ -4,6 +4,7 @@
 - `admits(seq, active)` lets the scheduler keep at most `max_loras` distinct adapters among running requests.
 - `activate(scheduled)` puts this step's adapters in device slots (LRU) and exposes each packed row's slot to
   the layers for the duration of one forward.
+- `take_step()` (a parallel engine's driver) hands over the slot writes and row slots the other ranks replay.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from contextlib import contextmanager
 from torch import nn
 
 from paged_backend.errors import BadLoRAAdapter
-from paged_backend.lora.adapter import LoRAAdapter, load_adapter
+from paged_backend.lora.adapter import LoRAAdapter, linear_shapes, load_adapter
 from paged_backend.lora.layers import SlotLayers
 from paged_backend.lora.request import LoRARequest
 
@@ -26,19 +27,44 @@ def served_adapters(engine) -> dict[str, LoRAAdapter]:
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, *, max_loras: int, max_lora_rank: int) -> None:
-        self.model, self.max_loras, self.max_lora_rank = model, max_loras, max_lora_rank
+    """`layers` / `shapes`: the slots of this process's (possibly sharded) model and the whole model's linear
+    shapes; both default to those of `model`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_loras: int,
+        max_lora_rank: int,
+        layers: SlotLayers | None = None,
+        shapes: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.adapters: dict[str, LoRAAdapter] = {}  # loaded, by name
         self.slots: OrderedDict[int, int] = OrderedDict()  # load_id -> device slot, least recently used first
-        self.layers = SlotLayers(model, max_loras, max_lora_rank)
+        self.layers = layers or SlotLayers(model, max_loras, max_lora_rank)
+        self.shapes = shapes or linear_shapes(model)
         weight = next(model.parameters())
         self.device, self.dtype = weight.device, weight.dtype
         self._next_int_id = 1
+        self.records_writes = False  # a parallel driver's: keep slot writes for the other ranks (`take_step`)
+        self._writes: list[tuple[int, dict]] = []
+        self._step_slots: list[int] = []  # the current step's slot per packed row, and its largest rank
+        self._step_rank = 0
 
     @classmethod
-    def for_engine(cls, config, model: nn.Module, runner, scheduler) -> LoRAManager:
-        """The manager of one engine: loads `config.lora_modules` and plugs into its runner and scheduler."""
-        manager = cls(model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank)
+    def for_engine(cls, config, model: nn.Module, runner, scheduler, parallel=None) -> LoRAManager:
+        """The manager of one engine: loads `config.lora_modules` and plugs into its runner and scheduler. A
+        parallel engine's driver uses its rank's slots and the whole model's shapes."""
+        worker = None if parallel is None else parallel.worker
+        manager = cls(
+            model,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
+            layers=None if worker is None else worker.lora_layers,
+            shapes=None if worker is None else worker.linear_shapes,
+        )
+        manager.records_writes = worker is not None
         for name, path in config.lora_modules.items():
             manager.add(name, path)
         runner.lora, scheduler.admits_adapter = manager, manager.admits
@@ -60,7 +86,7 @@ class LoRAManager:
             lora_request.lora_name,
             lora_request.lora_int_id,
             lora_request.lora_path,
-            self.model,
+            self.shapes,
             max_rank=self.max_lora_rank,
             dtype=self.dtype,
             device=self.device,
@@ -124,11 +150,20 @@ class LoRAManager:
         token_slots: list[int] = []
         for adapter, num_rows in step_adapters:
             token_slots += [-1 if adapter is None else self.slots[adapter.load_id]] * num_rows
-        self.layers.local.rows = self.layers.rows(token_slots, self.device, self.dtype)
+        rank = max(adapter.rank for adapter in in_step.values())
+        self.layers.local.rows = self.layers.rows(token_slots, rank, self.device, self.dtype)
+        self._step_slots, self._step_rank = token_slots, rank
         try:
             yield
         finally:
             self.layers.local.rows = None
+            self._step_slots, self._step_rank = [], 0
+
+    def take_step(self) -> tuple[list[tuple[int, dict]], list[int], int]:
+        """The slot writes since the last call (CPU copies), this step's slot per packed row (empty: none) and the
+        step's largest rank: what the other ranks of a parallel engine apply to their own slots."""
+        writes, self._writes = self._writes, []
+        return writes, list(self._step_slots), self._step_rank
 
     def _slot(self, adapter: LoRAAdapter, in_step: dict[int, LoRAAdapter]) -> int:
         if adapter.load_id in self.slots:
@@ -140,5 +175,7 @@ class LoRAManager:
             victim = next(load_id for load_id in self.slots if load_id not in in_step)
             slot = self.slots.pop(victim)
         self.layers.write(slot, adapter.weights)
+        if self.records_writes:
+            self._writes.append((slot, {name: (a.cpu(), b.cpu(), s) for name, (a, b, s) in adapter.weights.items()}))
         self.slots[adapter.load_id] = slot
         return slot
