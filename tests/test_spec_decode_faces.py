@@ -61,6 +61,7 @@ def test_serve_speculates_and_matches_plain_decoding(faces, plain):
 
 def test_launch_speculate_matches_plain_decoding(faces, plain):
     _, launch = faces
+    before = launch.metrics()
     client = Client(launch.url, timeout=120)
     for prompt in PROMPTS:
         response = client.generate(prompt, max_new_tokens=MAX_TOKENS, decoder_input_details=False)
@@ -68,7 +69,12 @@ def test_launch_speculate_matches_plain_decoding(faces, plain):
         assert tokens == plain[prompt][0][: len(tokens)], prompt
         assert len(tokens) == MAX_TOKENS or response.details.finish_reason != "length"
     assert "ignoring --speculate" not in launch.output()
-    launch.wait_until_drained()
+    after = launch.wait_until_drained()  # the engine's counters ride the TGI face's /metrics: speculation ran
+    drafted = "paged_backend:spec_decode_num_draft_tokens_total"
+    assert after[drafted] > before.get(drafted, 0)
+    assert after["paged_backend:spec_decode_num_accepted_tokens_total"] > before.get(
+        "paged_backend:spec_decode_num_accepted_tokens_total", 0
+    )
 
 
 def test_run_speculative_config_gives_plain_tokens_and_reports_acceptance(tmp_path, plain):

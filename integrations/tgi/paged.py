@@ -30,6 +30,9 @@ class PagedBackend:
         self._running = False
 
     async def start(self, metrics: TgiMetrics) -> None:
+        from paged_backend.server.metrics import EngineStatsCollector
+
+        metrics.registry.register(EngineStatsCollector(self.async_engine))  # the engine's own counters, next to TGI's
         await self.async_engine.start()
         self._running = True
 

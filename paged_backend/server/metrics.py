@@ -23,7 +23,9 @@ PREFIX = "paged_backend:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 
 
-class _EngineStatsCollector(Collector):
+class EngineStatsCollector(Collector):
+    """The engine's gauges and counters, read at scrape time (also on the TGI face's /metrics, paged backend)."""
+
     def __init__(self, async_engine: AsyncEngine) -> None:
         self.async_engine = async_engine
 
@@ -62,7 +64,7 @@ class ServerMetrics:
     def __init__(self, async_engine: AsyncEngine, model_name: str = "", tracer: RequestTracer | None = None) -> None:
         self.model_name, self.tracer = model_name, tracer
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineStatsCollector(async_engine))
+        self.registry.register(EngineStatsCollector(async_engine))
 
         def histogram(name: str, documentation: str) -> Histogram:
             return Histogram(f"{PREFIX}{name}", documentation, buckets=LATENCY_BUCKETS, registry=self.registry)
