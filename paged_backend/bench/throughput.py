@@ -1,8 +1,9 @@
 """Offline throughput: HF static `generate`, HF continuous batching, and the paged-backend engine.
 
-One model, one workload (long-tailed prompt and output lengths, EOS ignored), three systems, one run.
-Prints requests/s, output tokens/s, the ratios, and the share of the engine's wall time spent outside the
-model forward.
+One model, one workload (long-tailed prompt and output lengths, EOS ignored), three systems, one run, at each
+thread count asked for (`--threads 1,default`). Prints requests/s, output tokens/s, the ratios against the targets
+(6x the best HF static batch, 3x the best HF continuous batching), the share of the engine's wall time spent
+outside the model forward, and the engine's model FLOP/s against this machine's matmul peak measured in the run.
 
     paged-backend bench throughput --quick       # 32 requests, tiny model, a couple of minutes
     paged-backend bench throughput               # 200 requests, ~100M-parameter Llama (slow on CPU)
@@ -34,7 +35,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--quick", action="store_true", help="32 requests on a small model")
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is stable on a shared box)")
+    parser.add_argument("--threads", default="1",
+                        help="comma list of torch thread counts, each a full comparison; 'default' = the machine's")  # fmt: skip
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="weights and activations of every system (bfloat16 uses the CPU's bf16 matmul units)")  # fmt: skip
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--static-batch-sizes", default=None, help="comma list; default 4,8,16,32")
     parser.add_argument("--cb-max-batch-tokens", default="64,128,256,default", help="comma list for HF CB")
@@ -159,13 +163,47 @@ def profile_engine(model, prompts, outputs, **engine_kwargs) -> None:
         print(f"  {name:<66} {seconds:7.2f} s  {100 * seconds / wall:5.1f}%")
 
 
-def bench_model(quick: bool, vocab_size: int, seed: int):
-    """The benchmark's Llama (small with --quick), float32 with SDPA attention, and a line describing it."""
+def bench_model(quick: bool, vocab_size: int, seed: int, dtype: str = "float32"):
+    """The benchmark's Llama (small with --quick) with SDPA attention, and a line describing it."""
     shape = QUICK_MODEL if quick else FULL_MODEL
-    model = tiny_model("llama", seed=seed, vocab_size=vocab_size, max_position_embeddings=2048, **shape)
+    model = tiny_model("llama", seed=seed, vocab_size=vocab_size, max_position_embeddings=2048,
+                       dtype=getattr(torch, dtype), **shape)  # fmt: skip
     model.set_attn_implementation("sdpa")
     params = sum(p.numel() for p in model.parameters())
-    return model, f"llama {shape} vocab {vocab_size} = {params / 1e6:.0f}M params, float32"
+    return model, f"llama {shape} vocab {vocab_size} = {params / 1e6:.0f}M params, {dtype}"
+
+
+def model_flops(model, prompts: list[list[int]], outputs: list[int]) -> float:
+    """Useful FLOPs of the workload: every decoder linear layer once per token, the LM head once per output token,
+    and attention's two products over each token's context (no padding, no recomputation)."""
+    config = model.config
+    decoder = sum(m.weight.numel() for name, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and "lm_head" not in name)  # fmt: skip
+    head = model.get_output_embeddings().weight.numel()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_context_token = 4 * config.num_hidden_layers * config.num_attention_heads * head_dim  # QK^T and PV
+    flops = 0.0
+    for prompt, wanted in zip(prompts, outputs, strict=True):
+        tokens = len(prompt) + wanted
+        flops += 2 * decoder * tokens + 2 * head * wanted + per_context_token * tokens * (tokens + 1) / 2
+    return flops
+
+
+def matmul_peak(model, repeats: int = 20) -> float:
+    """FLOP/s of this machine's best case for the model: one [256, hidden] x [hidden, intermediate] linear in the
+    model's dtype at the current thread count (best of `repeats`)."""
+    config = model.config
+    x = torch.randn(256, config.hidden_size, dtype=model.dtype)
+    weight = torch.randn(config.intermediate_size, config.hidden_size, dtype=model.dtype)
+    best = float("inf")
+    for _ in range(repeats + 3):
+        started = time.perf_counter()
+        torch.nn.functional.linear(x, weight)
+        best = min(best, time.perf_counter() - started)
+    return 2 * x.shape[0] * config.hidden_size * config.intermediate_size / best
+
+
+TARGETS = {"vs_best_hf_static": 6.0, "vs_best_hf_continuous_batching": 3.0}  # the throughput issue's
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -173,25 +211,56 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(max_num_batched_tokens=args.max_num_batched_tokens)
 
 
+def thread_counts(value: str) -> list[int]:
+    default = torch.get_num_threads()  # the machine's default, before this benchmark sets any
+    return [default if item.strip() == "default" else int(item) for item in value.split(",")]
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    torch.set_num_threads(args.threads)
-    sizes = args.static_batch_sizes or "4,8,16,32"  # on CPU, batches past 32 only get slower
-    skip = set(filter(None, args.skip.split(",")))
+    counts = thread_counts(args.threads)
     if args.dataset:
         prompts, outputs = jsonl_workload(args.dataset, byte_tokenizer(), args.num_requests)
     else:
         prompts, outputs = synthetic_workload(
             args.num_requests or (32 if args.quick else 200), args.seed, args.vocab_size
         )
-    num_requests = len(prompts)
-    base, description = bench_model(args.quick, args.vocab_size, args.seed)
-    print(f"model: {description}, {args.threads} threads; "
-          f"engine attention backend: {resolve_backend(None, torch.device('cpu'))}")  # fmt: skip
-    print(f"workload: {num_requests} requests{f' from {args.dataset}' if args.dataset else f', seed {args.seed}'}, "
+    base, description = bench_model(args.quick, args.vocab_size, args.seed, args.dtype)
+    print(f"workload: {len(prompts)} requests{f' from {args.dataset}' if args.dataset else f', seed {args.seed}'}, "
           f"prompt tokens {sum(map(len, prompts))} (max {max(map(len, prompts))}), "
           f"output tokens {sum(outputs)} (max {max(outputs)}), EOS ignored")  # fmt: skip
-    useful = sum(outputs)
+    payloads = [compare(args, threads, base, description, prompts, outputs) for threads in counts]
+    payload = dict(payloads[0])
+    if len(payloads) > 1:
+        payload["by_threads"] = {str(threads): p for threads, p in zip(counts, payloads, strict=True)}
+    write_json(args.output_json, payload)
+    results = [
+        {**r, "system": r["system"] + (f" ({p['threads']} threads)" if len(payloads) > 1 else "")}
+        for p in payloads
+        for r in p["results"]
+    ]
+
+    def figure(plt):
+        fig, axis = plt.subplots(figsize=(8, 0.45 * len(results) + 1.5))
+        axis.barh([r["system"] for r in results], [r["output_tokens_per_s"] for r in results],
+                  color=["C2" if r["system"].startswith("paged") else "C0" for r in results])  # fmt: skip
+        axis.invert_yaxis()
+        axis.set(xlabel="output tokens/s", title=f"offline throughput, {len(prompts)} requests")
+        axis.grid(alpha=0.3, axis="x")
+        return fig
+
+    write_plot(args.plot, figure)
+    return payload
+
+
+def compare(args, threads: int, base, description: str, prompts, outputs) -> dict:
+    """Every system over the workload at `threads` torch threads; returns this run's JSON payload."""
+    torch.set_num_threads(threads)
+    sizes = args.static_batch_sizes or "4,8,16,32"  # on CPU, batches past 32 only get slower
+    skip = set(filter(None, args.skip.split(",")))
+    num_requests, useful = len(prompts), sum(outputs)
+    print(f"\nmodel: {description}, {threads} threads; "
+          f"engine attention backend: {resolve_backend(None, torch.device('cpu'))}")  # fmt: skip
     rows: list[tuple[str, float]] = []
 
     def report(name: str, seconds: float) -> None:
@@ -201,12 +270,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     # The engine runs first so a long baseline sweep that gets cut short still leaves its number.
     kwargs = engine_kwargs(args)
+    flops_report = {}
     if "engine" not in skip:
         run = run_engine(copy.deepcopy(base), prompts, outputs, **kwargs)
         report(f"paged-backend engine mbt={args.max_num_batched_tokens}", run.elapsed)
         print(f"  engine: {run.steps} steps, {run.preemptions} preemptions, "
               f"{100 * (1 - run.forward_time / run.elapsed):.1f}% of wall time outside the model forward "
               f"({run.forward_time:.2f} s forward of {run.elapsed:.2f} s)", flush=True)  # fmt: skip
+        achieved, peak = model_flops(base, prompts, outputs) / run.elapsed, matmul_peak(base)
+        flops_report = {"engine_flops_per_s": achieved, "matmul_peak_flops_per_s": peak, "share_of_peak": achieved / peak}
+        print(f"  engine: {achieved / 1e9:.1f} model GFLOP/s = {100 * achieved / peak:.0f}% of this machine's "
+              f"matmul peak ({peak / 1e9:.1f} GFLOP/s, {threads} threads, {base.dtype}; target 70%)", flush=True)  # fmt: skip
         if args.profile:
             profile_engine(copy.deepcopy(base), prompts, outputs, **kwargs)
     tensor_parallel = None
@@ -228,33 +302,23 @@ def main(argv: list[str] | None = None) -> dict:
     speedups = {}
     if "engine" not in skip:
         ours = useful / run.elapsed
-        best_static = max((useful / s for n, s in rows if n.startswith("HF generate static")), default=None)
-        best_cb = max((useful / s for n, s in rows if "CB" in n), default=None)
-        if best_static:
-            speedups["vs_best_hf_static"] = ours / best_static
-            print(f"speedup vs best HF static: {ours / best_static:.2f}x")
-        if best_cb:
-            speedups["vs_best_hf_continuous_batching"] = ours / best_cb
-            print(f"speedup vs best HF continuous batching: {ours / best_cb:.2f}x")
+        best = {
+            "vs_best_hf_static": max((useful / s for n, s in rows if n.startswith("HF generate static")), default=None),
+            "vs_best_hf_continuous_batching": max((useful / s for n, s in rows if "CB" in n), default=None),
+        }
+        for key, baseline in best.items():
+            if baseline:
+                speedups[key] = ours / baseline
+                verdict = "met" if speedups[key] >= TARGETS[key] else f"missed by {TARGETS[key] - speedups[key]:.2f}x"
+                print(f"speedup {key.replace('_', ' ')}: {speedups[key]:.2f}x (target {TARGETS[key]:g}x: {verdict})")
     results = [{"system": name, "elapsed_s": seconds, "requests_per_s": num_requests / seconds,
                 "output_tokens_per_s": useful / seconds} for name, seconds in rows]  # fmt: skip
     print(markdown_table(["system", "seconds", "req/s", "output tok/s"],
                          [[r["system"], f"{r['elapsed_s']:.2f}", f"{r['requests_per_s']:.2f}",
                            f"{r['output_tokens_per_s']:.1f}"] for r in results]))  # fmt: skip
-    payload = {"model": description, "num_requests": num_requests, "prompt_tokens": sum(map(len, prompts)),
-               "output_tokens": useful, "results": results, "speedup": speedups}  # fmt: skip
+    payload = {"model": description, "threads": threads, "num_requests": num_requests,
+               "prompt_tokens": sum(map(len, prompts)), "output_tokens": useful, "results": results,
+               "speedup": speedups, **flops_report}  # fmt: skip
     if tensor_parallel:
         payload["tensor_parallel"] = tensor_parallel
-    write_json(args.output_json, payload)
-
-    def figure(plt):
-        fig, axis = plt.subplots(figsize=(8, 0.45 * len(results) + 1.5))
-        axis.barh([r["system"] for r in results], [r["output_tokens_per_s"] for r in results],
-                  color=["C2" if r["system"].startswith("paged") else "C0" for r in results])  # fmt: skip
-        axis.invert_yaxis()
-        axis.set(xlabel="output tokens/s", title=f"offline throughput, {num_requests} requests")
-        axis.grid(alpha=0.3, axis="x")
-        return fig
-
-    write_plot(args.plot, figure)
     return payload
