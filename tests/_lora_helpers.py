@@ -54,6 +54,23 @@ def reference_tokens(
     return tokens
 
 
+def adapter_builder(tmp_path_factory, max_new_tokens: int):
+    """`build(arch)`: per architecture, built once, the base model directory, a LoRARequest per adapter and peft's
+    reference tokens (for a module-scoped fixture)."""
+    from paged_backend.lora import LoRARequest
+
+    cache = {}
+
+    def build(arch: str):
+        if arch not in cache:
+            model_dir, adapters = save_base_and_adapters(arch, tmp_path_factory.mktemp(arch))
+            loras = {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())}
+            cache[arch] = model_dir, loras, expected_tokens(arch, adapters, max_new_tokens)
+        return cache[arch]
+
+    return build
+
+
 def expected_tokens(arch: str, adapters: dict[str, Path], max_new_tokens: int) -> dict[str | None, list[list[int]]]:
     """The reference tokens of every prompt under the base model (key None) and each adapter."""
     return {name: reference_tokens(arch, adapters.get(name), PROMPTS, max_new_tokens) for name in [None, *adapters]}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _lora_helpers import ADAPTERS, PROMPTS, expected_tokens, save_base_and_adapters
+from _lora_helpers import ADAPTERS, PROMPTS, adapter_builder
 
 from paged_backend.engine import LLM, SamplingParams
 from paged_backend.errors import BadLoRAAdapter, InvalidRequest
@@ -23,16 +23,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """Per architecture (built once): base model directory, a LoRARequest per adapter, peft's tokens."""
-    cache = {}
-
-    def build(arch: str):
-        if arch not in cache:
-            model_dir, adapters = save_base_and_adapters(arch, tmp_path_factory.mktemp(arch))
-            loras = {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())}
-            cache[arch] = model_dir, loras, expected_tokens(arch, adapters, MAX_TOKENS)
-        return cache[arch]
-
-    return build
+    return adapter_builder(tmp_path_factory, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _lora_helpers import PROMPTS, expected_tokens, save_base_and_adapters
+from _lora_helpers import PROMPTS, adapter_builder
 
 from paged_backend.engine import LLM, SamplingParams
-from paged_backend.lora import LoRARequest
 from tests._distributed_helpers import close_and_check
 
 MAX_TOKENS = 8
@@ -22,16 +21,7 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     torch.set_num_threads(1)
-    cache = {}
-
-    def build(arch: str):
-        if arch not in cache:
-            model_dir, adapters = save_base_and_adapters(arch, tmp_path_factory.mktemp(arch))
-            loras = {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())}
-            cache[arch] = model_dir, loras, expected_tokens(arch, adapters, MAX_TOKENS)
-        return cache[arch]
-
-    return build
+    return adapter_builder(tmp_path_factory, MAX_TOKENS)
 
 
 @pytest.mark.parametrize(

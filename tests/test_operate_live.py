@@ -149,7 +149,7 @@ def test_every_panel_answers_and_counters_match_traffic(faces, tmp_path):
         prometheus.wait_for('count(up{job=~"paged-backend-.*"} == 1)', 2)
         counters_before = {expr: prometheus.counter(expr) for expr in SERVE_COUNTERS + TGI_COUNTERS}
         sent = send_traffic(serve, launch)
-        prometheus.wait_for("sum(paged_backend:request_success_total)", counters_before[SERVE_COUNTERS[0]] + sent[0])
+        prometheus.wait_for(f"sum(paged_backend:request_success_total{SERVE})", counters_before[SERVE_COUNTERS[0]] + sent[0])
         prometheus.wait_for("tgi_request_success", counters_before[TGI_COUNTERS[1]] + sent[3])
         time.sleep(1.5)  # a few more scrapes after the traffic: gauges back at idle, rate windows closed
 
@@ -174,12 +174,13 @@ def test_every_panel_answers_and_counters_match_traffic(faces, tmp_path):
         prometheus.stop()
 
 
+SERVE = '{job="paged-backend-serve"}'  # the TGI face (paged backend) exports the engine's counters too
 SERVE_COUNTERS = [
-    "paged_backend:request_success_total",
-    "paged_backend:prompt_tokens_total",
-    "paged_backend:generation_tokens_total",
-    "paged_backend:e2e_request_latency_seconds_count",
-    "paged_backend:time_to_first_token_seconds_count",
+    f"paged_backend:request_success_total{SERVE}",
+    f"paged_backend:prompt_tokens_total{SERVE}",
+    f"paged_backend:generation_tokens_total{SERVE}",
+    f"paged_backend:e2e_request_latency_seconds_count{SERVE}",
+    f"paged_backend:time_to_first_token_seconds_count{SERVE}",
 ]
 TGI_COUNTERS = [
     "tgi_request_count",
