@@ -17,10 +17,14 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout  # the only way to retime a created group
 
 from paged_backend.config import ParallelConfig
 
 IDLE_TIMEOUT = timedelta(days=365)  # an idle server's workers wait this long for the next step
+# Joining waits for every rank to start (a fork and a model load on a busy host), which a short collective timeout
+# must not cut: groups are created with at least this long, then given the collective timeout.
+JOIN_TIMEOUT = timedelta(seconds=15)
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _generations = itertools.count()
 
@@ -82,27 +86,29 @@ class RankContext:
 
 
 def init_rank(rank: int, topology: Topology, init_method: str, device: torch.device, timeout: float) -> RankContext:
-    """Join the process group (blocks until every rank has joined, at most `timeout` s) and build the groups."""
+    """Join the process group and build the groups; collectives then wait at most `timeout` s for a rank (joining
+    itself waits at least `JOIN_TIMEOUT`)."""
     compute_backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     compute_timeout = timedelta(seconds=timeout)
-    store, _, _ = next(dist.rendezvous(init_method, rank=rank, world_size=topology.world_size, timeout=compute_timeout))
+    join = max(compute_timeout, JOIN_TIMEOUT)
+    store, _, _ = next(dist.rendezvous(init_method, rank=rank, world_size=topology.world_size, timeout=join))
     # torchrun's store outlives an engine: each engine of the job gets fresh keys (every rank counts alike). A tcp://
     # address is a new store per engine already (and a spawned rank's count would start over).
     generation = next(_generations) if init_method == "env://" else 0
     store = dist.PrefixStore(f"paged_backend/{generation}", store)
-    dist.init_process_group(
-        compute_backend, store=store, rank=rank, world_size=topology.world_size, timeout=compute_timeout
-    )
+    dist.init_process_group(compute_backend, store=store, rank=rank, world_size=topology.world_size, timeout=join)
     # Timeouts are each process's own: workers wait for the next step as long as the server idles, while the
     # driver's broadcast to a rank that stopped answering fails after the compute timeout.
-    control = dist.new_group(backend="gloo", timeout=compute_timeout if rank == 0 else IDLE_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=join if rank == 0 else IDLE_TIMEOUT)
     tp_groups = [
-        dist.new_group([topology.rank(stage, tp) for tp in range(topology.tp_size)], timeout=compute_timeout)
+        dist.new_group([topology.rank(stage, tp) for tp in range(topology.tp_size)], timeout=join)
         for stage in range(topology.pp_size)
     ]  # every rank creates every group, in the same order, as new_group requires
     pp_rank, _ = topology.coords(rank)
+    for group in (dist.group.WORLD, tp_groups[pp_rank], *([control] if rank == 0 else [])):
+        _set_pg_timeout(compute_timeout, group)
     return RankContext(rank, topology, device, control, dist.group.WORLD, tp_groups[pp_rank])
 
 
