@@ -17,6 +17,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 from torch.distributed.distributed_c10d import _set_pg_timeout  # the only way to retime a created group
 
 from paged_backend.config import ParallelConfig
@@ -93,6 +94,10 @@ def init_rank(rank: int, topology: Topology, init_method: str, device: torch.dev
         torch.cuda.set_device(device)
     compute_timeout = timedelta(seconds=timeout)
     join = max(compute_timeout, JOIN_TIMEOUT)
+    # Groups are named by a per-process counter that names their store keys; destroy_process_group resets it, a join
+    # that failed half-way does not, and the next engine's fresh workers would count from 0 and wait on other keys.
+    if not dist.is_initialized():
+        distributed_c10d._world.group_count = 0
     store, _, _ = next(dist.rendezvous(init_method, rank=rank, world_size=topology.world_size, timeout=join))
     # torchrun's store outlives an engine: each engine of the job gets fresh keys (every rank counts alike). A tcp://
     # address is a new store per engine already (and a spawned rank's count would start over).
