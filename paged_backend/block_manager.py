@@ -252,6 +252,15 @@ class BlockManager:
             peak += held
         return peak
 
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks one sequence may hold on its own: all but the null block and the admission watermark."""
+        return self.num_blocks - 1 - self.watermark_blocks
+
+    def fits_alone(self, num_tokens: int, chunk: int) -> bool:
+        """Whether a sequence of `num_tokens`, computed `chunk` tokens a step, fits the pool with nothing else."""
+        return self.peak_blocks_per_sequence(num_tokens, chunk) <= self.usable_blocks
+
     def _cover(self, group: int, num_tokens: int, until: int | None) -> int:
         """Leading tokens whose slots `group` holds: all of them in a full group, only those before `until` (the
         end of the step's chunk) in a windowed group."""

@@ -116,11 +116,8 @@ class RankWorker:
         writes, token_slots, rank = lora
         for slot, weights in writes:
             self.lora_layers.write(slot, weights)
-        self.lora_layers.local.rows = self.lora_layers.rows(token_slots, rank, self.ctx.device, self.model.dtype)
-        try:
+        with self.lora_layers.step(token_slots, rank, self.ctx.device, self.model.dtype):
             yield
-        finally:
-            self.lora_layers.local.rows = None
 
 
 def serve_steps(worker: RankWorker) -> None:

@@ -177,19 +177,14 @@ class Engine:
         window plus a step's chunk, so a model windowed everywhere is bounded by positions, not by the pool (its
         prefill chunks then shrink to fit, see `_prefill_chunk_limit`); unchunked, one step's budget also bounds it."""
         manager, scheduler, asked = self.block_manager, config.scheduler, config.scheduler.max_model_len
-        usable = manager.num_blocks - 1 - manager.watermark_blocks
-
-        def fits(num_tokens: int) -> bool:
-            chunk = 1 if scheduler.enable_chunked_prefill else num_tokens
-            return manager.peak_blocks_per_sequence(num_tokens, chunk) <= usable
-
-        capacity = _largest(fits, max(max_positions, asked or 0))
+        chunked = scheduler.enable_chunked_prefill
+        capacity = _largest(lambda n: manager.fits_alone(n, 1 if chunked else n), max(max_positions, asked or 0))
         if not scheduler.enable_chunked_prefill:
             capacity = min(capacity, scheduler.max_num_batched_tokens)
         if asked is not None and asked > capacity:
             raise InvalidRequest(
                 f"max_model_len={asked} needs {manager.peak_blocks_per_sequence(asked, 1)} KV blocks for one "
-                f"sequence, but the pool has {usable} usable blocks of {manager.block_size} tokens "
+                f"sequence, but the pool has {manager.usable_blocks} usable blocks of {manager.block_size} tokens "
                 f"({manager.num_groups} layer group(s)), so it holds at most {capacity} tokens: raise num_blocks / "
                 f"kv_cache_memory_bytes / gpu_memory_utilization, or lower max_model_len to {capacity}"
             )
@@ -198,11 +193,10 @@ class Engine:
     def _prefill_chunk_limit(self, config: EngineConfig) -> int:
         """The largest prefill chunk with which a `max_model_len` sequence still fits the pool on its own: the whole
         step budget unless windowed groups, which hold a chunk's worth of blocks, need smaller chunks."""
-        manager, budget = self.block_manager, config.scheduler.max_num_batched_tokens
-        usable = manager.num_blocks - 1 - manager.watermark_blocks
+        budget = config.scheduler.max_num_batched_tokens
         if not config.scheduler.enable_chunked_prefill:
             return budget
-        return _largest(lambda chunk: manager.peak_blocks_per_sequence(self.max_model_len, chunk) <= usable, budget)
+        return _largest(lambda chunk: self.block_manager.fits_alone(self.max_model_len, chunk), budget)
 
     def close(self) -> None:
         """Stop the worker ranks of a parallel engine (a no-op for one process); idempotent."""

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -30,10 +32,14 @@ class StepRows:
     """One step's adapted rows, grouped by adapter slot into padded segments."""
 
     slots: torch.Tensor  # [S] the device slots used this step
-    index: torch.Tensor  # [S * L] packed row of each segment entry (padding repeats a real row)
-    valid: torch.Tensor  # [S, L, 1] 1 on real entries, 0 on padding (model dtype)
     rank: int  # the largest rank among the step's adapters: columns beyond it are zero in every slot
-    whole: bool  # one slot for every row, in order: no gather or scatter needed
+    index: torch.Tensor | None = None  # [S * L] packed row of each segment entry (padding repeats a real row)
+    valid: torch.Tensor | None = None  # [S, L, 1] 1 on real entries, 0 on padding (model dtype)
+
+    @property
+    def whole(self) -> bool:
+        """One slot for every row, in order: no gather or scatter needed."""
+        return self.index is None
 
 
 class LayerStack:
@@ -94,6 +100,15 @@ class SlotLayers:
                 self._handles.append(module.register_forward_hook(hook, prepend=True))  # before any all-reduce
             self.stacks[name].write(slot, lora_a, lora_b, scaling)
 
+    @contextmanager
+    def step(self, token_slots: list[int], rank: int, device, dtype) -> Iterator[None]:
+        """For one forward on this thread: the hooks add each row's update (`rows`)."""
+        self.local.rows = self.rows(token_slots, rank, device, dtype)
+        try:
+            yield
+        finally:
+            self.local.rows = None
+
     def rows(self, token_slots: list[int], rank: int, device, dtype) -> StepRows | None:
         """Rows for one step; `token_slots[t]` is the slot of packed row t, or -1 for the base model. `rank`: the
         largest rank among the step's adapters. None when no row is adapted."""
@@ -105,16 +120,15 @@ class SlotLayers:
             return None
         slots = torch.tensor(list(segments), dtype=torch.long, device=device)
         if len(segments) == 1 and len(next(iter(segments.values()))) == len(token_slots):
-            return StepRows(slots, slots, slots, rank, whole=True)
+            return StepRows(slots, rank)
         length = max(map(len, segments.values()))
         index = [rows + rows[:1] * (length - len(rows)) for rows in segments.values()]
         valid = [[1] * len(rows) + [0] * (length - len(rows)) for rows in segments.values()]
         return StepRows(
             slots,
+            rank,
             torch.tensor(index, dtype=torch.long, device=device).view(-1),
             torch.tensor(valid, dtype=dtype, device=device).unsqueeze(-1),
-            rank,
-            whole=False,
         )
 
 

@@ -151,12 +151,11 @@ class LoRAManager:
         for adapter, num_rows in step_adapters:
             token_slots += [-1 if adapter is None else self.slots[adapter.load_id]] * num_rows
         rank = max(adapter.rank for adapter in in_step.values())
-        self.layers.local.rows = self.layers.rows(token_slots, rank, self.device, self.dtype)
         self._step_slots, self._step_rank = token_slots, rank
         try:
-            yield
+            with self.layers.step(token_slots, rank, self.device, self.dtype):
+                yield
         finally:
-            self.layers.local.rows = None
             self._step_slots, self._step_rank = [], 0
 
     def take_step(self) -> tuple[list[tuple[int, dict]], list[int], int]:
