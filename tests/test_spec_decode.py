@@ -95,6 +95,22 @@ def test_draft_equal_to_target_accepts_everything(make_llm):
     assert draft_pool_free(llm)
 
 
+def test_drafts_follow_acceptance_a_sequence_that_never_agrees_only_probes(make_llm):
+    """A draft that always proposes token 0 (its final norm zeroed: all-zero logits), which the target never picks:
+    after the first k-token draft is rejected outright, the sequence backs off and then probes one token at a time."""
+    draft = truncated_copy(reference_model("llama"))
+    torch.nn.init.zeros_(draft.model.norm.weight)
+    llm = make_llm(speculative_config={"model": draft, "num_speculative_tokens": 4})
+    out = llm.generate(PROMPTS[1:2], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+    assert 0 not in out.token_ids
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_accepted_tokens == 0
+    # Drafts at decode steps 1, 3, 7, 15, 31 (waits 1, 3, 7, 15 between): one of 4 tokens, then 1-token probes.
+    assert stats.spec_decode_num_drafts == 5
+    assert stats.spec_decode_num_draft_tokens == 4 + 4
+    assert draft_pool_free(llm)
+
+
 def test_requests_that_cannot_speculate_fall_back_alone(make_llm, plain_outputs):
     """A penalty depends on the tokens drawn before it: that request decodes plainly; the others (one asking for
     logprobs, which speculation reports row by row as plain decoding does) still speculate."""

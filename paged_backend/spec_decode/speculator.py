@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from paged_backend.block_manager import BlockManager
@@ -13,6 +15,27 @@ from paged_backend.spec_decode.ngram import propose_ngram
 from paged_backend.spec_decode.rejection import verify_greedy, verify_sampled
 
 MAX_BACKOFF = 64
+
+
+@dataclass
+class Pace:
+    """How far one sequence speculates, from how its own drafts fared (never from this step's draws, so rejection
+    sampling stays exact). A draft fully accepted lengthens the next by one (up to k); one cut after `a` tokens
+    makes the next `a + 1` long; one rejected outright makes the next a single-token probe and sits out 1, 3, 7,
+    ... 63 decode steps first. So an unpredictable sequence costs a cheap probe now and then, not k wasted drafts."""
+
+    k: int  # length of its next draft
+    misses: int = 0  # drafts in a row rejected outright
+    wait: int = 0  # decode steps still to sit out
+
+    def update(self, drafted: int, accepted: int, longest: int) -> None:
+        if accepted == drafted:
+            self.k, self.misses = min(longest, self.k + 1), 0
+        elif accepted:
+            self.k, self.misses = accepted + 1, 0
+        else:
+            self.k, self.misses = 1, self.misses + 1
+            self.wait = min(2**self.misses, MAX_BACKOFF) - 1
 
 
 def speculates(seq: Sequence) -> bool:
@@ -30,9 +53,7 @@ class Speculator:
         k = config.num_speculative_tokens
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * k
-        # Back-off: a sequence whose draft was rejected outright sits out 1, 3, 7, ... (at most 63) decode steps, so
-        # a workload the proposer cannot predict costs little more than plain decoding. {seq id: [misses, wait]}
-        self.backoff: dict[int, list[int]] = {}
+        self.paces: dict[int, Pace] = {}  # of sequences that have drafted
 
     def propose(self, scheduled: list[ScheduledSequence], token_budget: int) -> list[tuple[int, int]]:
         """Give this step's eligible decodes their drafts (`item.draft`, slots appended, `num_tokens` grown) within
@@ -43,12 +64,16 @@ class Speculator:
             return []
         for item in scheduled:
             seq = item.seq
-            if item.num_tokens != 1 or not item.samples or not speculates(seq) or self._waits(seq.seq_id):
+            if item.num_tokens != 1 or not item.samples or not speculates(seq):
+                continue
+            pace = self.paces.setdefault(seq.seq_id, Pace(self.config.num_speculative_tokens))
+            if pace.wait:
+                pace.wait -= 1
                 continue
             params = seq.request.params
             # The step emits drafts plus one: never past max_tokens or max_model_len.
             room = min(params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-            k = min(self.config.num_speculative_tokens, room, token_budget)
+            k = min(pace.k, room, token_budget)
             if k > 0:
                 wanted.append((item, k))
                 token_budget -= k
@@ -81,8 +106,7 @@ class Speculator:
             probs = sampler._probabilities(logits, [params] * len(logits))
             tokens = verify_sampled(probs, draft, sampler.generator_for(seq))
         accepted = len(tokens) - 1
-        misses = 0 if accepted else self.backoff.get(seq.seq_id, [0, 0])[0] + 1
-        self.backoff[seq.seq_id] = [misses, min(2**misses, MAX_BACKOFF) - 1]
+        self.paces[seq.seq_id].update(len(draft), accepted, self.config.num_speculative_tokens)
         self.num_drafts += 1
         self.num_draft_tokens += len(draft)
         self.num_accepted_tokens += accepted
@@ -98,16 +122,9 @@ class Speculator:
                     logprobs[i] = sampler._logprobs(raw[i], token, params.logprobs)
         return tokens, logprobs
 
-    def _waits(self, seq_id: int) -> bool:
-        state = self.backoff.get(seq_id)
-        if state is None or state[1] == 0:
-            return False
-        state[1] -= 1
-        return True
-
     def retain(self, seq_ids: set[int]) -> None:
         """Forget draft state of sequences not in `seq_ids` (finished, aborted)."""
-        self.backoff = {seq_id: state for seq_id, state in self.backoff.items() if seq_id in seq_ids}
+        self.paces = {seq_id: pace for seq_id, pace in self.paces.items() if seq_id in seq_ids}
         if self.draft is not None:
             self.draft.retain(seq_ids)
 
