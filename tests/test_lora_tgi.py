@@ -1,11 +1,13 @@
 """LoRA on the TGI face: `--lora-adapters id=path,...` and each request's `adapter_id` (sent by
 huggingface_hub's InferenceClient; the text-generation 0.7 client has no adapter_id field). For a tiny Llama and
-a tiny Qwen2, concurrent requests of three adapters and the base model equal peft's greedy tokens."""
+a tiny Qwen2, and the Llama on two tensor-parallel shards (`--num-shard 2`), concurrent requests of three adapters
+and the base model equal peft's greedy tokens."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 from _lora_helpers import reference_tokens, save_base_and_adapters
 from huggingface_hub import InferenceClient
@@ -17,13 +19,16 @@ MAX_NEW_TOKENS = 8
 TEXTS = ["Hello world, adapters!", "abc"]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama-2-shards"])
 def setup(request, tmp_path_factory):
-    arch = request.param
+    arch, _, shards = request.param.partition("-")
     model_dir, adapters = save_base_and_adapters(arch, tmp_path_factory.mktemp(f"lora-tgi-{arch}"))
     flag = ",".join(f"{name}={path}" for name, path in adapters.items())
-    server = TgiServer("paged", ["--model-id", str(model_dir), "--lora-adapters", flag])
+    sharded = ["--num-shard", "2", "--device", "cpu"] if shards else []
+    server = TgiServer("paged", ["--model-id", str(model_dir), "--lora-adapters", flag, *sharded])
     with running(server):
+        ranks = psutil.Process(server.process.pid).children(recursive=True)
+        assert bool(shards) == any("python" in rank.name() for rank in ranks)  # the second shard is its own process
         yield arch, server, adapters
 
 
