@@ -93,12 +93,6 @@ class EngineConfig(_Config):
     def _parse_speculative_config(cls, value):
         return parse_speculative_config(value)
 
-    @model_validator(mode="after")
-    def _speculation_runs_in_one_process(self):
-        if self.speculative_config is not None and self.parallel.world_size > 1:
-            raise ValueError("speculative_config runs in one process only; drop it or use tensor/pipeline size 1")
-        return self
-
     @field_validator("device_map", mode="before")
     @classmethod
     def _parse_device_map(cls, value):

@@ -20,6 +20,7 @@ from paged_backend.distributed.driver import WorkerFailed
 from paged_backend.distributed.executor import free_port
 from paged_backend.engine import LLM, SamplingParams
 from paged_backend.errors import InvalidRequest, UnsupportedModel
+from paged_backend.models import tiny_model
 from tests._distributed_helpers import (
     MODELS,
     OTHER_LAUNCHES,
@@ -80,6 +81,31 @@ def test_parallel_greedy_equals_one_process_and_hf(model_dirs, name, layout):
     assert generate(single) == expected
     llm = LLM(model_dirs[name], device="cpu", num_blocks=64, block_size=4, **layout)
     assert generate(llm) == expected
+    close_and_check(llm)
+
+
+@pytest.mark.parametrize(
+    "method, layout",
+    [("ngram", dict(tensor_parallel_size=2)), ("draft_model", dict(pipeline_parallel_size=2))],
+    ids=["ngram-tp2", "draft-pp2"],
+)
+def test_speculation_gives_plain_tokens_on_every_layout(model_dirs, method, layout):
+    """Drafts ride in the driver's packed step as more query rows of their sequence, so every rank runs them; the
+    driver verifies and rolls back (its block manager is the only one). A draft model runs in the driver's process."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    if method == "draft_model":
+        arch, kv_heads, seed = MODELS["llama-gqa"]
+        draft = tiny_model(arch, seed=seed, num_kv_heads=kv_heads)
+        draft.model.layers = draft.model.layers[:1]
+        draft.config.num_hidden_layers = 1
+        spec = {"model": draft, "num_speculative_tokens": 3}
+    llm = LLM(model_dirs["llama-gqa"], device="cpu", num_blocks=64, block_size=4, speculative_config=spec, **layout)
+    assert generate(llm) == reference("llama-gqa")
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted_tokens > 0
+    if method == "draft_model":
+        draft_pool = llm.engine.speculator.draft.block_manager
+        assert draft_pool.num_free_blocks == draft_pool.num_blocks - 1
     close_and_check(llm)
 
 

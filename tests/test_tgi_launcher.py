@@ -46,8 +46,8 @@ def test_flags_without_meaning_are_reported_never_silent():
 def test_speculate_maps_to_ngram_speculation_as_tgi_does():
     config = engine_config(parse_flags(["--speculate", "2"])).speculative_config
     assert (config.method, config.num_speculative_tokens) == ("ngram", 2)
-    with pytest.raises(LaunchError, match="--speculate runs on one shard"):
-        engine_config(parse_flags(["--speculate", "2", "--num-shard", "2"]))
+    sharded = engine_config(parse_flags(["--speculate", "2", "--num-shard", "2"]))  # on every shard layout
+    assert (sharded.speculative_config.method, sharded.parallel.tensor_parallel_size) == ("ngram", 2)
 
 
 def test_legacy_max_input_length_and_startup_checks():

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 
 import psutil
+import pytest
 import torch
 from text_generation import Client
 
@@ -67,12 +68,15 @@ def test_launch_num_shard_2_matches_one_process_and_hf_generate_and_goes_down_wi
     assert grpc_tokens == expected
 
 
-def test_launch_paged_num_shard_2_runs_the_engine_tensor_parallel():
+@pytest.mark.parametrize("speculate", [[], ["--speculate", "2"]], ids=["plain", "speculate"])
+def test_launch_paged_num_shard_2_runs_the_engine_tensor_parallel(speculate):
     from paged_backend.tgi.http_app import create_app
     from paged_backend.tgi.launcher import build_backend, router_settings
     from paged_backend.tgi.launcher_flags import parse_flags
 
-    args = parse_flags(["--num-shard", "2", "--device", "cpu", "--num-blocks", "64", "--max-total-tokens", "512"])
+    args = parse_flags(
+        ["--num-shard", "2", "--device", "cpu", "--num-blocks", "64", "--max-total-tokens", "512", *speculate]
+    )
     backend = build_backend(args)
     engine = backend.async_engine.engine
     try:
@@ -82,6 +86,7 @@ def test_launch_paged_num_shard_2_runs_the_engine_tensor_parallel():
         with serving_in_thread(create_app(backend, router_settings(args, backend.max_model_len))) as url:
             tokens = client_tokens(url)
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks - 1
+        assert (engine.stats().spec_decode_num_drafts > 0) == bool(speculate)
     finally:
         engine.close()
     _, still_running = psutil.wait_procs(workers, timeout=15)
@@ -90,7 +95,6 @@ def test_launch_paged_num_shard_2_runs_the_engine_tensor_parallel():
 
 
 def test_sharded_shard_refuses_a_launcher_environment_that_does_not_add_up(monkeypatch):
-    import pytest
 
     from paged_backend.errors import InvalidRequest
     from paged_backend.tgi.launcher import engine_config, num_shards

@@ -58,8 +58,6 @@ def engine_config(args: argparse.Namespace):
     if args.kv_cache_dtype:
         config.cache.cache_dtype = _kv_cache_dtype(args.kv_cache_dtype)
     if args.speculate:  # TGI without a Medusa/MLP head speculates by n-gram lookup
-        if config.parallel.world_size > 1:
-            raise LaunchError("--speculate runs on one shard only (paged backend); drop it or --num-shard")
         config.speculative_config = {"method": "ngram", "num_speculative_tokens": args.speculate}
     return config
 
