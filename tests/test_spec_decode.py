@@ -201,8 +201,7 @@ def test_sliding_window_models_are_refused_unless_one_table(make_llm):
 
 
 def test_draft_model_from_a_directory_and_refusals(make_llm, tmp_path):
-    """`{"model": PATH}` loads the draft; another vocabulary or a parallel engine is refused with what to change."""
-    from paged_backend.engine import engine_config
+    """`{"model": PATH}` loads the draft; another vocabulary is refused with what to change."""
     from paged_backend.models import byte_tokenizer, tiny_model
 
     truncated_copy(reference_model("llama")).save_pretrained(tmp_path)
@@ -216,8 +215,6 @@ def test_draft_model_from_a_directory_and_refusals(make_llm, tmp_path):
     assert llm.engine.stats().spec_decode_num_drafts > 0 and draft_pool_free(llm)
     with pytest.raises(InvalidRequest, match="vocabulary"):
         make_llm(speculative_config={"model": tiny_model("llama", vocab_size=320), "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="one process"):
-        engine_config(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, tensor_parallel_size=2)
 
 
 def test_structured_outputs_speculate_with_the_grammar_rolled_back(make_llm):
