@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from paged_backend.bench.speculative import truncated
 from paged_backend.distributed.driver import WorkerFailed
 from paged_backend.distributed.executor import free_port
 from paged_backend.engine import LLM, SamplingParams
@@ -95,10 +96,7 @@ def test_speculation_gives_plain_tokens_on_every_layout(model_dirs, method, layo
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     if method == "draft_model":
         arch, kv_heads, seed = MODELS["llama-gqa"]
-        draft = tiny_model(arch, seed=seed, num_kv_heads=kv_heads)
-        draft.model.layers = draft.model.layers[:1]
-        draft.config.num_hidden_layers = 1
-        spec = {"model": draft, "num_speculative_tokens": 3}
+        spec = {"model": truncated(tiny_model(arch, seed=seed, num_kv_heads=kv_heads), 1), "num_speculative_tokens": 3}
     llm = LLM(model_dirs["llama-gqa"], device="cpu", num_blocks=64, block_size=4, speculative_config=spec, **layout)
     assert generate(llm) == reference("llama-gqa")
     stats = llm.engine.stats()

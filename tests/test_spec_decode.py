@@ -11,6 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from paged_backend.bench.speculative import truncated
 from paged_backend.engine import SamplingParams
 from paged_backend.errors import InvalidRequest
 from paged_backend.spec_decode.config import SpeculativeConfig
@@ -24,14 +25,6 @@ PROMPTS = [[7, 8, 9, 10, 11] * 5] + [
 ]
 PREFIX = [40, 41, 42, 43, 44, 45, 46, 47]
 TINY_POOL = dict(num_blocks=40, block_size=4, max_num_batched_tokens=24, max_num_seqs=8)  # preempts, chunks
-
-
-def truncated_copy(model, num_layers: int = 1):
-    """The target with only its first `num_layers` decoder layers: a draft model that shares its weights."""
-    draft = copy.deepcopy(model)
-    draft.model.layers = draft.model.layers[:num_layers]
-    draft.config.num_hidden_layers = num_layers
-    return draft
 
 
 def requests():
@@ -75,7 +68,7 @@ def test_greedy_tokens_identical_to_plain_decoding(make_llm, plain_outputs, meth
     if method.startswith("ngram"):
         spec.update(method="ngram", prompt_lookup_max=3, prompt_lookup_min=1)
     else:
-        spec["model"] = truncated_copy(reference_model("llama"))
+        spec["model"] = truncated(reference_model("llama"), 1)
     swap = dict(swap_space=0.001, preemption_mode="swap") if method == "ngram-swap" else {}
     llm = make_llm(speculative_config=spec, **TINY_POOL, **swap)
     assert generate(llm) == plain_outputs
@@ -98,7 +91,7 @@ def test_draft_equal_to_target_accepts_everything(make_llm):
 def test_drafts_follow_acceptance_a_sequence_that_never_agrees_only_probes(make_llm):
     """A draft that always proposes token 0 (its final norm zeroed: all-zero logits), which the target never picks:
     after the first k-token draft is rejected outright, the sequence backs off and then probes one token at a time."""
-    draft = truncated_copy(reference_model("llama"))
+    draft = truncated(reference_model("llama"), 1)
     torch.nn.init.zeros_(draft.model.norm.weight)
     llm = make_llm(speculative_config={"model": draft, "num_speculative_tokens": 4})
     out = llm.generate(PROMPTS[1:2], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0]
@@ -204,7 +197,7 @@ def test_draft_model_from_a_directory_and_refusals(make_llm, tmp_path):
     """`{"model": PATH}` loads the draft; another vocabulary is refused with what to change."""
     from paged_backend.models import byte_tokenizer, tiny_model
 
-    truncated_copy(reference_model("llama")).save_pretrained(tmp_path)
+    truncated(reference_model("llama"), 1).save_pretrained(tmp_path)
     byte_tokenizer().save_pretrained(tmp_path)
     llm = make_llm(speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2})
     plain = make_llm()

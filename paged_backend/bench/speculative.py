@@ -69,6 +69,7 @@ def prompts(kind: str, count: int, seed: int) -> list[list[int]]:
 
 
 def truncated(model, num_layers: int):
+    """A copy of `model` with only its first `num_layers` decoder layers: a truncated-layer draft of it."""
     draft = copy.deepcopy(model)
     draft.model.layers = draft.model.layers[:num_layers]
     draft.config.num_hidden_layers = num_layers

@@ -66,7 +66,9 @@ class Speculator:
             seq = item.seq
             if item.num_tokens != 1 or not item.samples or not speculates(seq):
                 continue
-            pace = self.paces.setdefault(seq.seq_id, Pace(self.config.num_speculative_tokens))
+            pace = self.paces.get(seq.seq_id)
+            if pace is None:
+                pace = self.paces[seq.seq_id] = Pace(self.config.num_speculative_tokens)
             if pace.wait:
                 pace.wait -= 1
                 continue
