@@ -77,6 +77,11 @@ class EngineConfig(_Config):
     offload_folder: str | None = Field(None, description="where disk-offloaded weights go (non-safetensors)")
     seed: int = 0
     attention_backend: Literal["auto", "torch", "cpu", "triton", "cuda"] = "auto"
+    prepack_weights: bool = Field(
+        True,
+        description="CPU: run linear layers on oneDNN-prepacked weights (a model object passed in keeps its own "
+        "weights, so its packed copies take as much memory again; a loaded model's are replaced)",
+    )
     enable_lora: bool = False
     max_loras: int = Field(1, ge=1, description="most LoRA adapters in one step (device slots, evicted LRU)")
     max_lora_rank: int = Field(16, ge=1, description="largest LoRA rank accepted")

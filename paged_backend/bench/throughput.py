@@ -43,7 +43,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--static-batch-sizes", default=None, help="comma list; default 4,8,16,32")
     parser.add_argument("--cb-max-batch-tokens", default="64,128,256,default", help="comma list for HF CB")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="paged-backend token budget")
-    parser.add_argument("--skip", default="", help="comma list of systems to skip: engine,static,hf-cb")
+    parser.add_argument("--skip", default="",
+                        help="comma list of systems to skip: engine,engine-dense,static,hf-cb")  # fmt: skip
     parser.add_argument("--dataset", default=None,
                         help='JSONL workload: {"prompt": text or token ids, "max_tokens": n} per line')  # fmt: skip
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -135,6 +136,9 @@ def run_engine(model, prompts, outputs, **engine_kwargs) -> EngineRun:
                      after.num_preemptions)  # fmt: skip
 
 
+LINEAR_OPS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")  # dense and prepacked linear layers
+
+
 def profile_engine(model, prompts, outputs, **engine_kwargs) -> None:
     """Where the engine's wall time goes: linear layers (aten::mm/addmm), paged attention (cache write +
     kernel, the bridge's profiler label), the rest of the forward, and everything outside the forward."""
@@ -150,10 +154,10 @@ def profile_engine(model, prompts, outputs, **engine_kwargs) -> None:
         wall = time.perf_counter() - started
     forward = llm.engine.stats().forward_time - before.forward_time
     events = {e.key: e for e in prof.key_averages()}
-    linear = sum(events[k].self_cpu_time_total for k in ("aten::mm", "aten::addmm") if k in events) / 1e6
+    linear = sum(events[k].self_cpu_time_total for k in LINEAR_OPS if k in events) / 1e6
     attention = events[PROFILE_LABEL].cpu_time_total / 1e6 if PROFILE_LABEL in events else 0.0
     shares = [
-        ("linear layers (aten::mm/addmm)", linear),
+        ("linear layers (aten::mm/addmm, oneDNN packed)", linear),
         ("paged attention + cache write", attention),
         ("rest of the forward (norms, rotary, activations, sampling glue)", forward - linear - attention),
         ("outside the forward (scheduling, packing, sampling)", wall - forward),
@@ -191,15 +195,21 @@ def model_flops(model, prompts: list[list[int]], outputs: list[int]) -> float:
 
 def matmul_peak(model, repeats: int = 20) -> float:
     """FLOP/s of this machine's best case for the model: one [256, hidden] x [hidden, intermediate] linear in the
-    model's dtype at the current thread count (best of `repeats`)."""
+    model's dtype at the current thread count, dense (MKL) or prepacked (oneDNN), whichever is faster (best of
+    `repeats`)."""
+    from paged_backend.engine.packed_linear import PackedLinears
+
     config = model.config
     x = torch.randn(256, config.hidden_size, dtype=model.dtype)
-    weight = torch.randn(config.intermediate_size, config.hidden_size, dtype=model.dtype)
+    layer = torch.nn.Linear(config.hidden_size, config.intermediate_size, bias=False, dtype=model.dtype)
+    packed = PackedLinears(layer)
     best = float("inf")
-    for _ in range(repeats + 3):
-        started = time.perf_counter()
-        torch.nn.functional.linear(x, weight)
-        best = min(best, time.perf_counter() - started)
+    for linear in [layer.forward, *packed.forwards.values()]:
+        for _ in range(repeats + 3):
+            started = time.perf_counter()
+            with torch.no_grad():
+                linear(x)
+            best = min(best, time.perf_counter() - started)
     return 2 * x.shape[0] * config.hidden_size * config.intermediate_size / best
 
 
@@ -283,6 +293,9 @@ def compare(args, threads: int, base, description: str, prompts, outputs) -> dic
               f"matmul peak ({peak / 1e9:.1f} GFLOP/s, {threads} threads, {base.dtype}; target 70%)", flush=True)  # fmt: skip
         if args.profile:
             profile_engine(copy.deepcopy(base), prompts, outputs, **kwargs)
+    if "engine-dense" not in skip:  # the same engine on MKL's dense weights: what prepacking gains
+        dense = run_engine(copy.deepcopy(base), prompts, outputs, **{**kwargs, "prepack_weights": False})
+        report(f"paged-backend engine mbt={args.max_num_batched_tokens}, dense weights", dense.elapsed)
     tensor_parallel = None
     if args.tensor_parallel_size > 1:
         from paged_backend.bench.parallel import compare_tensor_parallel

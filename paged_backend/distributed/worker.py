@@ -18,6 +18,7 @@ from torch import nn
 
 from paged_backend.attention import PagedMetadata
 from paged_backend.config import EngineConfig
+from paged_backend.engine.packed_linear import pack_linears
 from paged_backend.distributed.pipeline import PipelineStage, StageKVCache, stage_layers
 from paged_backend.distributed.sharding import local_num_kv_heads, shard_model
 from paged_backend.distributed.state import RankContext, Topology, init_rank, rank_device
@@ -82,7 +83,8 @@ class RankWorker:
         self.kv_cache = cache_cls(layers, kv_heads, head_dim, num_blocks, cache.block_size, dtype=kv_dtype,
                                   device=ctx.device, num_cpu_blocks=num_cpu_blocks)  # fmt: skip
         self.backend = None if config.attention_backend == "auto" else config.attention_backend
-        self.runner = ModelRunner(model, self.kv_cache, block_manager=None, attention_backend=self.backend)
+        packed = pack_linears(model, config.prepack_weights, release=True)  # a rank's model is its own copy
+        self.runner = ModelRunner(model, self.kv_cache, None, self.backend, packed)
         self.vocab_size = model.get_output_embeddings().out_features
         self.logits_rank = topology.rank(topology.pp_size - 1, 0)  # the last stage's first rank
 

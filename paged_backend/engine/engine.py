@@ -14,6 +14,7 @@ from paged_backend.block_manager import BlockManager
 from paged_backend.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from paged_backend.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
 from paged_backend.engine.request import Request, RequestOutput, SamplingParams, Sequence, SequenceStatus
+from paged_backend.engine.packed_linear import pack_linears
 from paged_backend.engine.runner import ModelRunner
 from paged_backend.engine.sampler import Sampler
 from paged_backend.engine.scheduler import Scheduler
@@ -152,7 +153,8 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, mode, self._prefill_chunk_limit(config))
         backend = None if config.attention_backend == "auto" else config.attention_backend
         if self.parallel is None:
-            self.runner = ModelRunner(model, self.kv_cache, self.block_manager, backend)
+            packed = pack_linears(model, config.prepack_weights, release=loaded)  # a caller's model keeps its own
+            self.runner = ModelRunner(model, self.kv_cache, self.block_manager, backend, packed)
         else:
             self.runner = self.parallel.runner(self.block_manager, backend)
         self.lora = None

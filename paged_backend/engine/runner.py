@@ -22,6 +22,7 @@ from paged_backend.attention import (
     register_paged_attention,
 )
 from paged_backend.block_manager import BlockManager
+from paged_backend.engine.packed_linear import PackedLinears
 from paged_backend.engine.scheduler import ScheduledSequence
 from paged_backend.kv_cache import PagedKVCache
 from paged_backend.kv_scales import calibrate_layer
@@ -50,9 +51,11 @@ class ModelRunner:
         kv_cache: PagedKVCache,
         block_manager: BlockManager,
         attention_backend: str | None = None,
+        packed: PackedLinears | None = None,
     ) -> None:
         register_paged_attention()
         self.model = model
+        self.packed = packed  # prepacked CPU linear layers, swapped in for each forward like attention
         self.model_configs = model_configs(model)  # switched to paged attention for each forward only
         self.kv_cache = kv_cache
         self.block_manager = block_manager
@@ -117,7 +120,7 @@ class ModelRunner:
         if training:  # a caller's model in train mode gets it back after the forward
             self.model.eval()
         try:
-            with paged_attention_enabled(self.model_configs):
+            with paged_attention_enabled(self.model_configs), self._linears():
                 out = self.model(
                     input_ids=ids,
                     position_ids=positions,
@@ -129,3 +132,6 @@ class ModelRunner:
             if training:
                 self.model.train()
         return out.logits[0].float()
+
+    def _linears(self):
+        return nullcontext() if self.packed is None else self.packed.active()

@@ -32,12 +32,14 @@ class _DraftSequence:
 
 
 class DraftModelProposer:
-    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, backend: str | None) -> None:
+    def __init__(
+        self, model, num_blocks: int, block_size: int, device: torch.device, backend: str | None, packed=None
+    ) -> None:
         num_layers, kv_heads, head_dim, _ = _model_shape(model.config)
         dtype = next(model.parameters()).dtype
         self.kv_cache = PagedKVCache(num_layers, kv_heads, head_dim, num_blocks, block_size, dtype=dtype, device=device)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False, watermark=0.0)
-        self.runner = ModelRunner(model, self.kv_cache, self.block_manager, backend)
+        self.runner = ModelRunner(model, self.kv_cache, self.block_manager, backend, packed)
 
     def propose(self, requests: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
         """{seq id: up to k greedy draft tokens} for (seq id, verified tokens, k) triples; sequences whose draft KV

@@ -164,16 +164,20 @@ def build_speculator(engine, backend: str | None) -> Speculator | None:
         )
     draft = None
     if config.method == "draft_model":
+        from paged_backend.engine.packed_linear import pack_linears
         from paged_backend.models import load_model
         from paged_backend.spec_decode.draft_model import DraftModelProposer
 
-        model = config.model
-        if isinstance(model, str):
+        model, loaded = config.model, isinstance(config.model, str)
+        if loaded:
             model, _ = load_model(model, dtype=engine.config.dtype, device=str(engine.kv_cache.device))
         if model.config.get_text_config().vocab_size != engine.vocab_size:
             raise InvalidRequest(
                 f"the draft model's vocabulary ({model.config.get_text_config().vocab_size} tokens) differs from "
                 f"the target's ({engine.vocab_size}); use a draft with the target's tokenizer"
             )
-        draft = DraftModelProposer(model, manager.num_blocks, manager.block_size, engine.kv_cache.device, backend)
+        packed = pack_linears(model, engine.config.prepack_weights, release=loaded)
+        draft = DraftModelProposer(
+            model, manager.num_blocks, manager.block_size, engine.kv_cache.device, backend, packed
+        )
     return Speculator(config, manager, engine.max_model_len, draft)

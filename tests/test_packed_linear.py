@@ -1,0 +1,87 @@
+"""Prepacked (oneDNN) CPU linear layers: the same products as `F.linear`, swapped in for the engine's forwards only,
+a caller's model left as it was, and a loaded model's dense weights given up for the packed ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from paged_backend.engine import LLM, SamplingParams
+from paged_backend.engine.packed_linear import PackedLinears, packable
+from paged_backend.models import byte_tokenizer, tiny_model
+
+from _engine_helpers import ragged_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_layer_computes_what_the_dense_one_does(dtype, bias):
+    layer = nn.Linear(96, 160, bias=bias, dtype=dtype)
+    packed = PackedLinears(layer)
+    assert len(packed) == 1
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    inputs = [torch.randn(1, 96), torch.randn(7, 96), torch.randn(1, 5, 96), torch.randn(6, 192)[:, ::2]]
+    with torch.no_grad():
+        for x in (x.to(dtype) for x in inputs):
+            dense = layer(x)
+            with packed.active():
+                assert "forward" in layer.__dict__
+                torch.testing.assert_close(layer(x), dense, **tolerance)
+            assert "forward" not in layer.__dict__  # back to nn.Linear's own forward
+            torch.testing.assert_close(layer(x), dense, rtol=0, atol=0)
+
+
+class OwnForward(nn.Linear):
+    def forward(self, x):  # e.g. a quantized layer's own kernel
+        return super().forward(x) * 2
+
+
+def test_only_plain_cpu_linears_in_float32_or_bfloat16_pack():
+    assert packable(nn.Linear(8, 8))
+    assert packable(nn.Linear(8, 8, dtype=torch.bfloat16))
+    assert not packable(nn.Linear(8, 8, dtype=torch.float16))
+    assert not packable(OwnForward(8, 8))
+    hooked = nn.Linear(8, 8)
+    hooked.forward = lambda x: x  # what accelerate's offload hooks do
+    assert not packable(hooked)
+    assert not packable(nn.Linear(8, 8, device="meta"))
+
+
+def test_a_callers_model_keeps_its_weights_and_forward():
+    model = tiny_model("qwen2", seed=5)  # qwen2: q/k/v carry biases
+    weights = {name: (param, param.detach().clone()) for name, param in model.named_parameters()}
+    llm = LLM(model, tokenizer=byte_tokenizer(), num_blocks=64)
+    packed = llm.engine.runner.packed
+    assert packed is not None and len(packed) == sum(isinstance(m, nn.Linear) for m in model.modules())
+    prompts = ragged_prompts(6, seed=2)
+    outputs = llm.generate(prompts, GREEDY)
+    for name, (param, value) in weights.items():
+        assert dict(model.named_parameters())[name] is param and torch.equal(param, value), name
+    assert not any("forward" in module.__dict__ for module in model.modules())
+    dense = LLM(model, tokenizer=byte_tokenizer(), num_blocks=64, prepack_weights=False)
+    assert dense.engine.runner.packed is None
+    assert [o.outputs[0].token_ids for o in dense.generate(prompts, GREEDY)] == [o.outputs[0].token_ids for o in outputs]
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks - 1
+
+
+def test_a_loaded_model_gives_up_its_dense_weights_but_a_tied_head_keeps_the_embedding(tmp_path):
+    model = tiny_model("llama", seed=6)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    prompts = ragged_prompts(5, seed=3)
+    reference = LLM(model, tokenizer=byte_tokenizer(), num_blocks=64, prepack_weights=False).generate(prompts, GREEDY)
+
+    llm = LLM(str(tmp_path), num_blocks=64)
+    loaded = llm.engine.model
+    decoder = [m for name, m in loaded.named_modules() if isinstance(m, nn.Linear) and "lm_head" not in name]
+    assert decoder and all(m.weight.numel() == 0 for m in decoder)  # the packed copies replaced them
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # still tied, still whole
+    assert loaded.lm_head.weight.shape == (loaded.config.vocab_size, loaded.config.hidden_size)
+    outputs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks - 1
