@@ -181,9 +181,10 @@ struct Scratch {
   std::vector<float> q, acc, max, sum, scores, key, values, panel;
   std::vector<int> head_rows;  // row indexes grouped by kv head (see run_task)
   std::vector<const float*> value_rows;  // one block's value rows of one kv head, as fp32
+  std::vector<const float*> key_rows;    // one key slot's rows, a kv head each, as fp32
   Scratch(int rows, int dim, int block_size)
-      : q(rows * dim), acc(rows * dim), max(rows), sum(rows), scores(rows * block_size), key(dim),
-        values(block_size * dim), panel(dim * kPanel), head_rows(rows), value_rows(block_size) {}
+      : q(rows * dim), acc(rows * dim), max(rows), sum(rows), scores(rows * block_size), key(rows * dim),
+        values(block_size * dim), panel(dim * kPanel), head_rows(rows), value_rows(block_size), key_rows(rows) {}
 };
 
 // 16 floats as one GCC/Clang vector: a zmm register with AVX-512, two ymm without; the hot loops below use it so
@@ -199,36 +200,35 @@ inline v16f load16(const float* p) {
 
 inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
 
-inline float dot(const float* a, const float* b, int n) {  // one row: GCC's own reduction is faster here
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-inline float lane_sum(v16f v) {  // pairwise: a lane-by-lane serial sum is 15 dependent adds
+// {sum(a), sum(b), sum(c), sum(d)}: two shuffle-and-add rounds fold the four vectors into one, so four dot
+// products share one horizontal sum instead of paying one each.
+inline void lane_sums4(v16f a, v16f b, v16f c, v16f d, float* out) {
+  typedef int32_t v16i __attribute__((vector_size(64)));
+  constexpr v16i lo = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  constexpr v16i hi = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const v16f ab = __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);  // a's 8 partial sums, then b's
+  const v16f cd = __builtin_shuffle(c, d, lo) + __builtin_shuffle(c, d, hi);
+  constexpr v16i lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  constexpr v16i hi4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
   float lanes[16];
-  store16(lanes, v);
-  for (int width = 8; width >= 1; width /= 2)
-    for (int k = 0; k < width; ++k) lanes[k] += lanes[k + width];
-  return lanes[0];
+  store16(lanes, __builtin_shuffle(ab, cd, lo4) + __builtin_shuffle(ab, cd, hi4));  // 4 partials of each
+  for (int k = 0; k < 4; ++k) out[k] = (lanes[4 * k] + lanes[4 * k + 2]) + (lanes[4 * k + 1] + lanes[4 * k + 3]);
 }
 
-// out[x] = q[x] . key for M consecutive query rows (stride dim): one accumulator per row, so the FMA chains
-// run side by side and each key vector loaded serves all M rows (the rows of one GQA group).
-template <int M>
-void dot_rows(const float* key, const float* q, int dim, float* out) {
-  v16f acc[M] = {};
+// out[k] = q[k] . key[k] for four (query row, key row) pairs: four independent FMA chains and one shared horizontal
+// sum. Decode's score loop (a few rows per kv head) runs on this, over a key slot's heads in memory order.
+inline void dot_pairs4(const float* const* q, const float* const* key, int dim, float* out) {
+  v16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
   int d = 0;
   for (; d + 16 <= dim; d += 16) {
-    const v16f k = load16(key + d);
-    for (int x = 0; x < M; ++x) acc[x] += load16(q + x * dim + d) * k;
+    a0 += load16(q[0] + d) * load16(key[0] + d);
+    a1 += load16(q[1] + d) * load16(key[1] + d);
+    a2 += load16(q[2] + d) * load16(key[2] + d);
+    a3 += load16(q[3] + d) * load16(key[3] + d);
   }
-  for (int x = 0; x < M; ++x) {
-    float sum = lane_sum(acc[x]);
-    for (int e = d; e < dim; ++e) sum += q[x * dim + e] * key[e];  // head_dim % 16 tail
-    out[x] = sum;
-  }
+  lane_sums4(a0, a1, a2, a3, out);
+  for (int k = 0; k < 4; ++k)
+    for (int e = d; e < dim; ++e) out[k] += q[k][e] * key[k][e];  // head_dim % 16 tail
 }
 
 // Raw scores of four query rows against a transposed panel of 16 keys (`panel[d * 16 + j]`): per d, one
@@ -327,6 +327,41 @@ void panel_block_scores(const PbCpuAttentionArgs& a, Scratch& s, const Tile& til
   }
 }
 
+// Scores of a few rows per kv head (decode, short drafts) against keys [t0, t0 + n) of one block. Per key slot,
+// every (row, kv head) pair of the tile, four pairs at a time, so the slot's heads are read in memory order.
+void decode_block_scores(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, int64_t block, int block_start,
+                         int t0, int n) {
+  const int dim = a.head_dim, bs = a.block_size, heads = tile.heads, group = tile.group;
+  const int rows = tile.tokens * heads;
+  const size_t kv_elem = element_size(a.kv_dtype);
+  const char* k_base = static_cast<const char*>(a.key_cache);
+  const float* keys[4];
+  const float* qs[4];
+  int pair_rows[4];
+  float dots[4];
+  for (int j = 0; j < n; ++j) {
+    const int t = t0 + j;
+    const int64_t slot = block * a.k_stride_block + (t - block_start) * a.k_stride_slot;
+    for (int h = 0; h < a.num_kv_heads; ++h)  // fp32 rows are read in place, others converted into s.key
+      s.key_rows[h] = load_row(k_base + (slot + h * a.k_stride_head) * kv_elem, a.kv_dtype, dim,
+                               s.key.data() + h * dim);
+    for (int first = 0; first < rows; first += 4) {
+      const int count = std::min(4, rows - first);
+      for (int x = 0; x < 4; ++x) {  // a short last group repeats its last pair
+        const int r = first + std::min(x, count - 1);
+        pair_rows[x] = r;
+        qs[x] = s.q.data() + r * dim;
+        keys[x] = s.key_rows[(r % heads) / group];
+      }
+      dot_pairs4(qs, keys, dim, dots);
+      for (int x = 0; x < count; ++x) {
+        const int r = pair_rows[x];
+        s.scores[r * bs + j] = tile.sees(r / heads, t) ? capped(a, dots[x]) : kNegInf;
+      }
+    }
+  }
+}
+
 // Row r of a task is (token r / Hq, q head r % Hq); the rows of kv head h and token i are contiguous:
 // i * Hq + h * group + [0, group). Per key slot the loop runs over kv heads, so a block is read in memory
 // order (slot-major, as the pool stores it) and the hardware prefetcher keeps up.
@@ -373,31 +408,7 @@ void run_task(const PbCpuAttentionArgs& a, const Task& task, Scratch& s) {
     if (tokens * group >= kPanelMinRows) {
       panel_block_scores(a, s, tile, block, block_start, t0, n);
     } else {
-      for (int j = 0; j < n; ++j) {
-        const int t = t0 + j;
-        const int64_t slot = block * a.k_stride_block + (t - block_start) * a.k_stride_slot;
-        for (int h = 0; h < a.num_kv_heads; ++h) {
-          const float* key = load_row(k_base + (slot + h * a.k_stride_head) * kv_elem, a.kv_dtype, dim, s.key.data());
-          for (int i = 0; i < tokens; ++i) {
-            const bool visible = tile.sees(i, t);
-            const int end = i * heads + (h + 1) * group;
-            for (int r = i * heads + h * group; r < end; r += 4) {
-              const int count = std::min(4, end - r);
-              float dots[4];
-              if (visible) {
-                const float* q = s.q.data() + r * dim;
-                switch (count) {
-                  case 4: dot_rows<4>(key, q, dim, dots); break;
-                  case 3: dot_rows<3>(key, q, dim, dots); break;
-                  case 2: dot_rows<2>(key, q, dim, dots); break;
-                  default: dots[0] = dot(key, q, dim); break;
-                }
-              }
-              for (int x = 0; x < count; ++x) s.scores[(r + x) * bs + j] = visible ? capped(a, dots[x]) : kNegInf;
-            }
-          }
-        }
-      }
+      decode_block_scores(a, s, tile, block, block_start, t0, n);
     }
     // online softmax: one rescale of each row's accumulator per block, scores become probabilities
     for (int r = 0; r < rows; ++r) {
