@@ -133,6 +133,7 @@ def run(
     kv_cache_dtype: engine_args.KvCacheDtype = None,
     calculate_kv_scales: engine_args.CalculateKvScales = None,
     speculative_config: engine_args.SpeculativeConfigJson = None,
+    enforce_eager: engine_args.EnforceEager = False,
     max_tokens: Annotated[int, typer.Option(help="default max new tokens per prompt")] = 16,
     temperature: Annotated[float, typer.Option(help="default temperature (0 = greedy)")] = 0.0,
     top_p: Annotated[float, typer.Option(help="default nucleus probability")] = 1.0,
@@ -160,7 +161,7 @@ def run(
         pipeline_parallel_size=pipeline_parallel_size, distributed_executor_backend=distributed_executor_backend,
         distributed_timeout_seconds=distributed_timeout_seconds, quantization=quantization,
         quantization_param=quantization_param, cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
-        speculative_config=speculative_config,
+        speculative_config=speculative_config, enforce_eager=enforce_eager or None,
     )  # fmt: skip
     defaults = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
     text = input.read_text() if input is not None and str(input) != "-" else sys.stdin.read()

@@ -77,6 +77,11 @@ class EngineConfig(_Config):
     offload_folder: str | None = Field(None, description="where disk-offloaded weights go (non-safetensors)")
     seed: int = 0
     attention_backend: Literal["auto", "torch", "cpu", "triton", "cuda"] = "auto"
+    enforce_eager: bool = Field(
+        False,
+        description="vLLM's flag, accepted so its command lines run unchanged: this engine captures no CUDA graphs and "
+        "compiles no step (torch.compile measured 1.05x on CPU and was not kept), so every step runs eagerly either way",
+    )
     prepack_weights: bool = Field(
         True,
         description="CPU: run linear layers on oneDNN-prepacked weights (a model object passed in keeps its own "

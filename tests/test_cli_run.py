@@ -65,3 +65,13 @@ def test_read_prompts_detects_jsonl_and_names_a_bad_line():
         assert "line 2" in str(error)
     else:
         raise AssertionError("a line without a prompt must be rejected")
+
+
+def test_vllm_command_lines_with_enforce_eager_run_unchanged(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello there\nOne more\n")
+    base = ["run", "--input", str(prompts), "--max-tokens", "6", "--no-progress"]
+    plain, eager = runner.invoke(app, base), runner.invoke(app, [*base, "--enforce-eager"])
+    assert plain.exit_code == 0 and eager.exit_code == 0, eager.output
+    tokens = [[o["token_ids"] for o in r["outputs"]] for r in results(plain.stdout)]
+    assert [[o["token_ids"] for o in r["outputs"]] for r in results(eager.stdout)] == tokens and len(tokens) == 2

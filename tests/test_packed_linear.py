@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _engine_helpers import ragged_prompts
 from torch import nn
 
 from paged_backend.engine import LLM, SamplingParams
 from paged_backend.engine.packed_linear import PackedLinears, packable
 from paged_backend.models import byte_tokenizer, tiny_model
-
-from _engine_helpers import ragged_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -63,7 +62,8 @@ def test_a_callers_model_keeps_its_weights_and_forward():
     assert not any("forward" in module.__dict__ for module in model.modules())
     dense = LLM(model, tokenizer=byte_tokenizer(), num_blocks=64, prepack_weights=False)
     assert dense.engine.runner.packed is None
-    assert [o.outputs[0].token_ids for o in dense.generate(prompts, GREEDY)] == [o.outputs[0].token_ids for o in outputs]
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    assert [o.outputs[0].token_ids for o in dense.generate(prompts, GREEDY)] == tokens
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks - 1
 
 

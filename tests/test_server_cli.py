@@ -11,7 +11,7 @@ from paged_backend.server.engine_args import EngineArgs
 
 ENGINE_FLAGS = ["--model", "--block-size", "--num-blocks", "--max-num-seqs", "--max-num-batched-tokens",
                 "--max-model-len", "--swap-space", "--enable-prefix-caching", "--no-enable-prefix-caching",
-                "--dtype", "--device", "--seed", "--gpu-memory-utilization"]  # fmt: skip
+                "--dtype", "--device", "--seed", "--gpu-memory-utilization", "--enforce-eager"]  # fmt: skip
 SERVER_FLAGS = ["--host", "--port", "--api-key", "--max-concurrent-requests", "--max-request-body-bytes",
                 "--strict-fields", "--enable-auto-tool-choice", "--tool-call-parser"]  # fmt: skip
 
@@ -19,8 +19,9 @@ SERVER_FLAGS = ["--host", "--port", "--api-key", "--max-concurrent-requests", "-
 def test_every_flag_lands_on_its_config_field():
     args = EngineArgs(model="/models/x", block_size=8, num_blocks=99, max_num_seqs=4, max_num_batched_tokens=512,
                       max_model_len=256, swap_space=1.5, enable_prefix_caching=False, dtype="float32",
-                      device="cpu", seed=3, gpu_memory_utilization=0.5)  # fmt: skip
+                      device="cpu", seed=3, gpu_memory_utilization=0.5, enforce_eager=True)  # fmt: skip
     config = args.to_engine_config()
+    assert config.enforce_eager
     assert (config.model, config.dtype, config.device, config.seed) == ("/models/x", "float32", "cpu", 3)
     assert (config.cache.block_size, config.cache.num_blocks, config.cache.swap_space) == (8, 99, 1.5)
     assert (config.cache.enable_prefix_caching, config.cache.gpu_memory_utilization) == (False, 0.5)

@@ -18,10 +18,10 @@ from torch import nn
 
 from paged_backend.attention import PagedMetadata
 from paged_backend.config import EngineConfig
-from paged_backend.engine.packed_linear import pack_linears
 from paged_backend.distributed.pipeline import PipelineStage, StageKVCache, stage_layers
 from paged_backend.distributed.sharding import local_num_kv_heads, shard_model
 from paged_backend.distributed.state import RankContext, Topology, init_rank, rank_device
+from paged_backend.engine.packed_linear import pack_linears
 from paged_backend.engine.runner import ModelRunner
 from paged_backend.kv_cache import resolve_kv_dtype
 from paged_backend.lora.adapter import linear_shapes

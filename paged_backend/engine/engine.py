@@ -12,9 +12,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from paged_backend.block_manager import BlockManager
 from paged_backend.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from paged_backend.engine.packed_linear import pack_linears
 from paged_backend.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
 from paged_backend.engine.request import Request, RequestOutput, SamplingParams, Sequence, SequenceStatus
-from paged_backend.engine.packed_linear import pack_linears
 from paged_backend.engine.runner import ModelRunner
 from paged_backend.engine.sampler import Sampler
 from paged_backend.engine.scheduler import Scheduler

@@ -3,7 +3,7 @@
 A decode step multiplies a few rows by every weight matrix. On CPU, MKL's sgemm (`F.linear`) runs those small
 shapes at a fraction of the core's peak: 20-60 GFLOP/s at 2-16 rows against ~100 at 256 rows, on one thread here.
 oneDNN with a prepacked weight reaches 60-100 GFLOP/s at the same 2-16 rows and ~2x at two threads
-(`benchmarks/fused_linear.py` measures both). vLLM's CPU backend packs its weights the same way.
+(`benchmarks/packed_linear.py` measures both). vLLM's CPU backend packs its weights the same way.
 
 The runner swaps each packed layer's `forward` in for its own forwards only (`PackedLinears.active`), as it switches
 attention: a caller's model object is the same between steps. A model the engine loaded itself gives up its dense

@@ -90,6 +90,7 @@ def serve(
         bool, typer.Option(help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes)")
     ] = False,
     speculative_config: engine_args.SpeculativeConfigJson = None,
+    enforce_eager: engine_args.EnforceEager = False,
 ) -> None:
     """Serve OpenAI /v1/completions and /v1/chat/completions, /v1/models, vLLM's /tokenize, /detokenize and
     /version, /health and /metrics."""
@@ -114,7 +115,7 @@ def serve(
         pipeline_parallel_size=pipeline_parallel_size, distributed_executor_backend=distributed_executor_backend,
         distributed_timeout_seconds=distributed_timeout_seconds, quantization=quantization,
         quantization_param=quantization_param, cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
-        speculative_config=speculative_config,
+        speculative_config=speculative_config, enforce_eager=enforce_eager or None,
     )  # fmt: skip
     engine = engines = None
     try:

@@ -68,6 +68,12 @@ SpeculativeConfigJson = Annotated[
         help='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3} or {"model": PATH, "num_speculative_tokens": 3}',
     ),
 ]
+EnforceEager = Annotated[
+    bool,
+    typer.Option(
+        "--enforce-eager", help="vLLM's flag: no CUDA graphs or compiled steps (every step already runs eagerly)"
+    ),
+]
 
 # Bigger than one device, through accelerate (paged_backend.offload).
 DeviceMap = Annotated[
@@ -136,6 +142,7 @@ class EngineArgs:
     max_lora_rank: int | None = None
     lora_modules: dict[str, str] | None = None
     speculative_config: str | None = None  # --speculative-config JSON
+    enforce_eager: bool | None = None
 
     def to_engine_config(self) -> EngineConfig:
         """The config with every given flag set on the field of the same name."""
