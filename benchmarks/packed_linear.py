@@ -10,25 +10,14 @@ packed / dense speed ratio, in float32 and bfloat16. The packed side is `PackedL
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from fused_linear import best_seconds  # this script's directory is on sys.path when it runs
 from torch import nn
 
 from paged_backend.engine.packed_linear import PackedLinears
 
 SHAPES = {"q/k/v/o": (768, 768), "gate/up": (2048, 768), "down": (768, 2048), "lm_head": (32000, 768)}
-
-
-def best_seconds(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
 
 
 @torch.no_grad()
