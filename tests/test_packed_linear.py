@@ -85,3 +85,20 @@ def test_a_loaded_model_gives_up_its_dense_weights_but_a_tied_head_keeps_the_emb
     outputs = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks - 1
+
+
+def test_weights_the_caller_changes_between_calls_are_packed_again():
+    model, other = tiny_model("llama", seed=7), tiny_model("llama", seed=8)
+    prompts = ragged_prompts(4, seed=4)
+    llm = LLM(model, tokenizer=byte_tokenizer(), num_blocks=64)
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    model.load_state_dict(other.state_dict())  # in place, as a weight sync or an optimizer step writes
+    assert llm.reset_prefix_cache()  # cached prompt blocks hold KV of the old weights (as in vLLM)
+    expected = LLM(other, tokenizer=byte_tokenizer(), num_blocks=64, prepack_weights=False).generate(prompts, GREEDY)
+    after = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert after == [o.outputs[0].token_ids for o in expected] and after != before
+    with torch.no_grad():  # a replaced Parameter is packed again too
+        model.lm_head.weight = nn.Parameter(model.lm_head.weight.flip(0))  # the head reads no KV: no reset needed
+    flipped = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    reference = LLM(model, tokenizer=byte_tokenizer(), num_blocks=64, prepack_weights=False).generate(prompts, GREEDY)
+    assert flipped == [o.outputs[0].token_ids for o in reference]

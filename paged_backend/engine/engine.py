@@ -607,6 +607,12 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block (vLLM's call), e.g. after the model's weights changed: cached blocks hold
+        KV computed with the old ones. Running sequences keep their blocks."""
+        self.engine.block_manager.reset_prefix_cache()
+        return True
+
     def kv_map(self, path: str = "kv_map.png", *, title: str = "KV pool"):
         """Draw the pool now as `path` (PNG) and the same name with .html; see `paged_backend.kv_map`."""
         from paged_backend.kv_map import draw_kv_map

@@ -48,29 +48,59 @@ def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None):
     return forward
 
 
+def _stamp(module: nn.Module) -> tuple:
+    """What a packed copy was made from: the weight and bias objects and their in-place version counters."""
+    weight, bias = module.weight, module.bias
+    return weight, bias, (weight._version, None if bias is None else bias._version)
+
+
+def _same(stamp: tuple, other: tuple) -> bool:
+    return stamp[0] is other[0] and stamp[1] is other[1] and stamp[2] == other[2]
+
+
 class PackedLinears:
-    """The packed weights of a model's linear layers, and the forwards that use them."""
+    """The packed weights of a model's linear layers, and the forwards that use them.
+
+    A layer whose weight or bias was replaced or changed in place since it was packed (an optimizer step,
+    `load_state_dict`, a write under `torch.no_grad()`) is packed again before the next forward; writes through
+    `.data` bypass the version counters that tell, as they bypass autograd."""
 
     def __init__(self, model: nn.Module, release: bool = False) -> None:
         self.forwards: dict[nn.Module, object] = {}
+        self.stamps: dict[nn.Module, tuple] = {}
         if not _ops_available():
             return
         shared = _shared_weights(model)
-        with torch.no_grad():
-            for module in model.modules():
-                if not packable(module) or module in self.forwards:
-                    continue
-                packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
-                self.forwards[module] = _packed_forward(packed, module.bias)
-                if release and id(module.weight) not in shared:  # a tied LM head keeps the embedding's weight
-                    module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+        for module in model.modules():
+            if not packable(module) or module in self.forwards:
+                continue
+            self._pack(module)
+            if release and id(module.weight) not in shared:  # a tied LM head keeps the embedding's weight
+                module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+                self.stamps[module] = _stamp(module)
+
+    @torch.no_grad()
+    def _pack(self, module: nn.Module) -> None:
+        packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
+        self.forwards[module] = _packed_forward(packed, module.bias)
+        self.stamps[module] = _stamp(module)
 
     def __len__(self) -> int:
         return len(self.forwards)
 
+    def _refresh(self) -> None:
+        for module in list(self.forwards):
+            if _same(self.stamps[module], _stamp(module)):
+                continue
+            if packable(module):
+                self._pack(module)
+            else:  # quantized or hooked since: its own forward runs
+                del self.forwards[module], self.stamps[module]
+
     @contextmanager
     def active(self) -> Iterator[None]:
         """Packed forwards on every packed layer for the duration (forward hooks, e.g. LoRA's, still run)."""
+        self._refresh()
         for module, forward in self.forwards.items():
             module.forward = forward
         try:
