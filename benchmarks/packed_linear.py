@@ -2,7 +2,7 @@
 
 For each weight of the full benchmark model (q/k/v/o 768x768, gate/up 2048x768, down 768x2048, LM head 32000x768)
 and the row counts a packed step has (a few decodes up to a prefill chunk), prints GFLOP/s of both and the
-packed / dense speed ratio, in float32 and bfloat16. The packed side is `PackedLinears`, what the runner uses.
+packed / dense speed ratio, in float32 and bfloat16. The packed side is `packed_forward`, what the runner swaps in.
 
     OMP_NUM_THREADS=1 python benchmarks/packed_linear.py
 """
@@ -15,7 +15,7 @@ import torch
 from fused_linear import best_seconds  # this script's directory is on sys.path when it runs
 from torch import nn
 
-from paged_backend.engine.packed_linear import PackedLinears
+from paged_backend.engine.packed_linear import packed_forward
 
 SHAPES = {"q/k/v/o": (768, 768), "gate/up": (2048, 768), "down": (768, 2048), "lm_head": (32000, 768)}
 
@@ -37,7 +37,7 @@ def main() -> None:
         print("|---|" + "---|" * len(rows))
         for name, (out_features, in_features) in SHAPES.items():
             layer = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
-            [packed] = PackedLinears(layer).forwards.values()
+            packed = packed_forward(layer)
             cells = []
             for count in rows:
                 x = torch.randn(count, in_features, dtype=dtype)

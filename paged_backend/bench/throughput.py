@@ -197,14 +197,13 @@ def matmul_peak(model, repeats: int = 20) -> float:
     """FLOP/s of this machine's best case for the model: one [256, hidden] x [hidden, intermediate] linear in the
     model's dtype at the current thread count, dense (MKL) or prepacked (oneDNN), whichever is faster (best of
     `repeats`)."""
-    from paged_backend.engine.packed_linear import PackedLinears
+    from paged_backend.engine.packed_linear import packable, packed_forward
 
     config = model.config
     x = torch.randn(256, config.hidden_size, dtype=model.dtype)
     layer = torch.nn.Linear(config.hidden_size, config.intermediate_size, bias=False, dtype=model.dtype)
-    packed = PackedLinears(layer)
     best = float("inf")
-    for linear in [layer.forward, *packed.forwards.values()]:
+    for linear in (layer.forward, packed_forward(layer)) if packable(layer) else (layer.forward,):
         for _ in range(repeats + 3):
             started = time.perf_counter()
             with torch.no_grad():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from torch import nn
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
+@cache  # a property of this torch build
 def _ops_available() -> bool:
     ops = torch.ops.mkldnn
     return torch.backends.mkldnn.is_available() and all(
@@ -32,16 +34,20 @@ def _ops_available() -> bool:
 
 def packable(module: nn.Module) -> bool:
     """A plain CPU `nn.Linear` in float32 or bfloat16 whose forward nobody else replaced (accelerate's offload
-    hooks do, and quantized weights are tensor subclasses with kernels of their own)."""
+    hooks do, and quantized weights are tensor subclasses with kernels of their own), with oneDNN's ops present."""
     if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
         return False  # a subclass with a forward of its own (bitsandbytes' layers)
-    if "forward" in module.__dict__:
+    if "forward" in module.__dict__ or not _ops_available():
         return False
     weight = module.weight
     return type(weight.data) is torch.Tensor and weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
 
 
-def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None):
+@torch.no_grad()
+def packed_forward(module: nn.Linear):
+    """A forward for `module` on a oneDNN-reordered copy of its current weight (and its bias as it is)."""
+    packed, bias = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach()), module.bias
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -66,47 +72,38 @@ class PackedLinears:
     `.data` bypass the version counters that tell, as they bypass autograd."""
 
     def __init__(self, model: nn.Module, release: bool = False) -> None:
-        self.forwards: dict[nn.Module, object] = {}
-        self.stamps: dict[nn.Module, tuple] = {}
-        if not _ops_available():
-            return
+        self.layers: dict[nn.Module, tuple] = {}  # module -> (packed forward, stamp of what it was packed from)
         shared = _shared_weights(model)
         for module in model.modules():
-            if not packable(module) or module in self.forwards:
+            if not packable(module) or module in self.layers:
                 continue
-            self._pack(module)
+            forward = packed_forward(module)
             if release and id(module.weight) not in shared:  # a tied LM head keeps the embedding's weight
                 module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
-                self.stamps[module] = _stamp(module)
-
-    @torch.no_grad()
-    def _pack(self, module: nn.Module) -> None:
-        packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
-        self.forwards[module] = _packed_forward(packed, module.bias)
-        self.stamps[module] = _stamp(module)
+            self.layers[module] = forward, _stamp(module)
 
     def __len__(self) -> int:
-        return len(self.forwards)
+        return len(self.layers)
 
     def _refresh(self) -> None:
-        for module in list(self.forwards):
-            if _same(self.stamps[module], _stamp(module)):
+        for module, (_, stamp) in list(self.layers.items()):
+            if _same(stamp, _stamp(module)):
                 continue
             if packable(module):
-                self._pack(module)
+                self.layers[module] = packed_forward(module), _stamp(module)
             else:  # quantized or hooked since: its own forward runs
-                del self.forwards[module], self.stamps[module]
+                del self.layers[module]
 
     @contextmanager
     def active(self) -> Iterator[None]:
         """Packed forwards on every packed layer for the duration (forward hooks, e.g. LoRA's, still run)."""
         self._refresh()
-        for module, forward in self.forwards.items():
+        for module, (forward, _) in self.layers.items():
             module.forward = forward
         try:
             yield
         finally:
-            for module in self.forwards:
+            for module in self.layers:
                 del module.forward
 
 
