@@ -1,10 +1,12 @@
-"""Build hook: compile the generate.v3 gRPC stubs into the wheel (metadata lives in pyproject.toml)."""
+"""Build hooks: find the packages below pyproject's package-dir roots, and compile the generate.v3 gRPC stubs
+into the wheel (all other metadata lives in pyproject.toml)."""
 
 import importlib.util
 import shutil
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
+from setuptools.config.pyprojecttoml import load_file
 from setuptools.command.build_py import build_py
 
 PROTO = Path(__file__).parent / "proto" / "generate" / "v3" / "generate.proto"
@@ -35,4 +37,14 @@ def _load_compiler():
     return module.compile_stubs
 
 
-setup(cmdclass={"build_py": BuildPyWithStubs})
+def discover_packages() -> list[str]:
+    """Every import root that pyproject maps to a folder, and each package (a folder with __init__.py) below it."""
+    roots = load_file(Path(__file__).parent / "pyproject.toml")["tool"]["setuptools"]["package-dir"]
+    found = []
+    for name, folder in roots.items():
+        found.append(name)
+        found += [f"{name}.{sub}" for sub in find_packages(folder) if f"{name}.{sub}" not in roots]
+    return found
+
+
+setup(packages=discover_packages(), cmdclass={"build_py": BuildPyWithStubs})

@@ -12,7 +12,7 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from paged_backend.engine import LLM, SamplingParams
-from paged_backend.models import byte_tokenizer
+from paged_backend.worker.models import byte_tokenizer
 
 
 def main() -> None:

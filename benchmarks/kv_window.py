@@ -22,9 +22,9 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from paged_backend import BlockManager
 from paged_backend.engine import LLM, SamplingParams
-from paged_backend.kv_cache import bytes_per_block
-from paged_backend.kv_groups import kv_cache_groups, sliding_windows
-from paged_backend.models import byte_tokenizer
+from paged_backend.core.kv_cache import bytes_per_block
+from paged_backend.core.kv_groups import kv_cache_groups, sliding_windows
+from paged_backend.worker.models import byte_tokenizer
 
 WINDOW, LAYERS, BLOCK_SIZE = 1024, 6, 16
 KV_HEADS, HEAD_DIM = 1, 16

@@ -24,7 +24,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from paged_backend.engine import LLM, SamplingParams
 from paged_backend.lora import LoRARequest
-from paged_backend.models import EMBEDDED_SHAPE, byte_tokenizer, tiny_model
+from paged_backend.worker.models import EMBEDDED_SHAPE, byte_tokenizer, tiny_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -17,7 +17,7 @@ import torch
 
 from paged_backend.config import CacheConfig, EngineConfig
 from paged_backend.engine import Engine, SamplingParams
-from paged_backend.models import EMBEDDED_SHAPE, byte_tokenizer, tiny_model
+from paged_backend.worker.models import EMBEDDED_SHAPE, byte_tokenizer, tiny_model
 
 LARGER_SHAPE = dict(hidden_size=768, num_layers=4, num_heads=12, num_kv_heads=4, intermediate_size=3072)
 

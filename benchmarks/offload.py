@@ -19,7 +19,7 @@ import torch
 
 from paged_backend.engine import Engine, SamplingParams
 from paged_backend.engine.engine import engine_config
-from paged_backend.models import byte_tokenizer, tiny_model
+from paged_backend.worker.models import byte_tokenizer, tiny_model
 
 GIB = 1 << 30
 

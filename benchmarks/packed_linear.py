@@ -15,7 +15,7 @@ import torch
 from fused_linear import best_seconds  # this script's directory is on sys.path when it runs
 from torch import nn
 
-from paged_backend.engine.packed_linear import packed_forward
+from paged_backend.worker.packed_linear import packed_forward
 
 SHAPES = {"q/k/v/o": (768, 768), "gate/up": (2048, 768), "down": (768, 2048), "lm_head": (32000, 768)}
 

@@ -25,7 +25,7 @@ import time
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from paged_backend.models import byte_tokenizer
+from paged_backend.worker.models import byte_tokenizer
 
 SCHEMAS: list[dict] = [
     {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name"]},

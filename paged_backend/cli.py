@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from paged_backend.server import engine_args
+from paged_backend.engine import args as engine_args
 
 app = typer.Typer(help="paged-backend: paged KV cache + continuous batching", no_args_is_help=True)
 
@@ -20,9 +20,9 @@ app = typer.Typer(help="paged-backend: paged KV cache + continuous batching", no
 COMMAND_MODULES = (
     "paged_backend.server.cli",
     "paged_backend.tgi.cli",
-    "paged_backend.dashboards.cli",
+    "paged_backend.observability.dashboards.cli",
     "paged_backend.bench.cli",
-    "paged_backend.kv_map_cli",
+    "paged_backend.observability.kv_map_cli",
 )
 
 

@@ -106,13 +106,13 @@ class EngineConfig(_Config):
     @field_validator("device_map", mode="before")
     @classmethod
     def _parse_device_map(cls, value):
-        from paged_backend.offload import parse_device_map
+        from paged_backend.worker.offload import parse_device_map
 
         return parse_device_map(value)
 
     @field_validator("max_memory", mode="before")
     @classmethod
     def _parse_max_memory(cls, value):
-        from paged_backend.offload import parse_max_memory
+        from paged_backend.worker.offload import parse_max_memory
 
         return parse_max_memory(value)

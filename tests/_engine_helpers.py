@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from paged_backend.engine import LLM
-from paged_backend.models import byte_tokenizer, tiny_model
+from paged_backend.worker.models import byte_tokenizer, tiny_model
 
 MAX_TOKENS = 12
 

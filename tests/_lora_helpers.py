@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from paged_backend.models import byte_tokenizer, tiny_model
+from paged_backend.worker.models import byte_tokenizer, tiny_model
 
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69], [80, 81, 82, 9, 8, 7]]
 ADAPTERS = {  # name: peft options; ranks 4 / 8 / 2, attention only / everything / MLP only with rsLoRA

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from paged_backend.attention import register_paged_attention
+from paged_backend.worker.attention import register_paged_attention
 from paged_backend.hf import PagedCache
 
 torch.set_num_threads(1)

@@ -15,7 +15,7 @@ from _sweep_models import SWEEP, sweep_model
 from paged_backend.engine import LLM, SamplingParams
 from paged_backend.errors import UnsupportedModel
 from paged_backend.hf import PagedCache
-from paged_backend.models import byte_tokenizer
+from paged_backend.worker.models import byte_tokenizer
 
 NEW_TOKENS = 6
 PROMPTS = [[5, 17, 42, 99, 7, 180, 33], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78]]

@@ -5,7 +5,7 @@ import torch
 from transformers import Cache, LlamaConfig, LlamaForCausalLM
 
 from paged_backend import BlockManager, PagedKVCache, UnsupportedModel
-from paged_backend.attention import PackedKV, PagedMetadata, register_paged_attention
+from paged_backend.worker.attention import PackedKV, PagedMetadata, register_paged_attention
 
 
 class StepCache(Cache):

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from paged_backend.bench.workload import jsonl_workload
 from paged_backend.cli import app
-from paged_backend.models import byte_tokenizer
+from paged_backend.worker.models import byte_tokenizer
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from paged_backend import BlockManager, InvalidRequest, OutOfBlocks
-from paged_backend.block_manager import CPU_NULL_BLOCK, NULL_BLOCK
+from paged_backend.core.block_manager import CPU_NULL_BLOCK, NULL_BLOCK
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24

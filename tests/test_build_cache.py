@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paged_backend.build_cache import build_once, cache_root, fingerprint
+from paged_backend.core.build_cache import build_once, cache_root, fingerprint
 
 
 def test_builds_once_and_reuses(tmp_path):

@@ -21,7 +21,7 @@ from paged_backend.distributed.driver import WorkerFailed
 from paged_backend.distributed.executor import free_port
 from paged_backend.engine import LLM, SamplingParams
 from paged_backend.errors import InvalidRequest, UnsupportedModel
-from paged_backend.models import tiny_model
+from paged_backend.worker.models import tiny_model
 from tests._distributed_helpers import (
     MODELS,
     OTHER_LAUNCHES,

@@ -6,7 +6,7 @@ from _engine_helpers import make_llm_fixture  # noqa: F401
 from paged_backend.config import EngineConfig
 from paged_backend.engine import Engine, SamplingParams
 from paged_backend.errors import InvalidRequest, PromptTooLong
-from paged_backend.models import load_model
+from paged_backend.worker.models import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from paged_backend.engine import LLM, SamplingParams
-from paged_backend.models import byte_tokenizer, tiny_model
+from paged_backend.worker.models import byte_tokenizer, tiny_model
 
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 11]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from paged_backend.models import byte_tokenizer, tiny_model
+from paged_backend.worker.models import byte_tokenizer, tiny_model
 
 WORKER = Path(__file__).with_name("_tp_hf_worker.py")
 # Two rows, the second left-padded, so the per-row lengths of the paged path are exercised under TP too.

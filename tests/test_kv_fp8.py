@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from paged_backend.cli import app as cli_app
 from paged_backend.engine import LLM, SamplingParams
-from paged_backend.models import byte_tokenizer, tiny_model
+from paged_backend.worker.models import byte_tokenizer, tiny_model
 
 PROMPTS = [[5, 17, 42, 99, 7, 180, 33], [60 + i for i in range(21)], [9] * 12]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -66,7 +66,7 @@ def test_e5m2_scale_keeps_large_values_finite():
 def test_serve_takes_the_kv_and_quantization_flags():
     import typer
 
-    from paged_backend.server.engine_args import EngineArgs
+    from paged_backend.engine.args import EngineArgs
 
     serve = typer.main.get_command(cli_app).commands["serve"]
     flags = {name for param in serve.params for name in param.opts}
@@ -78,8 +78,8 @@ def test_serve_takes_the_kv_and_quantization_flags():
 
 
 def test_calculated_scale_stops_large_keys_saturating_e4m3():
-    from paged_backend.kv_cache import PagedKVCache
-    from paged_backend.kv_scales import calibrate_layer, start_calibration
+    from paged_backend.core.kv_cache import PagedKVCache
+    from paged_backend.core.kv_scales import calibrate_layer, start_calibration
     from paged_backend.ops.reference import reshape_and_cache
 
     key = torch.randn(8, 2, 16) * 1000  # far past e4m3's 448
@@ -99,7 +99,7 @@ def test_calculated_scale_stops_large_keys_saturating_e4m3():
 
 def test_e5m2_is_refused_at_load_where_gpu_kernels_would_read_it():
     from paged_backend.errors import InvalidRequest
-    from paged_backend.kv_cache import check_kv_dtype_runs
+    from paged_backend.core.kv_cache import check_kv_dtype_runs
 
     for device, backend in ((torch.device("cuda"), None), (torch.device("cpu"), "triton")):
         with pytest.raises(InvalidRequest, match="fp8_e5m2 is read by the cpu and torch attention backends only"):

@@ -14,7 +14,7 @@ from _lora_helpers import ADAPTERS, PROMPTS, adapter_builder
 from paged_backend.engine import LLM, SamplingParams
 from paged_backend.errors import BadLoRAAdapter, InvalidRequest
 from paged_backend.lora import LoRARequest
-from paged_backend.models import byte_tokenizer, tiny_model
+from paged_backend.worker.models import byte_tokenizer, tiny_model
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)

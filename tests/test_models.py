@@ -5,7 +5,7 @@ import torch
 
 from paged_backend.engine import LLM, SamplingParams
 from paged_backend.errors import InvalidRequest
-from paged_backend.models import ARCHITECTURES, byte_tokenizer, embedded_model, load_model, tiny_model
+from paged_backend.worker.models import ARCHITECTURES, byte_tokenizer, embedded_model, load_model, tiny_model
 
 
 def test_byte_tokenizer_round_trips_any_text_with_256_ids():

@@ -13,8 +13,8 @@ from paged_backend import InvalidRequest  # noqa: E402
 from paged_backend.engine import Engine, SamplingParams  # noqa: E402
 from paged_backend.engine.engine import engine_config  # noqa: E402
 from paged_backend.hf import PagedCache  # noqa: E402
-from paged_backend.models import byte_tokenizer, tiny_model  # noqa: E402
-from paged_backend.offload import layer_devices, parse_device_map, parse_max_memory  # noqa: E402
+from paged_backend.worker.models import byte_tokenizer, tiny_model  # noqa: E402
+from paged_backend.worker.offload import layer_devices, parse_device_map, parse_max_memory  # noqa: E402
 
 # Layers 1 and 3 live on disk (accelerate streams their weights in at each forward), the rest in CPU memory.
 DISK_MAP = {
@@ -54,7 +54,7 @@ def reference(model_dir):
 def test_paged_cache_on_a_disk_offloaded_model_matches_generate(model_dir, reference, attn):
     model = dispatched(model_dir, device_map=DISK_MAP)
     if attn == "paged_backend":
-        from paged_backend.attention import register_paged_attention
+        from paged_backend.worker.attention import register_paged_attention
 
         model.set_attn_implementation(register_paged_attention())
     assert layer_devices(model, 4) == [torch.device("cpu")] * 4  # disk layers execute on the CPU
@@ -126,7 +126,7 @@ def test_run_command_takes_the_placement_flags(model_dir, reference, tmp_path):
 
 
 def test_pool_keeps_each_layer_on_its_own_device():
-    from paged_backend.kv_cache import PagedKVCache
+    from paged_backend.core.kv_cache import PagedKVCache
 
     cache = PagedKVCache(3, 2, 8, 6, 4, dtype=torch.float32, layer_devices=["cpu", "meta", "cpu"])
     assert [cache.layer(i)[0].device.type for i in range(3)] == ["cpu", "meta", "cpu"]
@@ -138,7 +138,7 @@ def test_pool_keeps_each_layer_on_its_own_device():
 
 
 def test_serve_and_launch_map_the_placement_flags_onto_the_engine_config():
-    from paged_backend.server.engine_args import EngineArgs
+    from paged_backend.engine.args import EngineArgs
     from paged_backend.tgi.launcher import engine_config as launch_config
     from paged_backend.tgi.launcher_flags import parse_flags
 

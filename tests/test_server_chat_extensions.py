@@ -14,7 +14,7 @@ import openai
 import pydantic
 import pytest
 
-from paged_backend.models import byte_tokenizer, tiny_model
+from paged_backend.worker.models import byte_tokenizer, tiny_model
 from tests._server_helpers import MODEL, client_fixture, running_server
 
 # transformers renders templates with trim_blocks, which eats a newline right after a block tag: hence {{ '\\n' }}.

@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from paged_backend.config import EngineConfig
 from paged_backend.server.cli import register
-from paged_backend.server.engine_args import EngineArgs
+from paged_backend.engine.args import EngineArgs
 
 ENGINE_FLAGS = ["--model", "--block-size", "--num-blocks", "--max-num-seqs", "--max-num-batched-tokens",
                 "--max-model-len", "--swap-space", "--enable-prefix-caching", "--no-enable-prefix-caching",

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from paged_backend.models import embedded_model
+from paged_backend.worker.models import embedded_model
 from tests._server_helpers import MODEL, client_fixture, server_fixture
 
 TOLERANCE = 1e-4

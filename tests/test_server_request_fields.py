@@ -10,7 +10,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from paged_backend.models import byte_tokenizer
+from paged_backend.worker.models import byte_tokenizer
 from tests._server_helpers import MODEL, client_fixture, server_fixture
 
 PROMPT = "The paged cache says:"

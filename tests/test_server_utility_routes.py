@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from paged_backend import __version__
-from paged_backend.models import byte_tokenizer
+from paged_backend.worker.models import byte_tokenizer
 from tests._server_helpers import MODEL, server_fixture
 
 MAX_MODEL_LEN = 128

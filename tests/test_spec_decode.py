@@ -50,7 +50,7 @@ def generate(llm):
 @pytest.fixture(scope="module")
 def plain_outputs():
     from paged_backend.engine import LLM
-    from paged_backend.models import byte_tokenizer
+    from paged_backend.worker.models import byte_tokenizer
 
     torch.set_num_threads(1)
     llm = LLM(copy.deepcopy(reference_model("llama")), tokenizer=byte_tokenizer(), **TINY_POOL)
@@ -178,7 +178,7 @@ def test_ngram_lookup_and_config_names():
 def test_sliding_window_models_are_refused_unless_one_table(make_llm):
     """Windowed layers free blocks behind the window, which a rollback could need again: refused with the flag
     that keeps whole tables, under which speculation runs and matches plain decoding."""
-    from paged_backend.models import tiny_model
+    from paged_backend.worker.models import tiny_model
 
     windowed = tiny_model("mistral", seed=1)
     windowed.config.sliding_window = 8
@@ -195,7 +195,7 @@ def test_sliding_window_models_are_refused_unless_one_table(make_llm):
 
 def test_draft_model_from_a_directory_and_refusals(make_llm, tmp_path):
     """`{"model": PATH}` loads the draft; another vocabulary is refused with what to change."""
-    from paged_backend.models import byte_tokenizer, tiny_model
+    from paged_backend.worker.models import byte_tokenizer, tiny_model
 
     truncated(reference_model("llama"), 1).save_pretrained(tmp_path)
     byte_tokenizer().save_pretrained(tmp_path)

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from paged_backend.errors import InvalidRequest
-from paged_backend.models import SPECIAL_TOKENS, byte_tokenizer
+from paged_backend.worker.models import SPECIAL_TOKENS, byte_tokenizer
 from paged_backend.structured import StructuredOutputsParams
 from paged_backend.structured.manager import StructuredOutputManager
 

@@ -21,7 +21,7 @@ from text_generation.errors import ValidationError
 from text_generation.types import Grammar, GrammarType
 
 from paged_backend.engine.watermark import watermark_z_score
-from paged_backend.models import embedded_model
+from paged_backend.worker.models import embedded_model
 from tests._tgi_helpers import BACKENDS, every_backend
 
 SHARD_BLOCKS = 257

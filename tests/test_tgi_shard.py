@@ -11,7 +11,7 @@ import pytest
 
 from paged_backend.config import CacheConfig, EngineConfig
 from paged_backend.engine import Engine, SamplingParams
-from paged_backend.models import byte_tokenizer
+from paged_backend.worker.models import byte_tokenizer
 from paged_backend.tgi.generated import generate_pb2 as pb
 from paged_backend.tgi.generated import generate_pb2_grpc as pb_grpc
 from tests._tgi_helpers import Shard, running

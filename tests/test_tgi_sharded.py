@@ -19,7 +19,7 @@ import torch
 from text_generation import Client
 
 from paged_backend.engine import LLM, SamplingParams
-from paged_backend.models import embedded_model
+from paged_backend.worker.models import embedded_model
 from tests._distributed_helpers import engine_processes
 from tests._tgi_helpers import MAX_NEW_TOKENS, PROMPTS, ROUTER_ARGS, TgiServer, free_port, running, serving_in_thread
 

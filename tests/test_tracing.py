@@ -25,7 +25,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from paged_backend.tgi.http_app import create_app  # noqa: E402
 from paged_backend.tgi.paged import PagedBackend  # noqa: E402
 from paged_backend.tgi.settings import RouterSettings  # noqa: E402
-from paged_backend.tracing import RequestTracer  # noqa: E402
+from paged_backend.observability.tracing import RequestTracer  # noqa: E402
 from tests._tgi_helpers import free_port, serving_in_thread  # noqa: E402
 
 LATENCIES = ("time_to_first_token", "e2e", "time_in_model_decode")
@@ -136,7 +136,7 @@ def test_serve_exports_over_otlp_to_a_real_receiver(monkeypatch):
 
 
 def test_an_unknown_otlp_protocol_is_named(monkeypatch):
-    from paged_backend.tracing import otlp_tracer
+    from paged_backend.observability.tracing import otlp_tracer
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
     with pytest.raises(RuntimeError, match="OTLP protocol 'http/json' is not supported; use grpc or http/protobuf"):

@@ -5,7 +5,7 @@ Importing this package registers attn_implementation="paged_backend" with transf
 work right away.
 """
 
-from paged_backend.attention import register_paged_attention
+from paged_backend.worker.attention import register_paged_attention
 
 from .cache_stats import CacheStats
 from .model_support import KVGeometry, kv_geometry

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paged_backend.block_manager import BlockStats
+from paged_backend.core.block_manager import BlockStats
 
 
 @dataclass(frozen=True)

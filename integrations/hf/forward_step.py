@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_backend.attention import PagedMetadata, grouped_metadata
-from paged_backend.block_manager import BlockManager
+from paged_backend.worker.attention import PagedMetadata, grouped_metadata
+from paged_backend.core.block_manager import BlockManager
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from paged_backend.errors import UnsupportedModel
-from paged_backend.kv_groups import layer_types, sliding_windows
+from paged_backend.core.kv_groups import layer_types, sliding_windows
 
 # Layer kinds whose K/V is an ordinary growing attention cache; anything else keeps other state.
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}

@@ -11,13 +11,13 @@ from __future__ import annotations
 import torch
 from transformers import Cache
 
-from paged_backend.attention import ATTN_IMPLEMENTATION, PagedMetadata, attend_packed
-from paged_backend.block_manager import NULL_BLOCK, BlockManager
+from paged_backend.worker.attention import ATTN_IMPLEMENTATION, PagedMetadata, attend_packed
+from paged_backend.core.block_manager import NULL_BLOCK, BlockManager
 from paged_backend.errors import InvalidRequest, OutOfBlocks
-from paged_backend.kv_cache import PagedKVCache, num_blocks_for_budget
-from paged_backend.kv_groups import kv_cache_groups
-from paged_backend.kv_snapshot import KVHistory, pool_snapshot
-from paged_backend.offload import input_device, layer_devices
+from paged_backend.core.kv_cache import PagedKVCache, num_blocks_for_budget
+from paged_backend.core.kv_groups import kv_cache_groups
+from paged_backend.core.kv_snapshot import KVHistory, pool_snapshot
+from paged_backend.worker.offload import input_device, layer_devices
 from paged_backend.ops import reshape_and_cache
 
 from .cache_stats import CacheStats
@@ -244,7 +244,7 @@ class PagedCache(Cache):
 
     def kv_map(self, path: str = "kv_map.png", *, title: str = "PagedCache"):
         """Draw the pool now as `path` (PNG) and the same name with .html, one owner per batch row."""
-        from paged_backend.kv_map import draw_kv_map
+        from paged_backend.core.kv_map import draw_kv_map
 
         owners = {seq: f"row {row}" for row, seq in enumerate(self._rows)}
         return draw_kv_map(pool_snapshot(self.block_manager, owners, self.kv_history), path, title=title)

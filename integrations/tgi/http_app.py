@@ -28,7 +28,7 @@ from paged_backend.tgi.schemas import ChatRequest, CompatGenerateRequest, Genera
 from paged_backend.tgi.settings import RouterSettings
 from paged_backend.tgi.sse import event, sse_response
 from paged_backend.tgi.validation import validate_stream
-from paged_backend.tracing import RequestTracer, TraceHeaders
+from paged_backend.observability.tracing import RequestTracer, TraceHeaders
 
 DRAIN_TIMEOUT_SECONDS = 90.0  # TGI's --graceful-termination-timeout default
 

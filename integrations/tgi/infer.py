@@ -21,7 +21,7 @@ from paged_backend.tgi.schemas import GenerateParameters
 from paged_backend.tgi.settings import RouterSettings
 from paged_backend.tgi.tokens import IncrementalDetokenizer
 from paged_backend.tgi.validation import ValidRequest, validate
-from paged_backend.tracing import RequestTiming, RequestTracer
+from paged_backend.observability.tracing import RequestTiming, RequestTracer
 
 
 @dataclass

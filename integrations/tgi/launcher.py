@@ -32,7 +32,7 @@ class LaunchError(SystemExit):
 
 def engine_config(args: argparse.Namespace):
     """EngineConfig for `--backend paged`, from TGI flag names (pool sized by --max-batch-total-tokens)."""
-    from paged_backend.server.engine_args import EngineArgs
+    from paged_backend.engine.args import EngineArgs
 
     num_blocks = args.num_blocks
     if num_blocks is None and args.max_batch_total_tokens is not None:
@@ -76,7 +76,7 @@ def _kv_cache_dtype(name: str) -> str:
 def _quantization(args: argparse.Namespace) -> dict:
     """TGI's `--quantize NAME` as EngineConfig's (quantization, quantization_param)."""
     from paged_backend.errors import InvalidRequest
-    from paged_backend.quantization import from_tgi
+    from paged_backend.worker.quantization import from_tgi
 
     try:
         quantization, param = from_tgi(args.quantize)
@@ -112,7 +112,7 @@ def build_backend(args: argparse.Namespace, shards=None):
 
         return PagedBackend(Engine(engine_config(args)))
     if args.backend == "reference":
-        from paged_backend.models import load_model
+        from paged_backend.worker.models import load_model
         from paged_backend.tgi.reference import ReferenceBackend
 
         model, tokenizer = load_model(
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> N
     import uvicorn
 
     from paged_backend.tgi.http_app import create_app
-    from paged_backend.tracing import otlp_tracer
+    from paged_backend.observability.tracing import otlp_tracer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_flags(sys.argv[1:] if argv is None else argv, prog)

@@ -66,7 +66,7 @@ FLAGS: list[Flag] = [
         "auto | cpu | cuda | cuda:N (paged-backend addition)",
         ALL,
     ),
-    # accelerate's placement of a model bigger than one device (paged_backend.offload).
+    # accelerate's placement of a model bigger than one device (paged_backend.worker.offload).
     Flag("--device-map", str, None, "accelerate placement: auto | balanced | sequential | JSON", LOADERS),
     Flag("--max-memory", str, None, "accelerate's memory per device: 0=20GiB,cpu=60GiB", LOADERS),
     Flag("--cpu-offload-gb", float, None, "GiB of weights moved off the device (vLLM's name)", LOADERS),

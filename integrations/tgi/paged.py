@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from paged_backend.engine import Engine
 from paged_backend.errors import InvalidRequest, PromptTooLong
-from paged_backend.server.async_engine import AsyncEngine, EngineNotRunning, EngineStepFailed, RequestAborted
+from paged_backend.engine.async_engine import AsyncEngine, EngineNotRunning, EngineStepFailed, RequestAborted
 from paged_backend.tgi.backend import BackendEvent, BackendLoad, GeneratedToken, PrefillTokens
 from paged_backend.tgi.errors import GenerationError, OverloadedError, ValidationError
 from paged_backend.tgi.lora import lora_request
@@ -30,7 +30,7 @@ class PagedBackend:
         self._running = False
 
     async def start(self, metrics: TgiMetrics) -> None:
-        from paged_backend.server.metrics import EngineStatsCollector
+        from paged_backend.observability.metrics import EngineStatsCollector
 
         metrics.registry.register(EngineStatsCollector(self.async_engine))  # the engine's own counters, next to TGI's
         await self.async_engine.start()

@@ -9,7 +9,7 @@ EMBEDDED_MODEL_ID = "paged-backend/embedded-tiny"
 
 
 def model_to_load(model_id: str | None) -> str | None:
-    """What `paged_backend.models.load_model` takes: None for the embedded model."""
+    """What `paged_backend.worker.models.load_model` takes: None for the embedded model."""
     return None if model_id in (None, EMBEDDED_MODEL_ID) else model_id
 
 

@@ -42,7 +42,7 @@ def cached_stubs_dir() -> Path:
     import grpc_tools
 
     # imported here: setup.py loads this file by path, before the package is importable
-    from paged_backend.build_cache import build_once, cache_root, fingerprint
+    from paged_backend.core.build_cache import build_once, cache_root, fingerprint
 
     proto = proto_path()
     key = fingerprint([proto.read_bytes(), getattr(grpc_tools, "__version__", "")])

@@ -19,7 +19,7 @@ import torch
 from paged_backend.bench.report import distribution_ms, markdown_table, write_json, write_plot
 from paged_backend.bench.throughput import bench_model
 from paged_backend.engine import LLM, SamplingParams
-from paged_backend.models import byte_tokenizer
+from paged_backend.worker.models import byte_tokenizer
 
 PERCENTILES = (50, 90, 99)
 

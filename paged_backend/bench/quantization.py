@@ -23,8 +23,8 @@ import torch
 from paged_backend.bench.throughput import make_engine
 from paged_backend.bench.workload import synthetic_workload
 from paged_backend.engine import SamplingParams
-from paged_backend.models import tiny_model
-from paged_backend.quantization import quantize_in_place, weight_bytes
+from paged_backend.worker.models import tiny_model
+from paged_backend.worker.quantization import quantize_in_place, weight_bytes
 
 DECODE_TOKENS = 128  # one request alone: every step is a batch-1 decode, bound by reading the weights
 MODEL = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536)

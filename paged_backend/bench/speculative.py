@@ -25,7 +25,7 @@ import time
 import torch
 
 from paged_backend.engine import LLM, SamplingParams
-from paged_backend.models import byte_tokenizer, tiny_model
+from paged_backend.worker.models import byte_tokenizer, tiny_model
 
 MODEL = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536)
 

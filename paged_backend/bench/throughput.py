@@ -21,7 +21,7 @@ import torch
 from paged_backend.bench.report import markdown_table, write_json, write_plot
 from paged_backend.bench.workload import jsonl_workload, synthetic_workload
 from paged_backend.engine import LLM, SamplingParams
-from paged_backend.models import byte_tokenizer, tiny_model
+from paged_backend.worker.models import byte_tokenizer, tiny_model
 from paged_backend.ops import resolve_backend
 
 FULL_MODEL = dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12, intermediate_size=2048)
@@ -144,7 +144,7 @@ def profile_engine(model, prompts, outputs, **engine_kwargs) -> None:
     kernel, the bridge's profiler label), the rest of the forward, and everything outside the forward."""
     from torch.profiler import ProfilerActivity, profile
 
-    from paged_backend.attention import PROFILE_LABEL
+    from paged_backend.worker.attention import PROFILE_LABEL
 
     llm, params = make_engine(model, prompts, outputs, **engine_kwargs)
     before = llm.engine.stats()
@@ -197,7 +197,7 @@ def matmul_peak(model, repeats: int = 20) -> float:
     """FLOP/s of this machine's best case for the model: one [256, hidden] x [hidden, intermediate] linear in the
     model's dtype at the current thread count, dense (MKL) or prepacked (oneDNN), whichever is faster (best of
     `repeats`)."""
-    from paged_backend.engine.packed_linear import packable, packed_forward
+    from paged_backend.worker.packed_linear import packable, packed_forward
 
     config = model.config
     x = torch.randn(256, config.hidden_size, dtype=model.dtype)

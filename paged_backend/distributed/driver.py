@@ -21,7 +21,7 @@ from paged_backend.distributed.pipeline import StageKVCache, stage_layers
 from paged_backend.distributed.sharding import check_shardable
 from paged_backend.distributed.state import RankContext, Topology, init_rank, torchrun_rank
 from paged_backend.distributed.worker import RankWorker, StepInput, kv_shape, serve_steps
-from paged_backend.engine.runner import ModelRunner
+from paged_backend.worker.runner import ModelRunner
 from paged_backend.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)

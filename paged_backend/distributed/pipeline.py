@@ -15,7 +15,7 @@ from torch import nn
 
 from paged_backend.distributed.state import RankContext
 from paged_backend.errors import UnsupportedModel
-from paged_backend.kv_cache import PagedKVCache
+from paged_backend.core.kv_cache import PagedKVCache
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:

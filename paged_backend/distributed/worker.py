@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paged_backend.attention import PagedMetadata
+from paged_backend.worker.attention import PagedMetadata
 from paged_backend.config import EngineConfig
 from paged_backend.distributed.pipeline import PipelineStage, StageKVCache, stage_layers
 from paged_backend.distributed.sharding import local_num_kv_heads, shard_model
 from paged_backend.distributed.state import RankContext, Topology, init_rank, rank_device
-from paged_backend.engine.packed_linear import pack_linears
-from paged_backend.engine.runner import ModelRunner
-from paged_backend.kv_cache import resolve_kv_dtype
+from paged_backend.worker.packed_linear import pack_linears
+from paged_backend.worker.runner import ModelRunner
+from paged_backend.core.kv_cache import resolve_kv_dtype
 from paged_backend.lora.adapter import linear_shapes
 from paged_backend.lora.layers import SlotLayers
 
@@ -142,7 +142,7 @@ def worker_main(
     num_threads: int | None = None,
 ) -> None:
     """Entry point of a worker process or actor: join the group, load and shard the model, serve steps."""
-    from paged_backend.models import load_model, resolve_device
+    from paged_backend.worker.models import load_model, resolve_device
 
     if num_threads:
         torch.set_num_threads(num_threads)

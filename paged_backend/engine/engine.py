@@ -10,16 +10,16 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from paged_backend.block_manager import BlockManager
+from paged_backend.core.block_manager import BlockManager
 from paged_backend.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from paged_backend.engine.packed_linear import pack_linears
+from paged_backend.worker.packed_linear import pack_linears
 from paged_backend.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
 from paged_backend.engine.request import Request, RequestOutput, SamplingParams, Sequence, SequenceStatus
-from paged_backend.engine.runner import ModelRunner
+from paged_backend.worker.runner import ModelRunner
 from paged_backend.engine.sampler import Sampler
 from paged_backend.engine.scheduler import Scheduler
 from paged_backend.errors import InvalidRequest, PromptTooLong
-from paged_backend.kv_cache import (
+from paged_backend.core.kv_cache import (
     PagedKVCache,
     available_memory,
     bytes_per_block,
@@ -27,13 +27,13 @@ from paged_backend.kv_cache import (
     num_blocks_for_budget,
     resolve_kv_dtype,
 )
-from paged_backend.kv_groups import kv_cache_groups, sliding_windows
-from paged_backend.kv_scales import start_calibration
-from paged_backend.kv_snapshot import KVHistory, pool_snapshot
+from paged_backend.core.kv_groups import kv_cache_groups, sliding_windows
+from paged_backend.core.kv_scales import start_calibration
+from paged_backend.core.kv_snapshot import KVHistory, pool_snapshot
 from paged_backend.lora import LoRAManager, LoRARequest
-from paged_backend.model_support import check_runs_paged
-from paged_backend.models import load_model
-from paged_backend.offload import input_device, layer_devices
+from paged_backend.worker.model_support import check_runs_paged
+from paged_backend.worker.models import load_model
+from paged_backend.worker.offload import input_device, layer_devices
 
 CPU_DEFAULT_KV_BYTES = 512 << 20  # on CPU "free memory" is the whole machine: default to 512 MiB (or 10%)
 
@@ -614,8 +614,8 @@ class LLM:
         return True
 
     def kv_map(self, path: str = "kv_map.png", *, title: str = "KV pool"):
-        """Draw the pool now as `path` (PNG) and the same name with .html; see `paged_backend.kv_map`."""
-        from paged_backend.kv_map import draw_kv_map
+        """Draw the pool now as `path` (PNG) and the same name with .html; see `paged_backend.core.kv_map`."""
+        from paged_backend.core.kv_map import draw_kv_map
 
         return draw_kv_map(self.engine.kv_snapshot(), path, title=title)
 

@@ -12,7 +12,7 @@ from bisect import insort
 from collections import deque
 from dataclasses import dataclass, field
 
-from paged_backend.block_manager import BlockManager
+from paged_backend.core.block_manager import BlockManager
 from paged_backend.config import SchedulerConfig
 from paged_backend.engine.request import Sequence, SequenceStatus
 

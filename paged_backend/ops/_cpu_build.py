@@ -16,7 +16,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from paged_backend.build_cache import build_once, cache_root, csrc_dir, fingerprint
+from paged_backend.core.build_cache import build_once, cache_root, csrc_dir, fingerprint
 
 LIBRARY_NAME = "libpaged_attention_cpu.so"
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")

@@ -1,6 +1,6 @@
 """Build csrc/ into libpaged_attention.so with nvcc: the one place that knows the compiler command.
 
-Cached in the build cache (:mod:`paged_backend.build_cache`) under a hash of the sources, flags and nvcc
+Cached in the build cache (:mod:`paged_backend.core.build_cache`) under a hash of the sources, flags and nvcc
 version, so a rebuild happens only when one of them changes. ``PAGED_BACKEND_CSRC`` points
 at a csrc/ directory when the package is installed without the repository around it.
 
@@ -15,7 +15,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from paged_backend.build_cache import build_once, cache_root, csrc_dir, fingerprint
+from paged_backend.core.build_cache import build_once, cache_root, csrc_dir, fingerprint
 
 LIBRARY_NAME = "libpaged_attention.so"
 # --threads 0: compile the per-architecture targets in parallel

@@ -8,8 +8,8 @@ import typer
 from pydantic import ValidationError
 
 from paged_backend.errors import PagedBackendError
-from paged_backend.server import engine_args
-from paged_backend.server.engine_args import EngineArgs, set_lora_args
+from paged_backend.engine import args as engine_args
+from paged_backend.engine.args import EngineArgs, set_lora_args
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # paged_backend.server.tool_parsers.TOOL_PARSERS' names
 

@@ -7,7 +7,7 @@ import socket
 
 import uvicorn
 
-from paged_backend.server.async_engine import AsyncEngine
+from paged_backend.engine.async_engine import AsyncEngine
 
 
 class DrainingServer(uvicorn.Server):

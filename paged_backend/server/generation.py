@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from paged_backend.engine.request import CompletionOutput, RequestOutput, SamplingParams
 from paged_backend.errors import InvalidRequest, PromptTooLong
-from paged_backend.server.async_engine import AsyncEngine
-from paged_backend.server.metrics import ServerMetrics
+from paged_backend.engine.async_engine import AsyncEngine
+from paged_backend.observability.metrics import ServerMetrics
 
 
 def output_budget(requested: int | None, prompt_lengths: list[int], max_model_len: int, default: int | None) -> int:

@@ -252,8 +252,8 @@ def _flat(config: EngineConfig) -> dict:
 def kv_budget(config: EngineConfig) -> int:
     """The KV bytes all models share: the single-model default budget, once."""
     from paged_backend.engine.engine import CPU_DEFAULT_KV_BYTES
-    from paged_backend.kv_cache import available_memory
-    from paged_backend.models import resolve_device
+    from paged_backend.core.kv_cache import available_memory
+    from paged_backend.worker.models import resolve_device
 
     device = resolve_device(config.device)
     if config.cache.kv_cache_memory_bytes is not None:

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_backend.block_manager import BlockManager
+from paged_backend.core.block_manager import BlockManager
 from paged_backend.engine.engine import _model_shape
-from paged_backend.engine.runner import ModelRunner
+from paged_backend.worker.runner import ModelRunner
 from paged_backend.engine.scheduler import ScheduledSequence
-from paged_backend.kv_cache import PagedKVCache
+from paged_backend.core.kv_cache import PagedKVCache
 
 
 @dataclass

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_backend.block_manager import BlockManager
+from paged_backend.core.block_manager import BlockManager
 from paged_backend.engine.request import Sequence
 from paged_backend.engine.sampler import Sampler, _processes
 from paged_backend.engine.scheduler import ScheduledSequence
@@ -164,8 +164,8 @@ def build_speculator(engine, backend: str | None) -> Speculator | None:
         )
     draft = None
     if config.method == "draft_model":
-        from paged_backend.engine.packed_linear import pack_linears
-        from paged_backend.models import load_model
+        from paged_backend.worker.packed_linear import pack_linears
+        from paged_backend.worker.models import load_model
         from paged_backend.spec_decode.draft_model import DraftModelProposer
 
         model, loaded = config.model, isinstance(config.model, str)

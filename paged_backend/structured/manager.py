@@ -27,7 +27,7 @@ from paged_backend.structured.params import StructuredOutputsParams
 class StructuredOutputManager:
     """One per engine: the tokenizer's grammar view, an LRU of compiled constraints and the batch mask buffer.
 
-    >>> from paged_backend.models import byte_tokenizer
+    >>> from paged_backend.worker.models import byte_tokenizer
     >>> manager = StructuredOutputManager(byte_tokenizer(), vocab_size=256, eos_token_ids={254})
     >>> matcher = manager.new_matcher(StructuredOutputsParams(choice=["yes", "no"]))
     >>> all(matcher.accept(t) for t in b"yes"), matcher.is_terminated()

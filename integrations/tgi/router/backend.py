@@ -18,7 +18,7 @@ from contextlib import ExitStack
 
 import grpc
 
-from paged_backend.block_manager import BlockManager
+from paged_backend.core.block_manager import BlockManager
 from paged_backend.tgi.backend import BackendEvent, BackendLoad, GeneratedToken
 from paged_backend.tgi.errors import TgiError
 from paged_backend.tgi.generated import generate_pb2 as pb
@@ -41,7 +41,7 @@ def load_tokenizer(model_id: str | None, tokenizer_name: str | None):
     """The router validates and counts tokens itself, so it needs the model's tokenizer (not its weights)."""
     source = tokenizer_name or model_to_load(model_id)
     if source is None:
-        from paged_backend.models import byte_tokenizer
+        from paged_backend.worker.models import byte_tokenizer
 
         return byte_tokenizer()
     from transformers import AutoTokenizer

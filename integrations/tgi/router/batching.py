@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from paged_backend.block_manager import BlockManager
+from paged_backend.core.block_manager import BlockManager
 from paged_backend.tgi.backend import GeneratedToken, PrefillTokens
 from paged_backend.tgi.errors import GenerationError
 from paged_backend.tgi.generated import generate_pb2 as pb

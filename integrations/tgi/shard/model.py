@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_backend.attention import register_paged_attention
+from paged_backend.worker.attention import register_paged_attention
 from paged_backend.distributed.sharding import local_num_kv_heads, shard_model
 from paged_backend.engine.engine import CPU_DEFAULT_KV_BYTES
-from paged_backend.engine.runner import ModelRunner
+from paged_backend.worker.runner import ModelRunner
 from paged_backend.engine.sampler import Sampler
 from paged_backend.engine.scheduler import ScheduledSequence
 from paged_backend.errors import InvalidRequest, OutOfBlocks
-from paged_backend.kv_cache import (
+from paged_backend.core.kv_cache import (
     PagedKVCache,
     available_memory,
     bytes_per_block,
@@ -28,8 +28,8 @@ from paged_backend.kv_cache import (
     num_blocks_for_budget,
     resolve_kv_dtype,
 )
-from paged_backend.model_support import check_runs_paged
-from paged_backend.models import load_model
+from paged_backend.worker.model_support import check_runs_paged
+from paged_backend.worker.models import load_model
 from paged_backend.tgi.shard.batch import ShardBatch, ShardRequest
 from paged_backend.tgi.shard.tensor_parallel import ShardRank
 from paged_backend.tgi.tokens import eos_token_ids

@@ -20,8 +20,8 @@ from pathlib import Path
 def csrc_dir() -> Path:
     if os.environ.get("PAGED_BACKEND_CSRC"):
         return Path(os.environ["PAGED_BACKEND_CSRC"])
-    repo = Path(__file__).resolve().parents[1] / "csrc"  # editable install / source checkout
-    return repo if repo.is_dir() else Path(__file__).resolve().parent / "_csrc"  # wheel
+    repo = Path(__file__).resolve().parents[2] / "csrc"  # editable install / source checkout
+    return repo if repo.is_dir() else Path(__file__).resolve().parents[1] / "_csrc"  # wheel
 
 
 def cache_root() -> Path:

@@ -17,7 +17,7 @@ import os
 import torch
 
 from paged_backend.errors import InvalidRequest
-from paged_backend.kv_groups import KVCacheGroup
+from paged_backend.core.kv_groups import KVCacheGroup
 
 KV_CACHE_DTYPES = {
     "auto": None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from paged_backend.kv_cache import PagedKVCache
+from paged_backend.core.kv_cache import PagedKVCache
 from paged_backend.ops.reference import is_fp8
 
 HEADROOM = 2.0  # the first step's amax maps to max / HEADROOM

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from paged_backend.dashboards import dashboard
+from paged_backend.observability.dashboards import dashboard
 
 
 def promql(expression: str, window: str = "1m", instance: str = ".*") -> str:

@@ -15,7 +15,7 @@ def export_command(
     directory: Annotated[Path, typer.Argument(help="where to write them (made if missing)")],
 ) -> None:
     """Write prometheus.yml, grafana/dashboards/*.json and grafana/provisioning/ under DIR."""
-    from paged_backend.dashboards import export
+    from paged_backend.observability.dashboards import export
 
     for path in export(directory):
         typer.echo(str(path))
@@ -30,8 +30,8 @@ def render_command(
     window: Annotated[str, typer.Option(help="rate window standing in for $__rate_interval")] = "1m",
 ) -> None:
     """Draw a dashboard's panels from a Prometheus's answers with matplotlib (no Grafana needed)."""
-    from paged_backend.dashboards import DASHBOARDS
-    from paged_backend.dashboards.render import render_recent
+    from paged_backend.observability.dashboards import DASHBOARDS
+    from paged_backend.observability.dashboards.render import render_recent
 
     if face not in DASHBOARDS:
         raise typer.BadParameter(f"unknown dashboard {face!r}; choose one of {', '.join(DASHBOARDS)}")

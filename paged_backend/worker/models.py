@@ -26,9 +26,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from paged_backend import quantization as quantization_module
+from paged_backend.worker import quantization as quantization_module
 from paged_backend.errors import InvalidRequest
-from paged_backend.offload import dispatch_kwargs, uses_accelerate
+from paged_backend.worker.offload import dispatch_kwargs, uses_accelerate
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ARCHITECTURES = {
@@ -179,8 +179,8 @@ def load_model(
     """Load `(model, tokenizer)` from a local HF directory or hub id; None gives the embedded tiny model.
 
     `device_map` / `max_memory` / `cpu_offload_gb` / `offload_folder` place the model with accelerate
-    (`paged_backend.offload`) instead of moving it whole to `device`.
-    `quantization` / `quantization_param`: see `paged_backend.quantization` (a checkpoint saved quantized needs
+    (`paged_backend.worker.offload`) instead of moving it whole to `device`.
+    `quantization` / `quantization_param`: see `paged_backend.worker.quantization` (a checkpoint saved quantized needs
     neither).
 
     >>> model, tok = load_model(None, device="cpu")

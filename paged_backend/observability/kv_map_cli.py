@@ -19,7 +19,7 @@ def kv_map(
     api_key: Annotated[str | None, typer.Option(envvar="PAGED_BACKEND_API_KEY", help="bearer token, if any")] = None,
 ) -> None:
     """Draw a running server's KV pool: one cell per block by owner request, sharing, cache and fill, plus history."""
-    from paged_backend.kv_map import draw_kv_map
+    from paged_backend.core.kv_map import draw_kv_map
 
     request = urllib.request.Request(url.rstrip("/") + "/debug/kv")
     if api_key:

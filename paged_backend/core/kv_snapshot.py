@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Hashable, Mapping
 from dataclasses import asdict
 
-from paged_backend.block_manager import CPU_NULL_BLOCK, NULL_BLOCK, BlockManager
+from paged_backend.core.block_manager import CPU_NULL_BLOCK, NULL_BLOCK, BlockManager
 
 HISTORY_LENGTH = 256  # points kept; older ones are dropped
 HISTORY_BLOCKS_PER_STEP = 256  # bigger pools record every k-th step, so the cost per step stays flat

@@ -75,7 +75,7 @@ EnforceEager = Annotated[
     ),
 ]
 
-# Bigger than one device, through accelerate (paged_backend.offload).
+# Bigger than one device, through accelerate (paged_backend.worker.offload).
 DeviceMap = Annotated[
     str | None,
     typer.Option("--device-map", help="accelerate placement: auto | balanced | sequential | JSON {module: device}"),

@@ -13,7 +13,7 @@ from contextlib import nullcontext
 import torch
 from transformers import Cache, PreTrainedModel
 
-from paged_backend.attention import (
+from paged_backend.worker.attention import (
     PackedKV,
     PagedMetadata,
     grouped_metadata,
@@ -21,11 +21,11 @@ from paged_backend.attention import (
     paged_attention_enabled,
     register_paged_attention,
 )
-from paged_backend.block_manager import BlockManager
-from paged_backend.engine.packed_linear import PackedLinears
+from paged_backend.core.block_manager import BlockManager
+from paged_backend.worker.packed_linear import PackedLinears
 from paged_backend.engine.scheduler import ScheduledSequence
-from paged_backend.kv_cache import PagedKVCache
-from paged_backend.kv_scales import calibrate_layer
+from paged_backend.core.kv_cache import PagedKVCache
+from paged_backend.core.kv_scales import calibrate_layer
 
 
 class StepCache(Cache):

@@ -140,7 +140,7 @@ def _offload_budget(source: str, dtype: torch.dtype, device: torch.device, cpu_o
     weights = compute_module_sizes(empty, dtype=dtype)[""]
     keep = max(weights - int(cpu_offload_gb * GIB), 0)
     if device.type == "cuda":
-        from paged_backend.kv_cache import available_memory
+        from paged_backend.core.kv_cache import available_memory
 
         return {device.index or 0: keep, "cpu": available_memory(torch.device("cpu"))}
     return {"cpu": keep}

@@ -15,9 +15,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from paged_backend.engine.request import RequestOutput, SamplingParams
-from paged_backend.server.async_engine import AsyncEngine
-from paged_backend.server.lora_metrics import lora_requests_info
-from paged_backend.tracing import RequestTiming, RequestTracer
+from paged_backend.engine.async_engine import AsyncEngine
+from paged_backend.observability.lora_metrics import lora_requests_info
+from paged_backend.observability.tracing import RequestTiming, RequestTracer
 
 PREFIX = "paged_backend:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
