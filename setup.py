@@ -13,13 +13,13 @@ PROTO = Path(__file__).parent / "proto" / "generate" / "v3" / "generate.proto"
 
 
 class BuildPyWithStubs(build_py):
-    """build_py that also writes paged_backend/tgi/generated/{generate.proto, generate_pb2*.py}."""
+    """build_py that also writes paged_backend/tgi/proto/{generate.proto, generate_pb2*.py}."""
 
     def run(self) -> None:
         super().run()
         if self.editable_mode:
             return  # editable installs compile the stubs on first import instead
-        target = Path(self.build_lib) / "paged_backend" / "tgi" / "generated"
+        target = Path(self.build_lib) / "paged_backend" / "tgi" / "proto"
         target.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(PROTO, target / PROTO.name)  # the first-import fallback compiles from this copy
         if importlib.util.find_spec("grpc_tools") is None:
@@ -30,7 +30,7 @@ class BuildPyWithStubs(build_py):
 
 def _load_compiler():
     # The package is not importable while it is being built; load the compiler module by path.
-    path = Path(__file__).parent / "integrations" / "tgi" / "stubs.py"
+    path = Path(__file__).parent / "integrations" / "tgi" / "proto" / "stubs.py"
     spec = importlib.util.spec_from_file_location("paged_backend_tgi_stubs", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -19,7 +19,7 @@ app = typer.Typer(help="paged-backend: paged KV cache + continuous batching", no
 # Modules that add their own subcommands through `register(app)`; one whose extra is not installed is skipped.
 COMMAND_MODULES = (
     "paged_backend.server.cli",
-    "paged_backend.tgi.cli",
+    "paged_backend.tgi.launcher.cli",
     "paged_backend.observability.dashboards.cli",
     "paged_backend.bench.cli",
     "paged_backend.observability.kv_map_cli",

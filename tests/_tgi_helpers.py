@@ -20,7 +20,7 @@ import uvicorn
 from huggingface_hub import InferenceClient
 from text_generation import Client
 
-from paged_backend.tgi.settings import EMBEDDED_MODEL_ID
+from paged_backend.tgi.http.settings import EMBEDDED_MODEL_ID
 from tests._server_helpers import parse_metrics
 
 STARTUP_TIMEOUT = 240  # seconds; importing torch on a busy 2-core box is slow

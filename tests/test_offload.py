@@ -139,8 +139,8 @@ def test_pool_keeps_each_layer_on_its_own_device():
 
 def test_serve_and_launch_map_the_placement_flags_onto_the_engine_config():
     from paged_backend.engine.args import EngineArgs
-    from paged_backend.tgi.launcher import engine_config as launch_config
-    from paged_backend.tgi.launcher_flags import parse_flags
+    from paged_backend.tgi.launcher.launch import engine_config as launch_config
+    from paged_backend.tgi.launcher.flags import parse_flags
 
     flags = ["--device-map", json.dumps(DISK_MAP), "--max-memory", "cpu=1GiB", "--offload-folder", "/tmp/off"]
     config = launch_config(parse_flags(flags))

@@ -25,7 +25,7 @@ import yaml
 
 from paged_backend.observability.dashboards import DASHBOARDS, dashboard, export, panel_queries
 from paged_backend.observability.dashboards.render import promql, render
-from paged_backend.tgi.settings import EMBEDDED_MODEL_ID
+from paged_backend.tgi.http.settings import EMBEDDED_MODEL_ID
 from tests._otlp_receiver import otlp_receiver
 from tests._server_helpers import API_KEY, MODEL, running_server, wait_for_ok
 from tests._tgi_helpers import TgiServer, free_port

@@ -28,4 +28,4 @@ def test_every_package_directory_ships_in_the_wheel(tmp_path):
     shipped = {Path(name).parent.as_posix() for name in zipfile.ZipFile(wheel).namelist() if name.endswith("__init__.py")}
     missing = sorted(expected - shipped)
     assert not missing, f"these packages are not in the wheel: {missing}; check [tool.setuptools.package-dir] and setup.py"
-    assert "paged_backend/tgi/generated/generate_pb2.py" in zipfile.ZipFile(wheel).namelist()  # the build hook ran
+    assert "paged_backend/tgi/proto/generate_pb2.py" in zipfile.ZipFile(wheel).namelist()  # the build hook ran

@@ -21,9 +21,9 @@ from paged_backend.worker.quantization import METHODS, TGI_NAMES, from_tgi, weig
 from paged_backend.server.app import build_app
 from paged_backend.engine.args import EngineArgs
 from paged_backend.server.state import ServerSettings
-from paged_backend.tgi.http_app import create_app
-from paged_backend.tgi.launcher import build_backend, router_settings
-from paged_backend.tgi.launcher_flags import parse_flags
+from paged_backend.tgi.http.app import create_app
+from paged_backend.tgi.launcher.launch import build_backend, router_settings
+from paged_backend.tgi.launcher.flags import parse_flags
 from tests._tgi_helpers import serving_in_thread
 
 NEW_TOKENS = 8
@@ -191,7 +191,7 @@ def test_embedded_model_quantizes_in_place():
 
 
 def test_launch_and_shard_refuse_gpu_formats_with_a_sentence(checkpoints):
-    from paged_backend.tgi.launcher import main as launch
+    from paged_backend.tgi.launcher.launch import main as launch
     from paged_backend.tgi.shard.cli import app as shard_app
 
     with pytest.raises(SystemExit, match="'awq' needs a CUDA GPU"):

@@ -6,8 +6,8 @@ import asyncio
 
 import grpc
 
-from paged_backend.tgi.generated import generate_pb2 as pb
-from paged_backend.tgi.generated import generate_pb2_grpc as pb_grpc
+from paged_backend.tgi.proto import generate_pb2 as pb
+from paged_backend.tgi.proto import generate_pb2_grpc as pb_grpc
 
 MAX_MESSAGE_BYTES = 2**31 - 1
 CHANNEL_OPTIONS = [

@@ -8,8 +8,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from paged_backend.core.block_manager import BlockManager
-from paged_backend.tgi.generated import generate_pb2 as pb
-from paged_backend.tgi.validation import ValidRequest
+from paged_backend.tgi.proto import generate_pb2 as pb
+from paged_backend.tgi.http.validation import ValidRequest
 
 
 @dataclass(eq=False)

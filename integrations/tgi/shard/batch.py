@@ -10,10 +10,10 @@ from dataclasses import dataclass, field, replace
 
 from paged_backend.engine.request import Request, Sequence
 from paged_backend.errors import InvalidRequest
-from paged_backend.tgi.grammar import ValidGrammar
-from paged_backend.tgi.sampling import sampling_params
-from paged_backend.tgi.tokens import IncrementalDetokenizer, StoppingCriteria
-from paged_backend.tgi.validation import ChooserParameters, StoppingParameters
+from paged_backend.tgi.http.grammar import ValidGrammar
+from paged_backend.tgi.backends.sampling import sampling_params
+from paged_backend.tgi.backends.tokens import IncrementalDetokenizer, StoppingCriteria
+from paged_backend.tgi.http.validation import ChooserParameters, StoppingParameters
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from paged_backend.tgi.settings import model_to_load
+from paged_backend.tgi.http.settings import model_to_load
 
 app = typer.Typer(help="generate.v3 gRPC shard (text-generation-server compatible) on paged-backend.")
 logger = logging.getLogger("paged_backend.tgi.shard")

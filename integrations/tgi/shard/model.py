@@ -32,7 +32,7 @@ from paged_backend.worker.model_support import check_runs_paged
 from paged_backend.worker.models import load_model
 from paged_backend.tgi.shard.batch import ShardBatch, ShardRequest
 from paged_backend.tgi.shard.tensor_parallel import ShardRank
-from paged_backend.tgi.tokens import eos_token_ids
+from paged_backend.tgi.backends.tokens import eos_token_ids
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import signal
 
 import grpc
 
-from paged_backend.tgi.generated import generate_pb2_grpc as pb_grpc
+from paged_backend.tgi.proto import generate_pb2_grpc as pb_grpc
 from paged_backend.tgi.shard.model import ShardModel
 from paged_backend.tgi.shard.service import TextGenerationService
 

@@ -9,8 +9,8 @@ import time
 import grpc
 
 from paged_backend.errors import PagedBackendError
-from paged_backend.tgi.generated import generate_pb2 as pb
-from paged_backend.tgi.generated import generate_pb2_grpc as pb_grpc
+from paged_backend.tgi.proto import generate_pb2 as pb
+from paged_backend.tgi.proto import generate_pb2_grpc as pb_grpc
 from paged_backend.tgi.shard.batch import ShardBatch, request_from_pb
 from paged_backend.tgi.shard.model import ShardModel, TokenResult
 

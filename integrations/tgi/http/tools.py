@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from paged_backend.tgi.errors import ToolError
-from paged_backend.tgi.grammar import ValidGrammar, validate_grammar
+from paged_backend.tgi.http.errors import ToolError
+from paged_backend.tgi.http.grammar import ValidGrammar, validate_grammar
 
 NO_TOOL = "no_tool"
 NO_TOOL_FUNCTION = {

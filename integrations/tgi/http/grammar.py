@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from paged_backend.errors import InvalidRequest
 from paged_backend.structured.params import StructuredOutputsParams, json_schema_error
-from paged_backend.tgi.errors import ValidationError
+from paged_backend.tgi.http.errors import ValidationError
 
 GrammarType = Literal["json", "regex"]
 ANY_OBJECT_SCHEMA = {"type": "object"}

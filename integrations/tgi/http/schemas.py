@@ -1,7 +1,7 @@
 """Request bodies of TGI's HTTP API (router `GenerateRequest`, `CompatGenerateRequest`, `ChatRequest`, ...).
 
 Every field accepts null, unknown keys are ignored, types are strict (no "1" for 1, as serde), and range checks
-live in `validation.py` so the messages are TGI's own (`openapi.py` declares those ranges in the document).
+live in `http/validation.py` so the messages are TGI's own (`http/openapi.py` declares those ranges in the document).
 """
 
 from __future__ import annotations

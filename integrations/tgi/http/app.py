@@ -17,17 +17,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from paged_backend import __version__
-from paged_backend.tgi import openai_routes
-from paged_backend.tgi.backend import Backend
-from paged_backend.tgi.errors import TgiError, UnhealthyError
-from paged_backend.tgi.infer import Infer
-from paged_backend.tgi.metrics import TgiMetrics
-from paged_backend.tgi.openapi import openapi_document
-from paged_backend.tgi.responses import generate_json, stream_json, timing_headers
-from paged_backend.tgi.schemas import ChatRequest, CompatGenerateRequest, GenerateRequest, TokenizeRequest
-from paged_backend.tgi.settings import RouterSettings
-from paged_backend.tgi.sse import event, sse_response
-from paged_backend.tgi.validation import validate_stream
+from paged_backend.tgi.http import openai_routes
+from paged_backend.tgi.backends.base import Backend
+from paged_backend.tgi.http.errors import TgiError, UnhealthyError
+from paged_backend.tgi.http.infer import Infer
+from paged_backend.tgi.http.metrics import TgiMetrics
+from paged_backend.tgi.http.openapi import openapi_document
+from paged_backend.tgi.http.responses import generate_json, stream_json, timing_headers
+from paged_backend.tgi.http.schemas import ChatRequest, CompatGenerateRequest, GenerateRequest, TokenizeRequest
+from paged_backend.tgi.http.settings import RouterSettings
+from paged_backend.tgi.http.sse import event, sse_response
+from paged_backend.tgi.http.validation import validate_stream
 from paged_backend.observability.tracing import RequestTracer, TraceHeaders
 
 DRAIN_TIMEOUT_SECONDS = 90.0  # TGI's --graceful-termination-timeout default

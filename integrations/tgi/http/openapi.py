@@ -1,7 +1,7 @@
 """The TGI face's `/openapi.json`, made to say what the server does.
 
-FastAPI derives the request shapes from `schemas.py`; this module adds what it cannot know: each field's range
-(from the router limits, checked in `validation.py` with TGI's messages), the error body and every status a
+FastAPI derives the request shapes from `http/schemas.py`; this module adds what it cannot know: each field's range
+(from the router limits, checked in `http/validation.py` with TGI's messages), the error body and every status a
 route answers, and the media types served (SSE streams, Prometheus text, empty health answers).
 Cross-field rules (the token budget, best_of with sampling, a grammar that compiles) are described, not encoded.
 """
@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from paged_backend.tgi.settings import RouterSettings
+from paged_backend.tgi.http.settings import RouterSettings
 
 U64_MAX = 2**64 - 1
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}

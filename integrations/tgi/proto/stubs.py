@@ -1,7 +1,7 @@
 """Compile the generate.v3 proto into Python stubs (generate_pb2, generate_pb2_grpc) with grpc_tools.
 
 Used by setup.py at build time (stubs land inside the wheel) and, when they are missing (editable
-installs), on first import of `paged_backend.tgi.generated` into a cache directory keyed by the proto's hash.
+installs), on first import of `paged_backend.tgi.proto` into a cache directory keyed by the proto's hash.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 
 PROTO_NAME = "generate.proto"
-_PACKAGED_PROTO = Path(__file__).parent / "generated" / PROTO_NAME
-_SOURCE_PROTO = Path(__file__).resolve().parents[2] / "proto" / "generate" / "v3" / PROTO_NAME
+_PACKAGED_PROTO = Path(__file__).parent / PROTO_NAME
+_SOURCE_PROTO = Path(__file__).resolve().parents[3] / "proto" / "generate" / "v3" / PROTO_NAME
 
 
 def proto_path() -> Path:

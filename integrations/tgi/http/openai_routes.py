@@ -3,7 +3,7 @@
 TGI semantics kept: temperature 0 means greedy and an absent temperature samples; `presence_penalty` p
 becomes repetition_penalty p + 2; chat prompts come from the tokenizer's chat template without extra
 special tokens; streams end with `data: [DONE]` and report errors as `{"error": {...}}` events.
-`tools` and `response_format` set the request's grammar (`tools.py`), so replies always parse.
+`tools` and `response_format` set the request's grammar (`http/tools.py`), so replies always parse.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError as PydanticValidationError
 
 from paged_backend import __version__
-from paged_backend.tgi.errors import TemplateError, TgiError, ToolError, ValidationError
-from paged_backend.tgi.grammar import ValidGrammar, response_format_grammar
-from paged_backend.tgi.infer import Generation, Infer, StreamStep
-from paged_backend.tgi.schemas import ChatMessage, ChatRequest, CompletionRequest, GenerateParameters, Grammar
-from paged_backend.tgi.settings import RouterSettings
-from paged_backend.tgi.sse import DONE, event, sse_response
-from paged_backend.tgi.tools import ToolPlan, parse_reply, plan_tools, tool_prompt_text
-from paged_backend.tgi.validation import validate_parameters
+from paged_backend.tgi.http.errors import TemplateError, TgiError, ToolError, ValidationError
+from paged_backend.tgi.http.grammar import ValidGrammar, response_format_grammar
+from paged_backend.tgi.http.infer import Generation, Infer, StreamStep
+from paged_backend.tgi.http.schemas import ChatMessage, ChatRequest, CompletionRequest, GenerateParameters, Grammar
+from paged_backend.tgi.http.settings import RouterSettings
+from paged_backend.tgi.http.sse import DONE, event, sse_response
+from paged_backend.tgi.http.tools import ToolPlan, parse_reply, plan_tools, tool_prompt_text
+from paged_backend.tgi.http.validation import validate_parameters
 
 SYSTEM_FINGERPRINT = f"{__version__}-paged-backend"
 FINISH_REASONS = {"eos_token": "stop", "length": "length", "stop_sequence": "stop_sequence"}

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from paged_backend.engine.request import SamplingParams
-from paged_backend.tgi.backend import FinishReason
-from paged_backend.tgi.validation import ChooserParameters, StoppingParameters
+from paged_backend.tgi.backends.base import FinishReason
+from paged_backend.tgi.http.validation import ChooserParameters, StoppingParameters
 
 
 def sampling_params(

@@ -9,10 +9,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
-from paged_backend.tgi.errors import ValidationError
-from paged_backend.tgi.grammar import ValidGrammar, validate_grammar
-from paged_backend.tgi.schemas import GenerateParameters
-from paged_backend.tgi.settings import RouterSettings
+from paged_backend.tgi.http.errors import ValidationError
+from paged_backend.tgi.http.grammar import ValidGrammar, validate_grammar
+from paged_backend.tgi.http.schemas import GenerateParameters
+from paged_backend.tgi.http.settings import RouterSettings
 
 
 @dataclass(frozen=True)

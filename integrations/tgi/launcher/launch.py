@@ -16,9 +16,9 @@ import signal
 import sys
 
 from paged_backend.errors import PagedBackendError
-from paged_backend.tgi.launcher_flags import ignored_flags, parse_flags
-from paged_backend.tgi.lora import lora_options
-from paged_backend.tgi.settings import RouterSettings, model_to_load
+from paged_backend.tgi.launcher.flags import ignored_flags, parse_flags
+from paged_backend.tgi.backends.lora import lora_options
+from paged_backend.tgi.http.settings import RouterSettings, model_to_load
 
 logger = logging.getLogger("paged_backend.tgi")
 
@@ -108,12 +108,12 @@ def build_backend(args: argparse.Namespace, shards=None):
     """The backend object the HTTP face drives (`shards`: the shard processes this launcher started, grpc)."""
     if args.backend == "paged":
         from paged_backend.engine import Engine
-        from paged_backend.tgi.paged import PagedBackend
+        from paged_backend.tgi.backends.paged import PagedBackend
 
         return PagedBackend(Engine(engine_config(args)))
     if args.backend == "reference":
         from paged_backend.worker.models import load_model
-        from paged_backend.tgi.reference import ReferenceBackend
+        from paged_backend.tgi.backends.reference import ReferenceBackend
 
         model, tokenizer = load_model(
             model_to_load(args.model_id), tokenizer=args.tokenizer_name, dtype=args.dtype or "auto",
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> N
     """Parse TGI flags, build the backend, serve until interrupted."""
     import uvicorn
 
-    from paged_backend.tgi.http_app import create_app
+    from paged_backend.tgi.http.app import create_app
     from paged_backend.observability.tracing import otlp_tracer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> N
     count = num_shards(args)
     shards = None
     if args.backend == "grpc" and count is not None:  # TGI's layout: this launcher starts the shards itself
-        from paged_backend.tgi.shard_processes import ShardProcesses
+        from paged_backend.tgi.launcher.shard_processes import ShardProcesses
 
         shards = ShardProcesses(args, count)
         # uvicorn re-raises the SIGTERM it caught once it has shut down; as an exception it still runs `finally`.

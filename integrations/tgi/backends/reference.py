@@ -1,7 +1,7 @@
 """`--backend reference`: contiguous KV through HF `model.generate` (DynamicCache), one request at a time.
 
 The A/B baseline for the paged engine: same validation, same token semantics (stopping criteria and
-detokenization from `tokens.py`), same raw logprobs, but none of the paging or batching.
+detokenization from `backends/tokens.py`), same raw logprobs, but none of the paging or batching.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from transformers import StoppingCriteria as HfStoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
 from paged_backend.engine.watermark import apply_watermark
-from paged_backend.tgi.backend import BackendEvent, BackendLoad, GeneratedToken, PrefillTokens
-from paged_backend.tgi.errors import GenerationError
-from paged_backend.tgi.metrics import TgiMetrics
-from paged_backend.tgi.tokens import IncrementalDetokenizer, StoppingCriteria, eos_token_ids
-from paged_backend.tgi.validation import ChooserParameters, ValidRequest
+from paged_backend.tgi.backends.base import BackendEvent, BackendLoad, GeneratedToken, PrefillTokens
+from paged_backend.tgi.http.errors import GenerationError
+from paged_backend.tgi.http.metrics import TgiMetrics
+from paged_backend.tgi.backends.tokens import IncrementalDetokenizer, StoppingCriteria, eos_token_ids
+from paged_backend.tgi.http.validation import ChooserParameters, ValidRequest
 
 _END = object()
 

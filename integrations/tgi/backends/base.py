@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from paged_backend.tgi.metrics import TgiMetrics
-from paged_backend.tgi.validation import ValidRequest
+from paged_backend.tgi.http.metrics import TgiMetrics
+from paged_backend.tgi.http.validation import ValidRequest
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 

@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from paged_backend.tgi.settings import EMBEDDED_MODEL_ID
+from paged_backend.tgi.http.settings import EMBEDDED_MODEL_ID
 
 logger = logging.getLogger("paged_backend.tgi")
 STARTUP_TIMEOUT = 600.0  # seconds for every shard to load its weights and bind its socket

@@ -15,6 +15,6 @@ def register(app: typer.Typer) -> None:
         help="Serve the TGI HTTP API with text-generation-launcher's flags; --backend paged|reference|grpc.",
     )
     def launch(ctx: typer.Context) -> None:
-        from paged_backend.tgi.launcher import main
+        from paged_backend.tgi.launcher.launch import main
 
         main(list(ctx.args))

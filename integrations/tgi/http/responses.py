@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paged_backend.tgi.infer import Generation, StreamStep
+from paged_backend.tgi.http.infer import Generation, StreamStep
 
 
 def details_json(generation: Generation, best_of: list[Generation] | None = None) -> dict:

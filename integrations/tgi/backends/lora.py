@@ -12,7 +12,7 @@ from pathlib import Path
 from paged_backend.lora import LoRARequest
 from paged_backend.lora.adapter import CONFIG_FILE
 from paged_backend.lora.manager import served_adapters
-from paged_backend.tgi.errors import ValidationError
+from paged_backend.tgi.http.errors import ValidationError
 
 
 def parse_lora_adapters(value: str) -> dict[str, str]:

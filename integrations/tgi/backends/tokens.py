@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from paged_backend.tgi.backend import FinishReason
+from paged_backend.tgi.backends.base import FinishReason
 
 # TGI starts decoding 5 tokens before the first new one so merges with the prompt's tail render right.
 _CONTEXT_TOKENS = 5

@@ -14,13 +14,13 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 
-from paged_backend.tgi.backend import Backend, FinishReason, GeneratedToken, PrefillTokens
-from paged_backend.tgi.errors import IncompleteGenerationError, OverloadedError, TgiError, ValidationError
-from paged_backend.tgi.metrics import TgiMetrics
-from paged_backend.tgi.schemas import GenerateParameters
-from paged_backend.tgi.settings import RouterSettings
-from paged_backend.tgi.tokens import IncrementalDetokenizer
-from paged_backend.tgi.validation import ValidRequest, validate
+from paged_backend.tgi.backends.base import Backend, FinishReason, GeneratedToken, PrefillTokens
+from paged_backend.tgi.http.errors import IncompleteGenerationError, OverloadedError, TgiError, ValidationError
+from paged_backend.tgi.http.metrics import TgiMetrics
+from paged_backend.tgi.http.schemas import GenerateParameters
+from paged_backend.tgi.http.settings import RouterSettings
+from paged_backend.tgi.backends.tokens import IncrementalDetokenizer
+from paged_backend.tgi.http.validation import ValidRequest, validate
 from paged_backend.observability.tracing import RequestTiming, RequestTracer
 
 

@@ -1,0 +1,1 @@
+"""`paged-backend launch`: text-generation-launcher's command line and the shard processes it starts."""
