@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from paged_backend.distributed import check_shardable, local_num_kv_heads, shard_model
+from paged_backend.core.kv_budget import KVShape
+from paged_backend.distributed import check_shardable, shard_model
 from paged_backend.errors import UnsupportedModel
 from tests._hf_models import tiny_model
 
@@ -62,7 +63,8 @@ def test_rank_keeps_its_heads():
     assert torch.equal(attn.q_proj.weight, full_q[32:])  # heads 2 and 3 of 4 (head_dim 16)
     assert torch.equal(attn.k_proj.weight, full_k)  # the single KV head, replicated
     assert attn.o_proj.in_features == 32 and model.model.layers[0].mlp.down_proj.in_features == 64
-    assert local_num_kv_heads(model.config, 2) == 1 and local_num_kv_heads(tiny_model("llama").config, 2) == 1
+    assert KVShape.of(model.config).per_rank(2).num_kv_heads == 1
+    assert KVShape.of(tiny_model("llama").config).per_rank(2).num_kv_heads == 1
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from paged_backend import BlockManager, InvalidRequest, PagedKVCache
-from paged_backend.core.kv_cache import bytes_per_block, num_blocks_for_budget, resolve_kv_dtype
+from paged_backend.core.kv_budget import bytes_per_block, num_blocks_for_budget
+from paged_backend.core.kv_cache import resolve_kv_dtype
 from paged_backend.ops import reshape_and_cache
 
 

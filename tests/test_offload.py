@@ -14,7 +14,8 @@ from paged_backend.engine import Engine, SamplingParams  # noqa: E402
 from paged_backend.engine.engine import engine_config  # noqa: E402
 from paged_backend.hf import PagedCache  # noqa: E402
 from paged_backend.worker.models import byte_tokenizer, tiny_model  # noqa: E402
-from paged_backend.worker.offload import layer_devices, parse_device_map, parse_max_memory  # noqa: E402
+from paged_backend.config.placement import parse_device_map, parse_max_memory  # noqa: E402
+from paged_backend.worker.offload import layer_devices  # noqa: E402
 
 # Layers 1 and 3 live on disk (accelerate streams their weights in at each forward), the rest in CPU memory.
 DISK_MAP = {

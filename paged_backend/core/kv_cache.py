@@ -17,6 +17,7 @@ import os
 import torch
 
 from paged_backend.errors import InvalidRequest
+from paged_backend.core.kv_budget import available_memory, bytes_per_block, num_blocks_for_budget  # noqa: F401 (moving)
 from paged_backend.core.kv_groups import KVCacheGroup
 
 KV_CACHE_DTYPES = {
@@ -54,45 +55,6 @@ def check_kv_dtype_runs(dtype: torch.dtype, device: torch.device, backend: str |
             "kv cache dtype fp8_e5m2 is read by the cpu and torch attention backends only; on a "
             "GPU use fp8 (e4m3), or attention backend 'torch'"
         )
-
-
-def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-
-def available_memory(device: torch.device) -> int:
-    """Free bytes on `device` right now (GPU: cudaMemGetInfo; CPU: the OS's available pages)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def num_blocks_for_budget(
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    *,
-    memory_bytes: int | None = None,
-    memory_fraction: float | None = None,
-    device: torch.device | str = "cpu",
-) -> int:
-    """How many blocks fit `memory_bytes`, or `memory_fraction` of the device's free memory."""
-    if memory_bytes is None:
-        if memory_fraction is None or not 0 < memory_fraction <= 1:
-            raise InvalidRequest(f"memory fraction must be in (0, 1], got {memory_fraction}")
-        memory_bytes = int(available_memory(torch.device(device)) * memory_fraction)
-    per_block = bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
-    num_blocks = memory_bytes // per_block
-    if num_blocks < 2:
-        raise InvalidRequest(
-            f"a KV budget of {memory_bytes} bytes holds {num_blocks} blocks of {per_block} bytes; "
-            f"at least 2 are needed (block 0 is reserved): raise the budget or lower block_size"
-        )
-    return int(num_blocks)
 
 
 class PagedKVCache:

@@ -3,6 +3,6 @@
 The driver (rank 0) owns the Scheduler and BlockManager and broadcasts each step; only the driver samples.
 """
 
-from paged_backend.distributed.sharding import check_shardable, local_num_kv_heads, shard_model, tp_plan
+from paged_backend.distributed.sharding import check_shardable, shard_model, tp_plan
 
-__all__ = ["check_shardable", "local_num_kv_heads", "shard_model", "tp_plan"]
+__all__ = ["check_shardable", "shard_model", "tp_plan"]

@@ -17,10 +17,12 @@ from torch import nn
 
 from paged_backend.config import EngineConfig
 from paged_backend.distributed.executor import EXECUTORS
-from paged_backend.distributed.pipeline import StageKVCache, stage_layers
+from paged_backend.core.kv_budget import KVShape
+from paged_backend.distributed.pipeline import stage_layers
 from paged_backend.distributed.sharding import check_shardable
 from paged_backend.distributed.state import RankContext, Topology, init_rank, torchrun_rank
-from paged_backend.distributed.worker import RankWorker, StepInput, kv_shape, serve_steps
+from paged_backend.distributed.worker import RankWorker, StepInput, serve_steps
+from paged_backend.worker.model_worker import StageKVCache
 from paged_backend.worker.runner import ModelRunner
 from paged_backend.errors import InvalidRequest
 
@@ -91,7 +93,7 @@ class ParallelDriver:
     def __init__(self, config: EngineConfig, model: nn.Module) -> None:
         parallel, topology = config.parallel, Topology.of(config.parallel)
         check_shardable(model, topology.tp_size)  # refuse before any process starts
-        stage_layers(kv_shape(model.config)[0], topology.pp_size, 0)
+        stage_layers(KVShape.of(model.config).num_layers, topology.pp_size, 0)
         if dist.is_initialized():
             raise InvalidRequest(
                 "this process already belongs to a torch.distributed group (another parallel engine?); "
@@ -107,7 +109,7 @@ class ParallelDriver:
         self._finalizer = weakref.finalize(self, _shutdown, self.executor, self.state)  # at close, GC or exit
         try:
             self.state.ctx = init_rank(0, topology, init_method, model.device, parallel.distributed_timeout_seconds)
-            self.worker = RankWorker(self.state.ctx, config, model, cache_cls=DriverKVCache)
+            self.worker = RankWorker(self.state.ctx, config, model, pool_cls=DriverKVCache)
         except Exception as error:
             raise self._fail(error, "the workers failed to start") from error
 

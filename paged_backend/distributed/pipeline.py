@@ -4,7 +4,7 @@ The whole HF forward still runs on every stage (embeddings, rotary tables and ma
 but layers outside the stage are replaced by pass-throughs that hold no weights. A forward pre-hook on the
 stage's first layer swaps in the hidden states received from the previous stage; a forward hook on its last layer
 ends the forward of a non-last stage by raising `StageOutput`, so norm and LM head run only on the last stage.
-Each stage's KV pool holds only its own layers (`StageKVCache`).
+Each stage's KV pool holds only its own layers (`worker.model_worker.StageKVCache`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from torch import nn
 
 from paged_backend.distributed.state import RankContext
 from paged_backend.errors import UnsupportedModel
-from paged_backend.core.kv_cache import PagedKVCache
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
@@ -43,16 +42,6 @@ class StageOutput(Exception):  # noqa: N818 - a control-flow signal, not an erro
     def __init__(self, hidden_states: torch.Tensor) -> None:
         super().__init__("stage output")
         self.hidden_states = hidden_states
-
-
-class StageKVCache(PagedKVCache):
-    """The pool of one stage: only its layers, addressed by their global layer index."""
-
-    def __init__(self, layers: range, *args, **kwargs) -> None:
-        super().__init__(len(layers), *args, **kwargs)
-        pad = [None] * layers.start  # indices of earlier stages' layers: never read by this stage
-        self.key_caches, self.value_caches = pad + self.key_caches, pad + self.value_caches
-        self.k_scales, self.v_scales = pad + self.k_scales, pad + self.v_scales
 
 
 class PipelineStage:

@@ -10,7 +10,7 @@ KV head it splits that head's dimensions across the ranks and the attention resh
 LM head stay whole on every rank, so each rank computes the same logits.
 
 The attention function then sees only the rank's local heads, and a rank's KV pool holds only its local KV heads
-(`local_num_kv_heads`).
+(`core.kv_budget.kv_heads_per_rank`, the one rule for splitting or replicating KV heads).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paged_backend.core.kv_budget import KVShape, kv_heads_per_rank
 from paged_backend.errors import UnsupportedModel
 
 # Llama-shaped decoders without a shipped plan get this one (the layout every Llama-family plan uses).
@@ -46,11 +47,8 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
 
 def _shape(config) -> tuple[int, int, int, int]:
     """(query heads, KV heads, head dim, intermediate size) of a decoder config."""
-    config = config.get_text_config()
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return heads, kv_heads, head_dim, getattr(config, "intermediate_size", 0)
+    text, kv = config.get_text_config(), KVShape.of(config)
+    return text.num_attention_heads, kv.num_kv_heads, kv.head_dim, getattr(text, "intermediate_size", 0)
 
 
 def check_shardable(model: nn.Module, tp_size: int) -> None:
@@ -72,11 +70,7 @@ def check_shardable(model: nn.Module, tp_size: int) -> None:
             f"{heads} attention heads do not split over tensor_parallel_size={tp_size}; "
             f"choose a size that divides {heads}"
         )
-    if kv_heads % tp_size and tp_size % kv_heads:
-        raise UnsupportedModel(
-            f"{kv_heads} KV heads neither split over nor replicate onto tensor_parallel_size={tp_size}; "
-            f"choose a size that divides {kv_heads} or a multiple of it"
-        )
+    kv_heads_per_rank(kv_heads, tp_size)  # refuses KV heads that neither split over nor replicate onto the ranks
     if intermediate % tp_size:
         raise UnsupportedModel(
             f"MLP width {intermediate} does not split over tensor_parallel_size={tp_size}; choose a size dividing it"
@@ -88,12 +82,6 @@ def check_shardable(model: nn.Module, tp_size: int) -> None:
             raise UnsupportedModel(
                 f"{type(model).__name__} has no module matching its tensor-parallel plan {pattern!r}"
             )
-
-
-def local_num_kv_heads(config, tp_size: int) -> int:
-    """KV heads one rank holds: a 1/tp_size share, or one replicated head when there are fewer heads than ranks."""
-    _, kv_heads, _, _ = _shape(config)
-    return max(1, kv_heads // tp_size)
 
 
 def _pattern(key: str) -> str:
@@ -174,7 +162,7 @@ def shard_model(model: nn.Module, tp_rank: int, tp_size: int, group=None) -> nn.
                 module.bias.zero_()
             module.in_features = keep.stop - keep.start
             module.register_forward_hook(_AllReduce(group))
-    local_heads, local_kv = heads // tp_size, local_num_kv_heads(model.config, tp_size)
+    local_heads, local_kv = heads // tp_size, kv_heads_per_rank(kv_heads, tp_size)
     for module in model.modules():  # eager/sdpa attention repeats KV by this ratio: make it the local one
         if hasattr(module, "num_key_value_groups"):
             module.num_key_value_groups = local_heads // local_kv

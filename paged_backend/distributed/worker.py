@@ -18,12 +18,11 @@ from torch import nn
 
 from paged_backend.worker.attention import PagedMetadata
 from paged_backend.config import EngineConfig
-from paged_backend.distributed.pipeline import PipelineStage, StageKVCache, stage_layers
-from paged_backend.distributed.sharding import local_num_kv_heads, shard_model
+from paged_backend.core.kv_budget import KVShape
+from paged_backend.distributed.pipeline import PipelineStage, stage_layers
+from paged_backend.distributed.sharding import shard_model
 from paged_backend.distributed.state import RankContext, Topology, init_rank, rank_device
-from paged_backend.worker.packed_linear import pack_linears
-from paged_backend.worker.runner import ModelRunner
-from paged_backend.core.kv_cache import resolve_kv_dtype
+from paged_backend.worker.model_worker import ModelWorker, StageKVCache, plan_pool
 from paged_backend.lora.adapter import linear_shapes
 from paged_backend.lora.layers import SlotLayers
 
@@ -55,36 +54,25 @@ class StepInput:
         return to(self.input_ids), to(self.positions), metadata
 
 
-def kv_shape(config) -> tuple[int, int]:
-    """(decoder layers, head dim) of a model config."""
-    text = config.get_text_config()
-    return text.num_hidden_layers, getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-
-
 class RankWorker:
     """This rank's slice of the model (its stage's layers, its tensor-parallel heads) and its KV pool."""
 
-    def __init__(self, ctx: RankContext, config: EngineConfig, model: nn.Module, cache_cls=StageKVCache) -> None:
-        from paged_backend.engine.engine import kv_pool_blocks  # the engine imports this package lazily
-
+    def __init__(self, ctx: RankContext, config: EngineConfig, model: nn.Module, pool_cls=StageKVCache) -> None:
         self.ctx, topology, cache = ctx, ctx.topology, config.cache
-        num_layers, head_dim = kv_shape(model.config)
-        layers = stage_layers(num_layers, topology.pp_size, ctx.pp_rank)
+        layers = stage_layers(KVShape.of(model.config).num_layers, topology.pp_size, ctx.pp_rank)
         self.linear_shapes = linear_shapes(model)  # the whole model's, which adapters are checked against
         self.stage = PipelineStage(ctx, model, layers, model.config.get_text_config().hidden_size)
         self.model = shard_model(model.eval(), ctx.tp_rank, topology.tp_size, group=ctx.tp_group)
         self.lora_layers = SlotLayers(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
-        kv_heads = local_num_kv_heads(model.config, topology.tp_size)
-        kv_dtype = resolve_kv_dtype(cache.cache_dtype, model.dtype)
-        # The budget is per rank; the BlockManager is global, so every rank takes the smallest count.
-        counts = torch.tensor(kv_pool_blocks(cache, len(layers), kv_heads, head_dim, kv_dtype, ctx.device))
-        dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=ctx.control_group)
-        num_blocks, num_cpu_blocks = counts.tolist()
-        self.kv_cache = cache_cls(layers, kv_heads, head_dim, num_blocks, cache.block_size, dtype=kv_dtype,
-                                  device=ctx.device, num_cpu_blocks=num_cpu_blocks)  # fmt: skip
         self.backend = None if config.attention_backend == "auto" else config.attention_backend
-        packed = pack_linears(model, config.prepack_weights, release=True)  # a rank's model is its own copy
-        self.runner = ModelRunner(model, self.kv_cache, None, self.backend, packed)
+        plan = plan_pool(model, cache, ctx.device, tp_size=topology.tp_size, layers=layers, split_windows=False,
+                         backend=self.backend)  # fmt: skip
+        # The budget is per rank; the BlockManager is global, so every rank takes the smallest count.
+        counts = torch.tensor([plan.size.num_blocks, plan.size.num_cpu_blocks])
+        dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=ctx.control_group)
+        worker = ModelWorker(model, plan.with_blocks(*counts.tolist()), ctx.device, backend=self.backend,
+                             pack=config.prepack_weights, release=True, pool_cls=pool_cls)  # a rank's own copy
+        self.kv_cache, self.runner = worker.kv_cache, worker.runner
         self.vocab_size = model.get_output_embeddings().out_features
         self.logits_rank = topology.rank(topology.pp_size - 1, 0)  # the last stage's first rank
 

@@ -250,17 +250,12 @@ def _flat(config: EngineConfig) -> dict:
 
 
 def kv_budget(config: EngineConfig) -> int:
-    """The KV bytes all models share: the single-model default budget, once."""
-    from paged_backend.engine.engine import CPU_DEFAULT_KV_BYTES
-    from paged_backend.core.kv_cache import available_memory
+    """The KV bytes all models share: the single-model default budget (`core.kv_budget`), once."""
+    from paged_backend.core.kv_budget import kv_memory_bytes
     from paged_backend.worker.models import resolve_device
 
-    device = resolve_device(config.device)
-    if config.cache.kv_cache_memory_bytes is not None:
-        return config.cache.kv_cache_memory_bytes
-    if device.type != "cuda":
-        return min(CPU_DEFAULT_KV_BYTES, available_memory(device) // 10)
-    return int(available_memory(device) * config.cache.gpu_memory_utilization)
+    cache = config.cache
+    return kv_memory_bytes(resolve_device(config.device), cache.kv_cache_memory_bytes, cache.gpu_memory_utilization)
 
 
 def build_engines(base: EngineConfig, specs: list[ModelSpec]) -> dict:

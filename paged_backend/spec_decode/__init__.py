@@ -5,6 +5,6 @@ appended), `verify` (accepted tokens plus one from the target's rows) and `retai
 that are gone). Rejected tokens roll back through `BlockManager.truncate`.
 """
 
-from paged_backend.spec_decode.config import SpeculativeConfig
+from paged_backend.config.speculative import SpeculativeConfig
 
 __all__ = ["SpeculativeConfig"]

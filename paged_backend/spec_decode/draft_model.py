@@ -12,11 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_backend.config import CacheConfig
 from paged_backend.core.block_manager import BlockManager
-from paged_backend.engine.engine import _model_shape
-from paged_backend.worker.runner import ModelRunner
 from paged_backend.engine.scheduler import ScheduledSequence
-from paged_backend.core.kv_cache import PagedKVCache
+from paged_backend.worker.model_worker import ModelWorker, plan_pool
 
 
 @dataclass
@@ -33,13 +32,16 @@ class _DraftSequence:
 
 class DraftModelProposer:
     def __init__(
-        self, model, num_blocks: int, block_size: int, device: torch.device, backend: str | None, packed=None
+        self, model, num_blocks: int, block_size: int, device: torch.device, backend: str | None, *, pack: bool,
+        release: bool,
     ) -> None:
-        num_layers, kv_heads, head_dim, _ = _model_shape(model.config)
-        dtype = next(model.parameters()).dtype
-        self.kv_cache = PagedKVCache(num_layers, kv_heads, head_dim, num_blocks, block_size, dtype=dtype, device=device)
+        # As many blocks as the target's pool (a draft sequence never outgrows its target), in the draft's dtype.
+        cache = CacheConfig(num_blocks=num_blocks, block_size=block_size)
+        plan = plan_pool(model, cache, device, split_windows=False, backend=backend)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False, watermark=0.0)
-        self.runner = ModelRunner(model, self.kv_cache, self.block_manager, backend, packed)
+        worker = ModelWorker(model, plan, device, block_manager=self.block_manager, backend=backend, pack=pack,
+                             release=release)  # fmt: skip
+        self.kv_cache, self.runner = worker.kv_cache, worker.runner
 
     def propose(self, requests: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
         """{seq id: up to k greedy draft tokens} for (seq id, verified tokens, k) triples; sequences whose draft KV

@@ -10,7 +10,7 @@ from paged_backend.core.block_manager import BlockManager
 from paged_backend.engine.request import Sequence
 from paged_backend.engine.sampler import Sampler, _processes
 from paged_backend.engine.scheduler import ScheduledSequence
-from paged_backend.spec_decode.config import SpeculativeConfig
+from paged_backend.config.speculative import SpeculativeConfig
 from paged_backend.spec_decode.ngram import propose_ngram
 from paged_backend.spec_decode.rejection import verify_greedy, verify_sampled
 
@@ -164,7 +164,6 @@ def build_speculator(engine, backend: str | None) -> Speculator | None:
         )
     draft = None
     if config.method == "draft_model":
-        from paged_backend.worker.packed_linear import pack_linears
         from paged_backend.worker.models import load_model
         from paged_backend.spec_decode.draft_model import DraftModelProposer
 
@@ -176,8 +175,8 @@ def build_speculator(engine, backend: str | None) -> Speculator | None:
                 f"the draft model's vocabulary ({model.config.get_text_config().vocab_size} tokens) differs from "
                 f"the target's ({engine.vocab_size}); use a draft with the target's tokenizer"
             )
-        packed = pack_linears(model, engine.config.prepack_weights, release=loaded)
         draft = DraftModelProposer(
-            model, manager.num_blocks, manager.block_size, engine.kv_cache.device, backend, packed
-        )
+            model, manager.num_blocks, manager.block_size, engine.kv_cache.device, backend,
+            pack=engine.config.prepack_weights, release=loaded,
+        )  # fmt: skip
     return Speculator(config, manager, engine.max_model_len, draft)

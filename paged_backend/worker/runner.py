@@ -9,6 +9,7 @@ position (`logits_to_keep`), never for the whole packed prompt.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import Cache, PreTrainedModel
@@ -23,9 +24,11 @@ from paged_backend.worker.attention import (
 )
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.worker.packed_linear import PackedLinears
-from paged_backend.engine.scheduler import ScheduledSequence
 from paged_backend.core.kv_cache import PagedKVCache
 from paged_backend.core.kv_scales import calibrate_layer
+
+if TYPE_CHECKING:  # moving: the runner will take rows as data, not the scheduler's objects
+    from paged_backend.engine.scheduler import ScheduledSequence
 
 
 class StepCache(Cache):

@@ -1,7 +1,8 @@
 """The shard's model: HF weights with paged attention, a KV pool sized at warmup, and one generate_token.
 
-The forward reuses the engine's `ModelRunner.prepare` (packing into `[1, T]` with slot mapping and block
-tables) and `ModelRunner.forward` (the packed forward); tokens come from the engine's `Sampler`.
+The model, pool and runner are the engine's `ModelWorker` (pool planned by the one KV budget, allocated at warmup);
+the forward reuses `ModelRunner.prepare` (packing into `[1, T]` with slot mapping and block tables) and
+`ModelRunner.forward` (the packed forward); tokens come from the engine's `Sampler`.
 """
 
 from __future__ import annotations
@@ -13,21 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_backend.worker.attention import register_paged_attention
-from paged_backend.distributed.sharding import local_num_kv_heads, shard_model
-from paged_backend.engine.engine import CPU_DEFAULT_KV_BYTES
+from paged_backend.config import CacheConfig
+from paged_backend.distributed.sharding import shard_model
+from paged_backend.worker.model_worker import ModelWorker, plan_pool
 from paged_backend.worker.runner import ModelRunner
 from paged_backend.engine.sampler import Sampler
 from paged_backend.engine.scheduler import ScheduledSequence
 from paged_backend.errors import InvalidRequest, OutOfBlocks
-from paged_backend.core.kv_cache import (
-    PagedKVCache,
-    available_memory,
-    bytes_per_block,
-    check_kv_dtype_runs,
-    num_blocks_for_budget,
-    resolve_kv_dtype,
-)
+from paged_backend.core.kv_cache import PagedKVCache
 from paged_backend.worker.model_support import check_runs_paged
 from paged_backend.worker.models import load_model
 from paged_backend.tgi.shard.batch import ShardBatch, ShardRequest
@@ -84,23 +78,18 @@ class ShardModel:
             model_id, dtype=dtype, device=device, quantization=quantization, quantization_param=quantization_param
         )
         check_runs_paged(model)
-        model.set_attn_implementation(register_paged_attention())
         self.model = model.eval()
         text_config = model.config.get_text_config()
-        self.num_layers = text_config.num_hidden_layers
-        heads = text_config.num_attention_heads
-        self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-        self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
         self.rank = rank
         if rank.world_size > 1:  # keep this rank's heads and MLP columns; its pool holds its own KV heads
             shard_model(model, rank.rank, rank.world_size)
-            self.num_kv_heads = local_num_kv_heads(text_config, rank.world_size)
-        self.max_position_embeddings = getattr(text_config, "max_position_embeddings", 2048)
-        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, model.dtype)
-        check_kv_dtype_runs(self.kv_dtype, model.device, None)
+        self.cache = CacheConfig(
+            block_size=block_size, num_blocks=num_blocks, gpu_memory_utilization=memory_fraction,
+            cache_dtype=kv_cache_dtype,
+        )  # fmt: skip
+        plan = self._plan()  # refuses a KV dtype the kernels cannot read before any request comes
+        self.max_position_embeddings = plan.shape.max_positions
         self.block_size = block_size
-        self.requested_num_blocks = num_blocks
-        self.memory_fraction = memory_fraction
         self.eos_ids = eos_token_ids(self.tokenizer, getattr(model, "generation_config", None))
         self.sampler = Sampler(self.eos_ids, device=self.device)
         self.vocab_size = text_config.vocab_size
@@ -116,33 +105,20 @@ class ShardModel:
     def num_blocks(self) -> int:
         return 0 if self.kv_cache is None else self.kv_cache.num_blocks
 
-    def _budget_blocks(self) -> int:
-        """Pool size: --num-blocks, else the memory budget (GPU: CUDA_MEMORY_FRACTION of free memory)."""
-        if self.requested_num_blocks is not None:
-            return self.requested_num_blocks
-        shape = (self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.kv_dtype)
-        if self.device.type != "cuda":
-            memory = min(CPU_DEFAULT_KV_BYTES, available_memory(self.device) // 5)
-            return num_blocks_for_budget(*shape, memory_bytes=memory)
-        return num_blocks_for_budget(*shape, memory_fraction=self.memory_fraction, device=self.device)
+    def _plan(self):
+        """The pool the budget gives now: --num-blocks, else the memory budget (GPU: CUDA_MEMORY_FRACTION of free
+        memory), with one block table for every layer (TGI's router assigns one per request)."""
+        return plan_pool(self.model, self.cache, self.device, tp_size=self.rank.world_size, split_windows=False)
 
     def allocate_pool(self) -> int:
-        num_blocks = self._budget_blocks()
-        self.kv_cache = PagedKVCache(
-            self.num_layers,
-            self.num_kv_heads,
-            self.head_dim,
-            num_blocks,
-            self.block_size,
-            dtype=self.kv_dtype,
-            device=self.device,
-        )
-        self.runner = ModelRunner(self.model, self.kv_cache, self.blocks)
-        per_block = bytes_per_block(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.kv_dtype)
+        plan = self._plan()
+        worker = ModelWorker(self.model, plan, self.device, block_manager=self.blocks)
+        self.kv_cache, self.runner = worker.kv_cache, worker.runner
         logger.info(
-            "KV pool: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size, num_blocks * per_block / 2**20
-        )
-        return num_blocks
+            "KV pool: %d blocks of %d tokens (%.1f MiB)",
+            plan.size.num_blocks, self.block_size, plan.size.num_blocks * plan.bytes_per_block / 2**20,
+        )  # fmt: skip
+        return plan.size.num_blocks
 
     def assign_blocks(self, batch: ShardBatch) -> None:
         """Warmup requests come without blocks: lay them out one after another from block 1."""

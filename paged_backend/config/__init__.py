@@ -6,7 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from paged_backend.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from paged_backend.config.placement import parse_device_map, parse_max_memory
+from paged_backend.config.speculative import SpeculativeConfig, parse_speculative_config
 
 
 class _Config(BaseModel):
@@ -106,13 +107,9 @@ class EngineConfig(_Config):
     @field_validator("device_map", mode="before")
     @classmethod
     def _parse_device_map(cls, value):
-        from paged_backend.worker.offload import parse_device_map
-
         return parse_device_map(value)
 
     @field_validator("max_memory", mode="before")
     @classmethod
     def _parse_max_memory(cls, value):
-        from paged_backend.worker.offload import parse_max_memory
-
         return parse_max_memory(value)
