@@ -8,26 +8,12 @@ longest prefix the target has verified (`truncate`) and the missing tokens are p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from paged_backend.config import CacheConfig
 from paged_backend.core.block_manager import BlockManager
-from paged_backend.engine.scheduler import ScheduledSequence
 from paged_backend.worker.model_worker import ModelWorker, plan_pool
-
-
-@dataclass
-class _DraftSequence:
-    """What the runner reads of a sequence: its id and the tokens to feed."""
-
-    seq_id: int
-    token_ids: list[int]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+from paged_backend.worker.runner import SequenceRows
 
 
 class DraftModelProposer:
@@ -49,23 +35,25 @@ class DraftModelProposer:
         manager = self.block_manager
         limits = {seq_id: k for seq_id, _, k in requests}
         proposals: dict[int, list[int]] = {}
-        items: list[ScheduledSequence] = []
+        fed: dict[int, list[int]] = {}  # seq id -> tokens in the draft pool
+        rows: list[SequenceRows] = []
         for seq_id, tokens, _ in requests:
             start = self._sync(seq_id, tokens)
             if start is not None:
-                proposals[seq_id] = []
-                items.append(ScheduledSequence(_DraftSequence(seq_id, list(tokens)), start, len(tokens) - start))
-        while items:  # the first round catches each draft KV up in one packed forward, then one token a round
-            tokens = self.runner.execute(items).argmax(dim=-1).tolist()
-            fed: list[ScheduledSequence] = []
-            for item, token in zip(items, tokens, strict=True):
-                seq = item.seq
-                proposals[seq.seq_id].append(token)
-                if len(proposals[seq.seq_id]) < limits[seq.seq_id] and manager.can_append(seq.seq_id, 1):
-                    manager.append_slots(seq.seq_id, [token])
-                    seq.token_ids.append(token)
-                    fed.append(ScheduledSequence(seq, seq.num_tokens - 1, 1))
-            items = fed
+                proposals[seq_id], fed[seq_id] = [], list(tokens)
+                rows.append(SequenceRows(tokens[start:], start, manager.block_tables(seq_id)))
+        ids = list(proposals)
+        while rows:  # the first round catches each draft KV up in one packed forward, then one token a round
+            tokens = self.runner.execute_rows(rows).argmax(dim=-1).tolist()
+            next_rows, next_ids = [], []
+            for seq_id, token in zip(ids, tokens, strict=True):
+                proposals[seq_id].append(token)
+                if len(proposals[seq_id]) < limits[seq_id] and manager.can_append(seq_id, 1):
+                    manager.append_slots(seq_id, [token])
+                    fed[seq_id].append(token)
+                    next_rows.append(SequenceRows([token], len(fed[seq_id]) - 1, manager.block_tables(seq_id)))
+                    next_ids.append(seq_id)
+            rows, ids = next_rows, next_ids
         return proposals
 
     def _sync(self, seq_id: int, tokens: list[int]) -> int | None:

@@ -8,7 +8,9 @@ position (`logits_to_keep`), never for the whole packed prompt.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,6 +47,17 @@ class StepCache(Cache):
         return handle, handle
 
 
+@dataclass
+class SequenceRows:
+    """One sequence's share of a step, as plain data: all a worker needs, none of the scheduler's objects."""
+
+    token_ids: list[int]  # the tokens fed this step: a prompt chunk or the last token, then any draft tokens
+    start: int  # position of token_ids[0]
+    block_tables: Sequence[list[int]]  # one block table per KV group
+    num_logit_rows: int = 1  # trailing rows whose logits are kept: 0 mid-prefill, 1, or 1 + drafts to verify
+    slots: Sequence[list[int]] | None = None  # per group, each token's slot when the caller assigns them (TGI)
+
+
 class ModelRunner:
     """Runs the model for a list of scheduled sequences; returns logits of the sequences that sample."""
 
@@ -66,9 +79,21 @@ class ModelRunner:
         self.device = kv_cache.device
         self.lora = None  # a LoRAManager when adapters are enabled: it tells the layers each packed row's adapter
 
-    def prepare(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor, PagedMetadata, list[int]]:
-        """Flatten the step into input ids, positions, paged metadata and the rows whose logits are kept."""
-        manager, block_size = self.block_manager, self.block_manager.block_size
+    def prepare(self, scheduled: list[ScheduledSequence]):
+        """Moving: the scheduler's objects -> rows (the engine will hand rows over itself)."""
+        manager = self.block_manager
+        rows = [
+            SequenceRows(
+                item.seq.token_ids[item.start : item.start + item.num_tokens - len(item.draft)] + item.draft,
+                item.start, manager.block_tables(item.seq.seq_id), 1 + len(item.draft) if item.samples else 0,
+            )
+            for item in scheduled
+        ]  # fmt: skip
+        return self.prepare_rows(rows)
+
+    def prepare_rows(self, rows: list[SequenceRows]) -> tuple[torch.Tensor, torch.Tensor, PagedMetadata, list[int]]:
+        """Flatten the step into input ids, positions, paged metadata and the packed rows whose logits are kept."""
+        block_size = self.kv_cache.block_size
         num_groups = len(self.kv_cache.groups)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -76,23 +101,22 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_start_loc = [0]
         tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
-        sample_rows: list[int] = []
-        for item in scheduled:
-            seq, start = item.seq, item.start
-            end = start + item.num_tokens
-            input_ids += seq.token_ids[start : end - len(item.draft)]
-            input_ids += item.draft
+        logit_rows: list[int] = []
+        for row in rows:
+            start, end = row.start, row.start + len(row.token_ids)
+            input_ids += row.token_ids
             positions += range(start, end)
-            for group, table in enumerate(manager.block_tables(seq.seq_id)):
-                if item.num_tokens == 1:  # the decode hot path: one slot, no list building
+            for group, table in enumerate(row.block_tables):
+                if row.slots is not None:
+                    slots[group] += row.slots[group]
+                elif end - start == 1:  # the decode hot path: one slot, no list building
                     slots[group].append(table[start // block_size] * block_size + start % block_size)
                 else:
-                    slots[group] += manager.slot_mapping(seq.seq_id, start, end, group)
+                    slots[group] += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
                 tables[group].append(table)
             seq_lens.append(end)
-            query_start_loc.append(query_start_loc[-1] + item.num_tokens)
-            if item.samples:  # a speculating sequence keeps one row per draft token too, to verify them
-                sample_rows += range(query_start_loc[-1] - 1 - len(item.draft), query_start_loc[-1])
+            query_start_loc.append(query_start_loc[-1] + end - start)
+            logit_rows += range(query_start_loc[-1] - row.num_logit_rows, query_start_loc[-1])
         int32 = dict(dtype=torch.int32, device=self.device)
         shared = PagedMetadata(
             slot_mapping=None,
@@ -104,7 +128,7 @@ class ModelRunner:
         metadata = grouped_metadata(tables, slots, shared, self.kv_cache.layer_group)
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)
-        return ids, pos, metadata, sample_rows
+        return ids, pos, metadata, logit_rows
 
     def execute(self, scheduled: list[ScheduledSequence], extra_rows: list[int] = ()) -> torch.Tensor:
         """One packed forward. Returns float32 logits `[num_sample_rows + len(extra_rows), vocab]`: the sampling
@@ -115,6 +139,11 @@ class ModelRunner:
         )
         with adapters:
             return self.forward(ids, positions, metadata, sample_rows + list(extra_rows))
+
+    def execute_rows(self, rows: list[SequenceRows], extra_rows: list[int] = ()) -> torch.Tensor:
+        """One packed forward of `rows`: float32 logits of each row's kept positions, then the packed `extra_rows`."""
+        ids, positions, metadata, logit_rows = self.prepare_rows(rows)
+        return self.forward(ids, positions, metadata, logit_rows + list(extra_rows))
 
     @torch.inference_mode()
     def forward(self, ids, positions, metadata: PagedMetadata, rows: list[int]) -> torch.Tensor:

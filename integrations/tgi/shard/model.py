@@ -17,9 +17,8 @@ import torch
 from paged_backend.config import CacheConfig
 from paged_backend.distributed.sharding import shard_model
 from paged_backend.worker.model_worker import ModelWorker, plan_pool
-from paged_backend.worker.runner import ModelRunner
+from paged_backend.worker.runner import ModelRunner, SequenceRows
 from paged_backend.engine.sampler import Sampler
-from paged_backend.engine.scheduler import ScheduledSequence
 from paged_backend.errors import InvalidRequest, OutOfBlocks
 from paged_backend.core.kv_cache import PagedKVCache
 from paged_backend.worker.model_support import check_runs_paged
@@ -42,21 +41,6 @@ class TokenResult:
     top_tokens: list[tuple[int, float]]
     prefill_logprobs: list[float] | None  # one per prompt token (NaN first), when asked at prefill
     finish_reason: str | None
-
-
-class RouterBlocks:
-    """The block-table view `ModelRunner.prepare` reads, answered from router-assigned blocks and slots."""
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self.requests: dict[int, ShardRequest] = {}
-
-    def block_tables(self, seq_id: int) -> tuple[list[int]]:
-        """One group: TGI's router assigns one table per request."""
-        return (self.requests[seq_id].blocks,)
-
-    def slot_mapping(self, seq_id: int, start: int, end: int, group: int = 0) -> list[int]:
-        return self.requests[seq_id].slots[start:end]
 
 
 class ShardModel:
@@ -93,7 +77,6 @@ class ShardModel:
         self.eos_ids = eos_token_ids(self.tokenizer, getattr(model, "generation_config", None))
         self.sampler = Sampler(self.eos_ids, device=self.device)
         self.vocab_size = text_config.vocab_size
-        self.blocks = RouterBlocks(block_size)
         self.kv_cache: PagedKVCache | None = None
         self.runner: ModelRunner | None = None
 
@@ -112,7 +95,7 @@ class ShardModel:
 
     def allocate_pool(self) -> int:
         plan = self._plan()
-        worker = ModelWorker(self.model, plan, self.device, block_manager=self.blocks)
+        worker = ModelWorker(self.model, plan, self.device)
         self.kv_cache, self.runner = worker.kv_cache, worker.runner
         logger.info(
             "KV pool: %d blocks of %d tokens (%.1f MiB)",
@@ -166,14 +149,15 @@ class ShardModel:
         if self.runner is None:
             raise InvalidRequest("the KV pool does not exist yet: call Warmup before Prefill or Decode")
         start = time.perf_counter_ns()
-        self.blocks.requests = {r.seq.seq_id: r for r in batch.requests}
-        scheduled = []
+        rows = []
         for request in batch.requests:
-            computed = request.num_computed_tokens
-            if request.seq.num_tokens > len(request.slots):
-                raise OutOfBlocks(f"request {request.id} has no slot left for token {request.seq.num_tokens}")
-            scheduled.append(ScheduledSequence(request.seq, computed, request.seq.num_tokens - computed))
-        ids, positions, metadata, sample_rows = self.runner.prepare(scheduled)
+            computed, total = request.num_computed_tokens, request.seq.num_tokens
+            if total > len(request.slots):
+                raise OutOfBlocks(f"request {request.id} has no slot left for token {total}")
+            # TGI's router assigns each request one block table and every token's slot.
+            rows.append(SequenceRows(request.seq.token_ids[computed:], computed, (request.blocks,),
+                                     slots=(request.slots[computed:total],)))  # fmt: skip
+        ids, positions, metadata, sample_rows = self.runner.prepare_rows(rows)
         prompt_rows = self._prompt_rows(batch, metadata.query_start_loc.tolist())
         keep = sorted(set(sample_rows) | {row for rows in prompt_rows.values() for row in rows})
         logits = self.runner.forward(ids, positions, metadata, keep)
