@@ -12,9 +12,13 @@ from typing import Annotated
 
 import typer
 
-from paged_backend.engine import args as engine_args
+from paged_backend.engine.args import EngineArgs
+from paged_backend.engine.args_typer import add_engine_command
 
-app = typer.Typer(help="paged-backend: paged KV cache + continuous batching", no_args_is_help=True)
+# Plain (click) help: rich's panels cut long flag names short in a narrow terminal or a pipe.
+app = typer.Typer(
+    help="paged-backend: paged KV cache + continuous batching", no_args_is_help=True, rich_markup_mode=None
+)
 
 # Modules that add their own subcommands through `register(app)`; one whose extra is not installed is skipped.
 COMMAND_MODULES = (
@@ -99,51 +103,18 @@ def _summary(outputs, stats, elapsed: float) -> str:
     return "\n".join(lines)
 
 
-@app.command()
 def run(
+    engine: EngineArgs,
     input: Annotated[
         Path | None, typer.Option("--input", "-i", help="prompts: text (one per line) or JSONL; default stdin")
     ] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="JSONL results; default stdout")] = None,
-    model: Annotated[str | None, typer.Option(help="local directory or hub id; omit for the embedded tiny model")] = None,
-    tokenizer: Annotated[str | None, typer.Option(help="tokenizer directory or id; default: the model's")] = None,
-    block_size: Annotated[int | None, typer.Option(help="tokens per KV block (power of two, 1..256)")] = None,
-    num_blocks: Annotated[int | None, typer.Option(help="KV pool size in blocks; overrides the memory budget")] = None,
-    gpu_memory_utilization: Annotated[float | None, typer.Option(help="fraction of free GPU memory for KV")] = None,
-    max_num_seqs: Annotated[int | None, typer.Option(help="most sequences in one step")] = None,
-    max_num_batched_tokens: Annotated[int | None, typer.Option(help="most tokens in one step")] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="longest prompt + output")] = None,
-    swap_space: Annotated[float | None, typer.Option(help="GiB of CPU memory for swapped-out KV blocks")] = None,
-    enable_prefix_caching: Annotated[
-        bool | None, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="reuse prompt blocks")
-    ] = None,
-    enable_chunked_prefill: Annotated[
-        bool | None, typer.Option("--enable-chunked-prefill/--no-enable-chunked-prefill", help="split long prompts")
-    ] = None,
-    policy: Annotated[str | None, typer.Option(help="fcfs | priority (JSONL 'priority' field)")] = None,
-    dtype: Annotated[str | None, typer.Option(help="auto | float32 | float16 | bfloat16")] = None,
-    device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | cuda:N")] = None,
-    seed: Annotated[int | None, typer.Option(help="engine seed for unseeded sampling")] = None,
-    device_map: engine_args.DeviceMap = None,
-    max_memory: engine_args.MaxMemory = None,
-    cpu_offload_gb: engine_args.CpuOffloadGb = None,
-    offload_folder: engine_args.OffloadFolder = None,
-    quantization: engine_args.Quantization = None,
-    quantization_param: engine_args.QuantizationParam = None,
-    kv_cache_dtype: engine_args.KvCacheDtype = None,
-    calculate_kv_scales: engine_args.CalculateKvScales = None,
-    speculative_config: engine_args.SpeculativeConfigJson = None,
-    enforce_eager: engine_args.EnforceEager = False,
     max_tokens: Annotated[int, typer.Option(help="default max new tokens per prompt")] = 16,
     temperature: Annotated[float, typer.Option(help="default temperature (0 = greedy)")] = 0.0,
     top_p: Annotated[float, typer.Option(help="default nucleus probability")] = 1.0,
     top_k: Annotated[int, typer.Option(help="default top-k (0 = off)")] = 0,
     ignore_eos: Annotated[bool, typer.Option(help="keep generating past EOS")] = False,
     progress: Annotated[bool, typer.Option(help="show a progress bar on stderr")] = True,
-    tensor_parallel_size: engine_args.TensorParallelSize = None,
-    pipeline_parallel_size: engine_args.PipelineParallelSize = None,
-    distributed_executor_backend: engine_args.DistributedExecutorBackend = None,
-    distributed_timeout_seconds: engine_args.DistributedTimeoutSeconds = None,
 ) -> None:
     """Offline batch generation: prompts in, JSONL results out, a throughput summary on stderr."""
     from pydantic import ValidationError
@@ -151,25 +122,13 @@ def run(
     from paged_backend.engine import LLM, SamplingParams
     from paged_backend.errors import PagedBackendError
 
-    flags = dict(
-        model=model, tokenizer=tokenizer, block_size=block_size, num_blocks=num_blocks,
-        gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, swap_space=swap_space,
-        enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill, policy=policy,
-        dtype=dtype, device=device, seed=seed, device_map=device_map, max_memory=max_memory,
-        cpu_offload_gb=cpu_offload_gb, offload_folder=offload_folder, tensor_parallel_size=tensor_parallel_size,
-        pipeline_parallel_size=pipeline_parallel_size, distributed_executor_backend=distributed_executor_backend,
-        distributed_timeout_seconds=distributed_timeout_seconds, quantization=quantization,
-        quantization_param=quantization_param, cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
-        speculative_config=speculative_config, enforce_eager=enforce_eager or None,
-    )  # fmt: skip
     defaults = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
     text = input.read_text() if input is not None and str(input) != "-" else sys.stdin.read()
     records = read_prompts(text, jsonl=True if input is not None and input.suffix in (".jsonl", ".json") else None)
     try:
         params = [SamplingParams(**{**defaults, **{k: v for k, v in r.items() if k not in ("prompt", "priority")}})
                   for r in records]
-        llm = LLM(**{k: v for k, v in flags.items() if v is not None})
+        llm = LLM(**engine.engine_kwargs())
         started = time.perf_counter()
         priorities = [int(r.get("priority", 0)) for r in records]
         outputs = llm.generate([r["prompt"] for r in records], params, priority=priorities, use_tqdm=progress)
@@ -189,6 +148,9 @@ def run(
     else:
         output.write_text(lines)
     typer.echo(_summary(outputs, llm.engine.stats(), max(elapsed, 1e-9)), err=True)
+
+
+add_engine_command(app, "run", run)
 
 
 def _register_faces() -> None:

@@ -17,11 +17,12 @@ import time
 import torch
 
 from paged_backend.bench.report import distribution_ms, markdown_table, write_json, write_plot
-from paged_backend.bench.throughput import bench_model
+from paged_backend.bench.throughput import benchmarked_model, engine_options
 from paged_backend.engine import LLM, SamplingParams
-from paged_backend.worker.models import byte_tokenizer
+from paged_backend.engine.args import add_engine_arguments, parse_with_config
 
 PERCENTILES = (50, 90, 99)
+OWN_ENGINE_FLAGS = frozenset({"seed"})  # seeds the prompts and the benchmark's model
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -40,6 +41,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--skip", default="", help="comma list of systems to skip: engine,hf")
     parser.add_argument("--output-json", default="bench-latency.json")
     parser.add_argument("--plot", default="bench-latency.png", help="PNG of the latencies ('' for none)")
+    add_engine_arguments(parser, skip=OWN_ENGINE_FLAGS)
     return parser
 
 
@@ -54,8 +56,8 @@ def time_iterations(run, warmup: int, iterations: int) -> list[float]:
     return latencies
 
 
-def engine_runner(model, prompts: list[list[int]], output_len: int, **engine_kwargs):
-    llm = LLM(model, **{"tokenizer": byte_tokenizer(), "block_size": 16, **engine_kwargs})
+def engine_runner(model, tokenizer, prompts: list[list[int]], output_len: int, **engine_kwargs):
+    llm = LLM(model, **{"tokenizer": tokenizer, "block_size": 16, **engine_kwargs})
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
 
     def run() -> None:
@@ -78,18 +80,19 @@ def hf_runner(model, prompts: list[list[int]], output_len: int):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
+    args = parse_with_config(build_parser(), argv)
     torch.set_num_threads(args.threads)
     iterations = args.num_iters or (3 if args.quick else 10)
     skip = set(filter(None, args.skip.split(",")))
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(args.vocab_size) for _ in range(args.input_len)] for _ in range(args.batch_size)]
-    model, description = bench_model(args.quick, args.vocab_size, args.seed)
+    model, tokenizer, description = benchmarked_model(args)
+    rng, vocab_size = random.Random(args.seed), model.config.get_text_config().vocab_size
+    prompts = [[rng.randrange(vocab_size) for _ in range(args.input_len)] for _ in range(args.batch_size)]
     print(f"model: {description}; batch {args.batch_size}, input {args.input_len}, output {args.output_len} tokens, "
           f"{iterations} iterations after {args.num_iters_warmup} warm-up")  # fmt: skip
     systems = {}
     if "engine" not in skip:
-        run = engine_runner(copy.deepcopy(model), prompts, args.output_len)
+        run = engine_runner(copy.deepcopy(model), tokenizer, prompts, args.output_len,
+                            **engine_options(args, OWN_ENGINE_FLAGS))  # fmt: skip
         systems["paged-backend engine"] = time_iterations(run, args.num_iters_warmup, iterations)
     if "hf" not in skip:
         systems["HF generate"] = time_iterations(

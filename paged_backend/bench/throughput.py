@@ -21,11 +21,16 @@ import torch
 from paged_backend.bench.report import markdown_table, write_json, write_plot
 from paged_backend.bench.workload import jsonl_workload, synthetic_workload
 from paged_backend.engine import LLM, SamplingParams
-from paged_backend.worker.models import byte_tokenizer, tiny_model
+from paged_backend.engine.args import EngineArgs, add_engine_arguments, parse_with_config
 from paged_backend.ops import resolve_backend
+from paged_backend.worker.models import byte_tokenizer, load_model, tiny_model
 
 FULL_MODEL = dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12, intermediate_size=2048)
 QUICK_MODEL = dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1024)
+# Engine flags this benchmark declares itself, with its own meaning: the workload's seed, every system's dtype,
+# the engine's token budget, and the TP=1 against TP=N comparison.
+OWN_ENGINE_FLAGS = frozenset({"seed", "dtype", "max_num_batched_tokens", "tensor_parallel_size"})
+LOADED_ONCE = frozenset({"model", "tokenizer"})  # `benchmarked_model` loads them once, for every system
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -56,6 +61,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         action="store_true",
         help="run the engine once more under torch.profiler and print where its time goes",
     )
+    add_engine_arguments(parser, skip=OWN_ENGINE_FLAGS)
     return parser
 
 
@@ -177,6 +183,17 @@ def bench_model(quick: bool, vocab_size: int, seed: int, dtype: str = "float32")
     return model, f"llama {shape} vocab {vocab_size} = {params / 1e6:.0f}M params, {dtype}"
 
 
+def benchmarked_model(args: argparse.Namespace, dtype: str = "float32"):
+    """(model, tokenizer, description) every system runs: `--model` (a directory or hub id, on the CPU, with its
+    tokenizer or `--tokenizer`), else the benchmark's Llama with the byte tokenizer."""
+    if args.model is None:
+        model, description = bench_model(args.quick, args.vocab_size, args.seed, dtype)
+        return model, byte_tokenizer(), description
+    model, tokenizer = load_model(args.model, tokenizer=args.tokenizer, dtype=dtype, device="cpu")
+    params = sum(p.numel() for p in model.parameters())
+    return model, tokenizer, f"{args.model} = {params / 1e6:.0f}M params, {model.dtype}"
+
+
 def model_flops(model, prompts: list[list[int]], outputs: list[int]) -> float:
     """Useful FLOPs of the workload: every decoder linear layer once per token, the LM head once per output token,
     and attention's two products over each token's context (no padding, no recomputation)."""
@@ -215,9 +232,14 @@ def matmul_peak(model, repeats: int = 20) -> float:
 TARGETS = {"vs_best_hf_static": 6.0, "vs_best_hf_continuous_batching": 3.0}  # the throughput issue's
 
 
+def engine_options(args: argparse.Namespace, own: frozenset[str]) -> dict:
+    """The engine flags given, as `LLM` keyword arguments (the benchmark's `own` flags and the model aside)."""
+    return EngineArgs.from_namespace(args, set(EngineArgs.model_fields) - own - LOADED_ONCE).engine_kwargs()
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The `LLM` keyword arguments the flags ask for; options added to the parser join here."""
-    return dict(max_num_batched_tokens=args.max_num_batched_tokens)
+    """The `LLM` keyword arguments the flags ask for."""
+    return {**engine_options(args, OWN_ENGINE_FLAGS), "max_num_batched_tokens": args.max_num_batched_tokens}
 
 
 def thread_counts(value: str) -> list[int]:
@@ -226,19 +248,19 @@ def thread_counts(value: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
+    args = parse_with_config(build_parser(), argv)
     counts = thread_counts(args.threads)
+    base, tokenizer, description = benchmarked_model(args, args.dtype)
     if args.dataset:
-        prompts, outputs = jsonl_workload(args.dataset, byte_tokenizer(), args.num_requests)
+        prompts, outputs = jsonl_workload(args.dataset, tokenizer, args.num_requests)
     else:
-        prompts, outputs = synthetic_workload(
-            args.num_requests or (32 if args.quick else 200), args.seed, args.vocab_size
-        )
-    base, description = bench_model(args.quick, args.vocab_size, args.seed, args.dtype)
+        vocab_size = base.config.get_text_config().vocab_size
+        prompts, outputs = synthetic_workload(args.num_requests or (32 if args.quick else 200), args.seed, vocab_size)
     print(f"workload: {len(prompts)} requests{f' from {args.dataset}' if args.dataset else f', seed {args.seed}'}, "
           f"prompt tokens {sum(map(len, prompts))} (max {max(map(len, prompts))}), "
           f"output tokens {sum(outputs)} (max {max(outputs)}), EOS ignored")  # fmt: skip
-    payloads = [compare(args, threads, base, description, prompts, outputs) for threads in counts]
+    kwargs = {**engine_kwargs(args), "tokenizer": tokenizer}
+    payloads = [compare(args, threads, base, description, prompts, outputs, kwargs) for threads in counts]
     payload = dict(payloads[0])
     if len(payloads) > 1:
         payload["by_threads"] = {str(threads): p for threads, p in zip(counts, payloads, strict=True)}
@@ -262,8 +284,9 @@ def main(argv: list[str] | None = None) -> dict:
     return payload
 
 
-def compare(args, threads: int, base, description: str, prompts, outputs) -> dict:
-    """Every system over the workload at `threads` torch threads; returns this run's JSON payload."""
+def compare(args, threads: int, base, description: str, prompts, outputs, kwargs: dict) -> dict:
+    """Every system over the workload at `threads` torch threads (`kwargs`: the engine's `LLM` keyword
+    arguments); returns this run's JSON payload."""
     torch.set_num_threads(threads)
     sizes = args.static_batch_sizes or "4,8,16,32"  # on CPU, batches past 32 only get slower
     skip = set(filter(None, args.skip.split(",")))
@@ -278,7 +301,6 @@ def compare(args, threads: int, base, description: str, prompts, outputs) -> dic
               flush=True)  # fmt: skip
 
     # The engine runs first so a long baseline sweep that gets cut short still leaves its number.
-    kwargs = engine_kwargs(args)
     flops_report = {}
     if "engine" not in skip:
         run = run_engine(copy.deepcopy(base), prompts, outputs, **kwargs)

@@ -1,4 +1,7 @@
-"""`paged-backend serve`: the OpenAI-compatible server. `register(app)` adds the command to a Typer app."""
+"""`paged-backend serve`: the OpenAI-compatible server. `register(app)` adds the command to a Typer app.
+
+The engine flags come from the one declaration (paged_backend.engine.args); serve declares its server options,
+and the model itself since it takes several (`--model a --model b`, or a `models:` list in `--config`)."""
 
 from __future__ import annotations
 
@@ -7,9 +10,9 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
+from paged_backend.engine.args import CONFIG_HELP, EngineArgs, read_document
+from paged_backend.engine.args_typer import FlagCommand, ModelArgument, add_engine_command
 from paged_backend.errors import PagedBackendError
-from paged_backend.engine import args as engine_args
-from paged_backend.engine.args import EngineArgs, set_lora_args
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # paged_backend.server.tool_parsers.TOOL_PARSERS' names
 
@@ -20,14 +23,36 @@ def _known_tool_call_parser(name: str | None) -> str | None:
     return name
 
 
+class ServeCommand(FlagCommand):
+    """`serve`'s command line: a `models:` list in --config is serve's own section, not a flag."""
+
+    config_sections = frozenset({"models"})  # --config's list of several models (server.multi_model reads it)
+
+
 def serve(
+    engine: EngineArgs,
+    model_tag: ModelArgument = None,
+    model: Annotated[
+        list[str] | None,
+        typer.Option(help="local directory or hub id; several serve several models; omit for the embedded one"),
+    ] = None,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            metavar="FILE",
+            help=f"{CONFIG_HELP}; a `models:` list in it serves several models, each with its own engine options",
+        ),
+    ] = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to listen on")] = 8000,
     api_key: Annotated[
         str | None, typer.Option(envvar="PAGED_BACKEND_API_KEY", help="require 'Authorization: Bearer <key>' on /v1")
     ] = None,
     max_concurrent_requests: Annotated[
-        int | None, typer.Option(min=1, help="generation requests in flight; more get 429")
+        int | None,
+        typer.Option(
+            "--max-concurrent-requests", "--max-concurrency", min=1, help="generation requests in flight; more get 429"
+        ),
     ] = None,
     max_request_body_bytes: Annotated[int, typer.Option(min=1, help="larger request bodies get 413")] = 1 << 20,
     drain_timeout: Annotated[
@@ -55,42 +80,9 @@ def serve(
     enable_debug_routes: Annotated[
         bool, typer.Option(help="serve GET /debug/kv, the KV pool block by block (what `paged-backend kv-map` draws)")
     ] = False,
-    model: engine_args.Models = None,
-    config: Annotated[
-        str | None, typer.Option(help="YAML or TOML file listing the models to serve and their engine options")
-    ] = None,
-    block_size: engine_args.BlockSize = None,
-    num_blocks: engine_args.NumBlocks = None,
-    max_num_seqs: engine_args.MaxNumSeqs = None,
-    max_num_batched_tokens: engine_args.MaxNumBatchedTokens = None,
-    max_model_len: engine_args.MaxModelLen = None,
-    swap_space: engine_args.SwapSpace = None,
-    enable_prefix_caching: engine_args.EnablePrefixCaching = None,
-    dtype: engine_args.Dtype = None,
-    device: engine_args.Device = None,
-    seed: engine_args.Seed = None,
-    gpu_memory_utilization: engine_args.GpuMemoryUtilization = None,
-    device_map: engine_args.DeviceMap = None,
-    max_memory: engine_args.MaxMemory = None,
-    cpu_offload_gb: engine_args.CpuOffloadGb = None,
-    offload_folder: engine_args.OffloadFolder = None,
-    tensor_parallel_size: engine_args.TensorParallelSize = None,
-    pipeline_parallel_size: engine_args.PipelineParallelSize = None,
-    distributed_executor_backend: engine_args.DistributedExecutorBackend = None,
-    distributed_timeout_seconds: engine_args.DistributedTimeoutSeconds = None,
-    quantization: engine_args.Quantization = None,
-    quantization_param: engine_args.QuantizationParam = None,
-    kv_cache_dtype: engine_args.KvCacheDtype = None,
-    calculate_kv_scales: engine_args.CalculateKvScales = None,
-    enable_lora: engine_args.EnableLora = False,
-    max_loras: engine_args.MaxLoras = None,
-    max_lora_rank: engine_args.MaxLoraRank = None,
-    lora_modules: engine_args.LoraModules = None,
     allow_runtime_lora_updating: Annotated[
         bool, typer.Option(help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes)")
     ] = False,
-    speculative_config: engine_args.SpeculativeConfigJson = None,
-    enforce_eager: engine_args.EnforceEager = False,
 ) -> None:
     """Serve OpenAI /v1/completions and /v1/chat/completions, /v1/models, vLLM's /tokenize, /detokenize and
     /version, /health and /metrics."""
@@ -105,26 +97,17 @@ def serve(
     if enable_auto_tool_choice and tool_call_parser is None:
         typer.echo("error: --enable-auto-tool-choice needs --tool-call-parser NAME (the format to parse)", err=True)
         raise typer.Exit(2)
-    models, names = model or [], served_model_name or []
-    args = EngineArgs(
-        model=models[0] if len(models) == 1 else None, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, swap_space=swap_space,
-        enable_prefix_caching=enable_prefix_caching, dtype=dtype, device=device, seed=seed,
-        gpu_memory_utilization=gpu_memory_utilization, device_map=device_map, max_memory=max_memory,
-        cpu_offload_gb=cpu_offload_gb, offload_folder=offload_folder, tensor_parallel_size=tensor_parallel_size,
-        pipeline_parallel_size=pipeline_parallel_size, distributed_executor_backend=distributed_executor_backend,
-        distributed_timeout_seconds=distributed_timeout_seconds, quantization=quantization,
-        quantization_param=quantization_param, cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
-        speculative_config=speculative_config, enforce_eager=enforce_eager or None,
-    )  # fmt: skip
-    engine = engines = None
+    models = [model_tag] if model_tag is not None else model or []  # vLLM's rule: the positional model wins
+    names = served_model_name or []
+    engine.model = models[0] if len(models) == 1 else None
+    single = engines = None
     try:
-        set_lora_args(args, enable_lora, max_loras, max_lora_rank, lora_modules)
-        if config is None and len(models) <= 1 and len(names) <= 1:
-            engine = Engine(args.to_engine_config())
+        models_file = config if config is not None and "models" in read_document(config) else None
+        if models_file is None and len(models) <= 1 and len(names) <= 1:
+            single = Engine(engine.to_engine_config())
         else:  # several models: one engine and KV pool each, sharing one budget
-            base = args.to_engine_config()
-            engines = build_engines(base, model_specs(base, models, names, config))
+            base = engine.to_engine_config()
+            engines = build_engines(base, model_specs(base, models, names, models_file))
     except (PagedBackendError, ValidationError) as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from error
@@ -139,7 +122,7 @@ def serve(
     )  # fmt: skip
     try:
         if engines is None:
-            app = build_app(engine, settings)
+            app = build_app(single, settings)
             draining = app.state.server.async_engine
         else:
             app = draining = build_multi_model_app(engines, settings)
@@ -152,7 +135,7 @@ def serve(
     try:
         server.run()
     finally:
-        for each in [engine] if engines is None else engines.values():
+        for each in [single] if engines is None else engines.values():
             each.close()  # stops the worker ranks of a parallel engine
     if server.exit_code:
         raise typer.Exit(server.exit_code)
@@ -160,4 +143,4 @@ def serve(
 
 def register(app: typer.Typer) -> None:
     """Add the `serve` command to a Typer app (the `paged-backend` CLI)."""
-    app.command("serve")(serve)
+    add_engine_command(app, "serve", serve, ServeCommand)

@@ -1,8 +1,9 @@
-"""text-generation-launcher's flags and env vars, accepted as they are, plus `--backend`.
+"""text-generation-launcher's flags and env vars, accepted as they are, plus `--backend` and the engine options
+TGI lacks (from the one declaration in paged_backend.engine.args, vLLM's forms included).
 
-Each flag reads the env var of its name in upper snake case (`--max-input-tokens` / MAX_INPUT_TOKENS) like
-TGI's clap parser; command line beats env beats default. A flag that has no meaning for the chosen backend
-is still accepted, and `ignored_flags` names it so the launcher can say so once.
+Each TGI flag reads the env var of its name in upper snake case (`--max-input-tokens` / MAX_INPUT_TOKENS) like
+TGI's clap parser; command line beats `--config FILE` beats env beats default. A flag that has no meaning for the
+chosen backend is still accepted, and `ignored_flags` names it so the launcher can say so once.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from paged_backend.engine.args import ENGINE_FLAGS, add_engine_arguments, parse_with_config
 
 BACKENDS = ("paged", "reference", "grpc")
 ALL = frozenset(BACKENDS)
@@ -127,6 +130,25 @@ FLAGS: list[Flag] = [
 ]
 
 
+# Engine options TGI has under its own flag, with TGI's meaning (and default): launch takes the TGI flag only.
+ENGINE_FLAG_ALIASES = {
+    "model": "--model-id",
+    "tokenizer": "--tokenizer-name",
+    "quantization": "--quantize",  # TGI's method names (bitsandbytes-nf4, ...), mapped by worker.quantization.from_tgi
+    "max_model_len": "--max-total-tokens",
+    "max_num_seqs": "--max-batch-size",
+    "max_num_batched_tokens": "--max-batch-prefill-tokens",
+    "gpu_memory_utilization": "--cuda-memory-fraction",
+    "tensor_parallel_size": "--num-shard",
+    "lora_modules": "--lora-adapters",  # TGI's form: id=path,id2=path2
+}
+TGI_NAMES = {flag.name for flag in FLAGS}
+# The engine options launch adds: those TGI has neither under the engine's name nor under an alias.
+ADDED_ENGINE_FIELDS = frozenset(
+    flag.field for flag in ENGINE_FLAGS if flag.field not in ENGINE_FLAG_ALIASES and flag.name not in TGI_NAMES
+)
+
+
 def build_parser(prog: str = "paged-backend launch") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -145,11 +167,12 @@ def build_parser(prog: str = "paged-backend launch") -> argparse.ArgumentParser:
             parser.add_argument(
                 *names, dest=flag.dest, type=flag.type, default=default, choices=choices, help=help_text, metavar="X"
             )
+    add_engine_arguments(parser, skip={flag.field for flag in ENGINE_FLAGS} - ADDED_ENGINE_FIELDS)
     return parser
 
 
 def parse_flags(argv: list[str], prog: str = "paged-backend launch") -> argparse.Namespace:
-    args = build_parser(prog).parse_args(argv)
+    args = parse_with_config(build_parser(prog), argv)
     if args.max_input_tokens is None:
         args.max_input_tokens = args.max_input_length
     return args
@@ -157,6 +180,7 @@ def parse_flags(argv: list[str], prog: str = "paged-backend launch") -> argparse
 
 def ignored_flags(args: argparse.Namespace) -> list[str]:
     """Flags given (on the command line or by env) that change nothing for the chosen backend."""
-    return [
-        flag.name for flag in FLAGS if args.backend not in flag.used_by and getattr(args, flag.dest) != flag.default
-    ]
+    tgi = [flag.name for flag in FLAGS if args.backend not in flag.used_by and getattr(args, flag.dest) != flag.default]
+    engine = [flag.name for flag in ENGINE_FLAGS if flag.field in ADDED_ENGINE_FIELDS and args.backend != "paged"
+              and getattr(args, flag.field) is not None]  # fmt: skip
+    return tgi + engine

@@ -10,15 +10,16 @@ paged-backend launch --backend paged --num-shard 2  # the engine's own tensor pa
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import signal
 import sys
 
 from paged_backend.errors import PagedBackendError
-from paged_backend.tgi.launcher.flags import ignored_flags, parse_flags
 from paged_backend.tgi.backends.lora import lora_options
 from paged_backend.tgi.http.settings import RouterSettings, model_to_load
+from paged_backend.tgi.launcher.flags import ADDED_ENGINE_FIELDS, ignored_flags, parse_flags
 
 logger = logging.getLogger("paged_backend.tgi")
 
@@ -31,14 +32,16 @@ class LaunchError(SystemExit):
 
 
 def engine_config(args: argparse.Namespace):
-    """EngineConfig for `--backend paged`, from TGI flag names (pool sized by --max-batch-total-tokens)."""
+    """EngineConfig for `--backend paged`: TGI's flags mapped onto the engine's (pool sized by
+    --max-batch-total-tokens), then the engine options TGI lacks, as given."""
     from paged_backend.engine.args import EngineArgs
 
     num_blocks = args.num_blocks
     if num_blocks is None and args.max_batch_total_tokens is not None:
         num_blocks = math.ceil(args.max_batch_total_tokens / args.block_size) + 1  # + the reserved block 0
-    engine_args = EngineArgs(
+    tgi = dict(
         model=model_to_load(args.model_id),
+        tokenizer=args.tokenizer_name,
         block_size=args.block_size,
         num_blocks=num_blocks,
         max_num_seqs=args.max_batch_size,
@@ -47,19 +50,27 @@ def engine_config(args: argparse.Namespace):
         dtype=args.dtype,
         device=args.device,
         gpu_memory_utilization=args.cuda_memory_fraction,
+        tensor_parallel_size=num_shards(args) or 1,
+        cache_dtype=_kv_cache_dtype(args.kv_cache_dtype),
+        speculative_config=_speculative_config(args),
         **placement_flags(args),
         **_quantization(args),
     )
-    config = engine_args.to_engine_config()
-    config.tokenizer = args.tokenizer_name
-    config.parallel.tensor_parallel_size = num_shards(args) or 1
+    added = EngineArgs.from_namespace(args, ADDED_ENGINE_FIELDS).model_dump(exclude_none=True)
+    config = EngineArgs(**{**tgi, **added}).to_engine_config()
     for name, value in lora_options(args.lora_adapters).items():
-        setattr(config, name, value)
-    if args.kv_cache_dtype:
-        config.cache.cache_dtype = _kv_cache_dtype(args.kv_cache_dtype)
-    if args.speculate:  # TGI without a Medusa/MLP head speculates by n-gram lookup
-        config.speculative_config = {"method": "ngram", "num_speculative_tokens": args.speculate}
+        if name not in added:  # TGI sizes LoRA from the adapters; an engine flag given says otherwise
+            setattr(config, name, value)
     return config
+
+
+def _speculative_config(args: argparse.Namespace) -> str | None:
+    """--speculative-config (vLLM's JSON), or TGI's --speculate N: n-gram lookup without a Medusa/MLP head."""
+    if args.speculate and args.speculative_config:
+        raise LaunchError("give --speculate or --speculative-config, not both")
+    if args.speculate:
+        return json.dumps({"method": "ngram", "num_speculative_tokens": args.speculate})
+    return args.speculative_config
 
 
 def placement_flags(args: argparse.Namespace) -> dict:
@@ -68,9 +79,9 @@ def placement_flags(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
-def _kv_cache_dtype(name: str) -> str:
+def _kv_cache_dtype(name: str | None) -> str | None:
     # TGI spells fp8 variants after torch dtypes; the pool knows vLLM's names.
-    return {"fp8_e4m3fn": "fp8", "fp8_e5m2": "fp8_e5m2"}.get(name, name)
+    return {"fp8_e4m3fn": "fp8", "fp8_e5m2": "fp8_e5m2"}.get(name, name) or None
 
 
 def _quantization(args: argparse.Namespace) -> dict:
@@ -112,8 +123,8 @@ def build_backend(args: argparse.Namespace, shards=None):
 
         return PagedBackend(Engine(engine_config(args)))
     if args.backend == "reference":
-        from paged_backend.worker.models import load_model
         from paged_backend.tgi.backends.reference import ReferenceBackend
+        from paged_backend.worker.models import load_model
 
         model, tokenizer = load_model(
             model_to_load(args.model_id), tokenizer=args.tokenizer_name, dtype=args.dtype or "auto",
@@ -158,8 +169,8 @@ def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> N
     """Parse TGI flags, build the backend, serve until interrupted."""
     import uvicorn
 
-    from paged_backend.tgi.http.app import create_app
     from paged_backend.observability.tracing import otlp_tracer
+    from paged_backend.tgi.http.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_flags(sys.argv[1:] if argv is None else argv, prog)
