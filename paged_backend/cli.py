@@ -85,13 +85,14 @@ def _result_line(index: int, output) -> str:
     return json.dumps(record, ensure_ascii=False)
 
 
-def _summary(outputs, stats, elapsed: float) -> str:
+def _summary(outputs, stats, elapsed: float, block_manager) -> str:
     generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     overhead = 1 - stats.forward_time / stats.step_time if stats.step_time else 0.0
     lines = [
         f"requests            {len(outputs)} in {elapsed:.2f} s ({len(outputs) / elapsed:.2f} req/s)",
         f"tokens              {prompt_tokens} prompt, {generated} generated ({generated / elapsed:.1f} tok/s)",
+        f"KV pool             {block_manager.num_blocks} blocks of {block_manager.block_size} tokens",
         f"peak KV use         {100 * stats.peak_kv_usage:.1f}% of the pool",
         f"preemptions         {stats.num_preemptions}",
         f"prefix-cache hits   {100 * stats.prefix_cache_hit_rate:.1f}% of prompt tokens",
@@ -147,7 +148,7 @@ def run(
         sys.stdout.write(lines)
     else:
         output.write_text(lines)
-    typer.echo(_summary(outputs, llm.engine.stats(), max(elapsed, 1e-9)), err=True)
+    typer.echo(_summary(outputs, llm.engine.stats(), max(elapsed, 1e-9), llm.engine.block_manager), err=True)
 
 
 add_engine_command(app, "run", run)

@@ -21,6 +21,7 @@ from huggingface_hub import InferenceClient
 from text_generation import Client
 
 from paged_backend.tgi.http.settings import EMBEDDED_MODEL_ID
+from paged_backend.tgi.proto import generate_pb2 as pb
 from tests._server_helpers import parse_metrics
 
 STARTUP_TIMEOUT = 240  # seconds; importing torch on a busy 2-core box is slow
@@ -70,12 +71,14 @@ class Process:
 
 
 class TgiServer(Process):
-    def __init__(self, backend: str, extra_args: list[str] = (), env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, backend: str, extra_args: list[str] = (), env: dict[str, str] | None = None, server_args=SERVER_ARGS
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.backend = backend
         args = ["-m", "paged_backend.tgi", "--backend", backend, "--hostname", "127.0.0.1", "--port", str(self.port)]
-        super().__init__([*args, *SERVER_ARGS, *extra_args], env)
+        super().__init__([*args, *server_args, *extra_args], env)
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> TgiServer:
         deadline = time.monotonic() + timeout
@@ -192,3 +195,39 @@ def serving_in_thread(app):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def warmup_request(max_input: int, max_total: int) -> pb.WarmupRequest:
+    truncate = 20
+    image = pb.InputChunk(image=pb.Image(data=b"\xff\xd8", mimetype="image/jpeg"))
+    chunks = [image, pb.InputChunk(text="_test " * truncate)]
+    params = pb.NextTokenChooserParameters(
+        temperature=0.9,
+        top_k=10,
+        top_p=0.9,
+        typical_p=0.9,
+        do_sample=False,
+        seed=0,
+        repetition_penalty=1.2,
+        frequency_penalty=0.1,
+        watermark=True,
+    )
+    stopping = pb.StoppingCriteriaParameters(max_new_tokens=max_total - truncate, ignore_eos_token=True)
+    requests = [
+        pb.Request(
+            id=0,
+            inputs="![](data:image/jpeg;base64,/9g=)" + "_test " * truncate,
+            input_chunks=pb.Input(chunks=chunks),
+            truncate=truncate,
+            parameters=params,
+            stopping_parameters=stopping,
+            prefill_logprobs=True,
+            top_n_tokens=20,
+            add_special_tokens=True,
+        )
+        for _ in range(3)
+    ]
+    warmup_batch = pb.Batch(id=0, requests=requests, size=3, max_tokens=max_input)
+    return pb.WarmupRequest(
+        batch=warmup_batch, max_input_tokens=max_input, max_prefill_tokens=512, max_total_tokens=max_total
+    )

@@ -14,7 +14,7 @@ from paged_backend.engine import Engine, SamplingParams
 from paged_backend.worker.models import byte_tokenizer
 from paged_backend.tgi.proto import generate_pb2 as pb
 from paged_backend.tgi.proto import generate_pb2_grpc as pb_grpc
-from tests._tgi_helpers import Shard, running
+from tests._tgi_helpers import Shard, running, warmup_request
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 129
@@ -110,42 +110,6 @@ def engine_tokens(prompts: dict[int, tuple[str, int]] = PROMPTS) -> dict[int, li
             if output.finished:
                 outputs[int(output.request_id)] = output.outputs[0].token_ids
     return outputs
-
-
-def warmup_request(max_input: int, max_total: int) -> pb.WarmupRequest:
-    truncate = 20
-    image = pb.InputChunk(image=pb.Image(data=b"\xff\xd8", mimetype="image/jpeg"))
-    chunks = [image, pb.InputChunk(text="_test " * truncate)]
-    params = pb.NextTokenChooserParameters(
-        temperature=0.9,
-        top_k=10,
-        top_p=0.9,
-        typical_p=0.9,
-        do_sample=False,
-        seed=0,
-        repetition_penalty=1.2,
-        frequency_penalty=0.1,
-        watermark=True,
-    )
-    stopping = pb.StoppingCriteriaParameters(max_new_tokens=max_total - truncate, ignore_eos_token=True)
-    requests = [
-        pb.Request(
-            id=0,
-            inputs="![](data:image/jpeg;base64,/9g=)" + "_test " * truncate,
-            input_chunks=pb.Input(chunks=chunks),
-            truncate=truncate,
-            parameters=params,
-            stopping_parameters=stopping,
-            prefill_logprobs=True,
-            top_n_tokens=20,
-            add_special_tokens=True,
-        )
-        for _ in range(3)
-    ]
-    warmup_batch = pb.Batch(id=0, requests=requests, size=3, max_tokens=max_input)
-    return pb.WarmupRequest(
-        batch=warmup_batch, max_input_tokens=max_input, max_prefill_tokens=512, max_total_tokens=max_total
-    )
 
 
 def test_router_call_sequence_matches_in_process_engine(shard, stub):

@@ -46,6 +46,13 @@ class EngineStatsCollector(Collector):
         }
         for name, (documentation, value) in counters.items():
             yield CounterMetricFamily(f"{PREFIX}{name}", documentation, value)
+        manager = self.async_engine.engine.block_manager
+        pool = GaugeMetricFamily(
+            f"{PREFIX}cache_config_info", "The KV pool's configuration (vLLM's cache_config_info): value 1, labels.",
+            labels=["block_size", "num_gpu_blocks"],
+        )  # fmt: skip
+        pool.add_metric([str(manager.block_size), str(manager.num_blocks)], 1)
+        yield pool
         lora = self.async_engine.engine.lora
         if lora is not None:
             yield lora_requests_info(PREFIX, stats, lora.max_loras)
