@@ -15,7 +15,6 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -46,18 +45,9 @@ class ModelSpec:
 def read_models_file(path: str) -> list[dict]:
     """`models:` (YAML) or `[[models]]` (TOML): each entry `model`, optional `served_model_name`, `share` and any
     engine option (`max_num_seqs`, `enable_lora`, `lora_modules`, ...)."""
-    import yaml
+    from paged_backend.engine.args import read_document
 
-    try:
-        text = Path(path).read_text()
-        if path.endswith(".toml"):
-            import tomllib
-
-            document = tomllib.loads(text)
-        else:
-            document = yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError) as error:
-        raise InvalidRequest(f"cannot read the models config {path}: {error}") from error
+    document = read_document(path)
     models = (document or {}).get("models") if isinstance(document, dict) else None
     if not isinstance(models, list) or not models or not all(isinstance(m, dict) for m in models):
         raise InvalidRequest(f"{path}: give a non-empty `models` list of tables, each with at least `model`")

@@ -20,6 +20,7 @@ from paged_backend.errors import PagedBackendError
 from paged_backend.tgi.backends.lora import lora_options
 from paged_backend.tgi.http.settings import RouterSettings, model_to_load
 from paged_backend.tgi.launcher.flags import ADDED_ENGINE_FIELDS, ignored_flags, parse_flags
+from paged_backend.tgi.names import kv_cache_dtype
 
 logger = logging.getLogger("paged_backend.tgi")
 
@@ -51,7 +52,7 @@ def engine_config(args: argparse.Namespace):
         device=args.device,
         gpu_memory_utilization=args.cuda_memory_fraction,
         tensor_parallel_size=num_shards(args) or 1,
-        cache_dtype=_kv_cache_dtype(args.kv_cache_dtype),
+        cache_dtype=kv_cache_dtype(args.kv_cache_dtype),
         speculative_config=_speculative_config(args),
         **placement_flags(args),
         **_quantization(args),
@@ -77,11 +78,6 @@ def placement_flags(args: argparse.Namespace) -> dict:
     """accelerate's placement flags (device map, memory limits, offload) that were given."""
     names = ("device_map", "max_memory", "cpu_offload_gb", "offload_folder")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-
-
-def _kv_cache_dtype(name: str | None) -> str | None:
-    # TGI spells fp8 variants after torch dtypes; the pool knows vLLM's names.
-    return {"fp8_e4m3fn": "fp8", "fp8_e5m2": "fp8_e5m2"}.get(name, name) or None
 
 
 def _quantization(args: argparse.Namespace) -> dict:

@@ -17,6 +17,7 @@ from typing import Annotated
 import typer
 
 from paged_backend.tgi.http.settings import model_to_load
+from paged_backend.tgi.names import kv_cache_dtype as kv_cache_dtype_from_tgi
 
 app = typer.Typer(help="generate.v3 gRPC shard (text-generation-server compatible) on paged-backend.")
 logger = logging.getLogger("paged_backend.tgi.shard")
@@ -86,7 +87,7 @@ def serve(
             quantization_param=quantization_param,
             dtype=dtype or "auto",
             device=device,
-            kv_cache_dtype=_kv_cache_dtype(kv_cache_dtype),
+            kv_cache_dtype=kv_cache_dtype_from_tgi(kv_cache_dtype),
             num_blocks=num_blocks,
             memory_fraction=float(os.environ.get("CUDA_MEMORY_FRACTION", "1.0")),
             rank=rank,
@@ -105,12 +106,6 @@ def serve(
         # launcher stopping N shards is not kept waiting.
         logging.shutdown()
         os._exit(0)
-
-
-def _kv_cache_dtype(name: str | None) -> str:
-    if name is None:
-        return "auto"
-    return {"fp8_e4m3fn": "fp8"}.get(name, name)
 
 
 @app.command("download-weights")
