@@ -24,23 +24,31 @@ from torch import nn
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-@cache  # a property of this torch build
-def _ops_available() -> bool:
+@cache  # a property of this torch build and this CPU
+def dtype_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's ops are present and pack `dtype` on this CPU: bfloat16 needs AVX512-BF16-class features
+    (avx_ne_convert, or avx512bw/vl/dq), which many CI and cloud CPUs lack; those run bfloat16 layers dense."""
     ops = torch.ops.mkldnn
-    return torch.backends.mkldnn.is_available() and all(
-        hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise")
-    )
+    if dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    if not all(hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise")):
+        return False
+    try:
+        ops._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
 
 
 def packable(module: nn.Module) -> bool:
     """A plain CPU `nn.Linear` in float32 or bfloat16 whose forward nobody else replaced (accelerate's offload
-    hooks do, and quantized weights are tensor subclasses with kernels of their own), with oneDNN's ops present."""
+    hooks do, and quantized weights are tensor subclasses with kernels of their own), in a dtype this CPU packs."""
     if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
         return False  # a subclass with a forward of its own (bitsandbytes' layers)
-    if "forward" in module.__dict__ or not _ops_available():
+    if "forward" in module.__dict__:
         return False
     weight = module.weight
-    return type(weight.data) is torch.Tensor and weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
+    return type(weight.data) is torch.Tensor and weight.device.type == "cpu" and dtype_packs(weight.dtype)
 
 
 @torch.no_grad()
