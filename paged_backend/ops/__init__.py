@@ -4,8 +4,9 @@ Backends: ``torch`` (the oracle), ``cpu`` (the fused csrc/cpu kernel), ``triton`
 with the ``backend=`` argument, the ``PAGED_BACKEND_ATTENTION`` environment variable, or let auto-selection
 pick (cuda for pure decode, triton otherwise; cpu on CPU, torch where the CPU kernel cannot be built).
 ``triton`` takes CPU tensors only under Triton's interpreter (``TRITON_INTERPRET=1``). Every backend module exposes
-``unavailable_reason() -> str | None``, ``paged_attention`` and ``reshape_and_cache`` with the
-signatures of :mod:`paged_backend.ops.reference`.
+``unavailable_reason() -> str | None``, ``paged_attention`` and ``reshape_and_cache``: each backend writes
+its kernels against the prepared arguments of :mod:`paged_backend.ops._contract` (``AttentionBatch``,
+``CacheWrite``), which also give them this module's call form (without ``backend=``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from types import ModuleType
 import torch
 
 from paged_backend.errors import BackendUnavailable
+from paged_backend.ops._contract import is_decode_batch
+from paged_backend.ops.triton import triton_interpreted
 
 BACKENDS = ("torch", "cpu", "triton", "cuda")
 ENV_VAR = "PAGED_BACKEND_ATTENTION"
@@ -41,11 +44,6 @@ def unavailable_reason(name: str) -> str | None:
     except ImportError as exc:
         return f"the {name} backend could not be imported ({exc}); install paged-backend[{name}]"
     return module.unavailable_reason()
-
-
-def triton_interpreted() -> bool:
-    """Whether Triton kernels run under its CPU interpreter (then `triton` accepts CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def resolve_backend(name: str | None, device: torch.device, *, decode_only: bool = False) -> str:
@@ -91,9 +89,8 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, k_sca
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, *,
                     sliding_window: int | None = None, softcap: float | None = None,
                     k_scale: float = 1.0, v_scale: float = 1.0, backend: str | None = None) -> torch.Tensor:
-    """Varlen causal paged attention; `query [T, Hq, D]` -> `[T, Hq, D]`. Contract in DESIGN.md."""
-    decode_only = query.shape[0] == seq_lens.shape[0]
-    chosen = resolve_backend(backend, query.device, decode_only=decode_only)
+    """Varlen causal paged attention; `query [T, Hq, D]` -> `[T, Hq, D]`. The contract is `AttentionBatch`."""
+    chosen = resolve_backend(backend, query.device, decode_only=is_decode_batch(query, seq_lens))
     return _module(chosen).paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
         sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,

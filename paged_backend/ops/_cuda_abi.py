@@ -7,57 +7,46 @@ from pathlib import Path
 
 import torch
 
+from paged_backend.ops._c_abi import F32, I32, I64, PAGED_KV_FIELDS, PTR, check_layouts
+
 PARTITION_SIZE = 512  # PB_PARTITION_SIZE
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
-
-_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
 
 class DecodeArgs(ctypes.Structure):
     _fields_ = [
-        ("query", _ptr), ("q_stride_seq", _i64), ("q_stride_head", _i64),
-        ("key_cache", _ptr), ("value_cache", _ptr),
-        ("k_stride_block", _i64), ("k_stride_slot", _i64), ("k_stride_head", _i64),
-        ("v_stride_block", _i64), ("v_stride_slot", _i64), ("v_stride_head", _i64),
-        ("block_tables", _ptr), ("table_stride", _i64), ("seq_lens", _ptr),
-        ("out", _ptr), ("o_stride_seq", _i64), ("o_stride_head", _i64),
-        ("partial_out", _ptr), ("partial_max", _ptr), ("partial_sum", _ptr),
-        ("num_seqs", _i32), ("num_q_heads", _i32), ("num_kv_heads", _i32), ("head_dim", _i32),
-        ("block_size", _i32), ("num_partitions", _i32),
-        ("scale", _f32), ("softcap", _f32), ("k_scale", _f32), ("v_scale", _f32),
-        ("sliding_window", _i32),
+        ("query", PTR), ("q_stride_seq", I64), ("q_stride_head", I64),
+        *PAGED_KV_FIELDS,
+        ("out", PTR), ("o_stride_seq", I64), ("o_stride_head", I64),
+        ("partial_out", PTR), ("partial_max", PTR), ("partial_sum", PTR),
+        ("num_seqs", I32), ("num_q_heads", I32), ("num_kv_heads", I32), ("head_dim", I32),
+        ("block_size", I32), ("num_partitions", I32),
+        ("scale", F32), ("softcap", F32), ("k_scale", F32), ("v_scale", F32),
+        ("sliding_window", I32),
     ]
 
 
 class CacheWriteArgs(ctypes.Structure):
     _fields_ = [
-        ("key", _ptr), ("value", _ptr),
-        ("key_stride_token", _i64), ("key_stride_head", _i64),
-        ("value_stride_token", _i64), ("value_stride_head", _i64),
-        ("key_cache", _ptr), ("value_cache", _ptr),
-        ("kc_stride_block", _i64), ("kc_stride_slot", _i64), ("kc_stride_head", _i64),
-        ("vc_stride_block", _i64), ("vc_stride_slot", _i64), ("vc_stride_head", _i64),
-        ("slot_mapping", _ptr),
-        ("num_tokens", _i32), ("num_heads", _i32), ("head_dim", _i32), ("block_size", _i32),
-        ("k_scale", _f32), ("v_scale", _f32),
+        ("key", PTR), ("value", PTR),
+        ("key_stride_token", I64), ("key_stride_head", I64),
+        ("value_stride_token", I64), ("value_stride_head", I64),
+        ("key_cache", PTR), ("value_cache", PTR),
+        ("kc_stride_block", I64), ("kc_stride_slot", I64), ("kc_stride_head", I64),
+        ("vc_stride_block", I64), ("vc_stride_slot", I64), ("vc_stride_head", I64),
+        ("slot_mapping", PTR),
+        ("num_tokens", I32), ("num_heads", I32), ("head_dim", I32), ("block_size", I32),
+        ("k_scale", F32), ("v_scale", F32),
     ]
 
 
 def load_library(path: Path) -> ctypes.CDLL:
     """Load the built library, declare its signatures and check the struct layouts match ours."""
     lib = ctypes.CDLL(str(path))
-    lib.pb_paged_decode.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int, ctypes.c_int, _ptr]
-    lib.pb_reshape_and_cache.argtypes = [ctypes.POINTER(CacheWriteArgs), ctypes.c_int, ctypes.c_int, _ptr]
+    lib.pb_paged_decode.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int, ctypes.c_int, PTR]
+    lib.pb_reshape_and_cache.argtypes = [ctypes.POINTER(CacheWriteArgs), ctypes.c_int, ctypes.c_int, PTR]
     lib.pb_paged_decode.restype = lib.pb_reshape_and_cache.restype = ctypes.c_int
     lib.pb_error_string.argtypes = [ctypes.c_int]
     lib.pb_error_string.restype = ctypes.c_char_p
-    lib.pb_decode_args_size.restype = lib.pb_cache_write_args_size.restype = ctypes.c_uint64
-    for struct, size_of in ((DecodeArgs, lib.pb_decode_args_size), (CacheWriteArgs, lib.pb_cache_write_args_size)):
-        if ctypes.sizeof(struct) != size_of():
-            raise RuntimeError(f"{path} disagrees with the ctypes layout of {struct.__name__}; rebuild csrc/")
+    check_layouts(lib, {DecodeArgs: "pb_decode_args_size", CacheWriteArgs: "pb_cache_write_args_size"}, str(path))
     return lib
-
-
-def check(lib: ctypes.CDLL, status: int, what: str) -> None:
-    if status != 0:
-        raise RuntimeError(f"{what} failed: {lib.pb_error_string(status).decode()}")

@@ -14,28 +14,25 @@ from functools import cache
 import torch
 
 from paged_backend.errors import BackendUnavailable
+from paged_backend.ops._c_abi import F32, I32, I64, PAGED_KV_FIELDS, PTR, check_layouts, check_status, paged_kv_values
+from paged_backend.ops._contract import AttentionBatch, as_int32, called_as
 from paged_backend.ops._cpu_build import CpuBuildError, cached_library
 from paged_backend.ops.reference import reshape_and_cache
 
 QUERY_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 KV_DTYPES = {**QUERY_DTYPES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
-_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
-
 
 class AttentionArgs(ctypes.Structure):
     """Mirror of PbCpuAttentionArgs in csrc/cpu/paged_attention_cpu.cpp."""
 
     _fields_ = [
-        ("query", _ptr), ("q_stride_token", _i64), ("q_stride_head", _i64),
-        ("key_cache", _ptr), ("value_cache", _ptr),
-        ("k_stride_block", _i64), ("k_stride_slot", _i64), ("k_stride_head", _i64),
-        ("v_stride_block", _i64), ("v_stride_slot", _i64), ("v_stride_head", _i64),
-        ("block_tables", _ptr), ("table_stride", _i64), ("seq_lens", _ptr), ("query_start_loc", _ptr),
-        ("out", _ptr), ("o_stride_token", _i64), ("o_stride_head", _i64),
-        ("num_seqs", _i32), ("num_q_heads", _i32), ("num_kv_heads", _i32), ("head_dim", _i32),
-        ("block_size", _i32), ("q_dtype", _i32), ("kv_dtype", _i32), ("sliding_window", _i32),
-        ("num_threads", _i32), ("scale", _f32), ("softcap", _f32), ("k_scale", _f32), ("v_scale", _f32),
+        ("query", PTR), ("q_stride_token", I64), ("q_stride_head", I64),
+        *PAGED_KV_FIELDS, ("query_start_loc", PTR),
+        ("out", PTR), ("o_stride_token", I64), ("o_stride_head", I64),
+        ("num_seqs", I32), ("num_q_heads", I32), ("num_kv_heads", I32), ("head_dim", I32),
+        ("block_size", I32), ("q_dtype", I32), ("kv_dtype", I32), ("sliding_window", I32),
+        ("num_threads", I32), ("scale", F32), ("softcap", F32), ("k_scale", F32), ("v_scale", F32),
     ]
 
 
@@ -46,9 +43,7 @@ def _library() -> ctypes.CDLL:
     lib.pb_cpu_paged_attention.restype = ctypes.c_int
     lib.pb_cpu_error_string.argtypes = [ctypes.c_int]
     lib.pb_cpu_error_string.restype = ctypes.c_char_p
-    lib.pb_cpu_attention_args_size.restype = ctypes.c_uint64
-    if lib.pb_cpu_attention_args_size() != ctypes.sizeof(AttentionArgs):
-        raise RuntimeError("csrc/cpu disagrees with the ctypes layout of AttentionArgs; rebuild it")
+    check_layouts(lib, {AttentionArgs: "pb_cpu_attention_args_size"}, "csrc/cpu")
     return lib
 
 
@@ -61,25 +56,10 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _int32(t: torch.Tensor) -> torch.Tensor:
-    return t.to(dtype=torch.int32).contiguous()
-
-
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
+@called_as(AttentionBatch)
+def paged_attention(batch: AttentionBatch) -> torch.Tensor:
     """Varlen causal attention of `query [T, Hq, D]` over paged K/V, same contract as the oracle."""
+    query, key_cache, value_cache = batch.query, batch.key_cache, batch.value_cache
     if query.device.type != "cpu" or key_cache.device.type != "cpu":
         raise BackendUnavailable("the cpu backend runs on CPU tensors; use backend='triton' or 'cuda' on a GPU")
     if query.dtype not in QUERY_DTYPES or key_cache.dtype not in KV_DTYPES or value_cache.dtype != key_cache.dtype:
@@ -89,21 +69,18 @@ def paged_attention(
         raise BackendUnavailable("the cpu backend needs a unit stride along head_dim; pass contiguous rows")
     num_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    tables, lens, starts = _int32(block_tables), _int32(seq_lens), _int32(query_start_loc)
+    tables, lens, starts = as_int32(batch.block_tables), as_int32(batch.seq_lens), as_int32(batch.query_start_loc)
     out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=query.dtype)
     args = AttentionArgs(
         query.data_ptr(), query.stride(0), query.stride(1),
-        key_cache.data_ptr(), value_cache.data_ptr(), *key_cache.stride()[:3], *value_cache.stride()[:3],
-        tables.data_ptr(), tables.stride(0), lens.data_ptr(), starts.data_ptr(),
+        *paged_kv_values(key_cache, value_cache, tables, lens), starts.data_ptr(),
         out.data_ptr(), out.stride(0), out.stride(1),
         lens.shape[0], num_q_heads, num_kv_heads, head_dim, block_size,
-        QUERY_DTYPES[query.dtype], KV_DTYPES[key_cache.dtype], sliding_window or 0, torch.get_num_threads(),
-        scale, softcap or 0.0, k_scale, v_scale,
+        QUERY_DTYPES[query.dtype], KV_DTYPES[key_cache.dtype], batch.sliding_window or 0, torch.get_num_threads(),
+        batch.scale, batch.softcap or 0.0, batch.k_scale, batch.v_scale,
     )
     lib = _library()
-    status = lib.pb_cpu_paged_attention(ctypes.byref(args))
-    if status != 0:
-        raise RuntimeError(f"cpu paged attention failed: {lib.pb_cpu_error_string(status).decode()}")
+    check_status(lib.pb_cpu_paged_attention(ctypes.byref(args)), lib.pb_cpu_error_string, "cpu paged attention")
     return out
 
 

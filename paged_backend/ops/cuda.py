@@ -18,6 +18,8 @@ import torch
 
 from paged_backend.errors import BackendUnavailable
 from paged_backend.ops import _cuda_abi
+from paged_backend.ops._c_abi import check_status, paged_kv_values
+from paged_backend.ops._contract import AttentionBatch, CacheWrite, as_int32, called_as, max_context, unit_last_stride
 from paged_backend.ops._cuda_build import CudaBuildError, cached_library, find_nvcc
 
 MAX_HEAD_DIM = 256
@@ -80,7 +82,7 @@ def paged_decode(
     _check_pool(value_cache)
     out = torch.empty_like(query)
     # partitions cover the longest context the tables can address: known without reading seq_lens
-    num_partitions = max(1, -(-(block_tables.shape[1] * block_size) // _cuda_abi.PARTITION_SIZE))
+    num_partitions = max(1, -(-max_context(block_tables, block_size) // _cuda_abi.PARTITION_SIZE))
     partial_out = partial_max = partial_sum = None
     if num_partitions > 1:
         partial_out = torch.empty(num_seqs, num_q_heads, num_partitions, head_dim,
@@ -89,10 +91,7 @@ def paged_decode(
         partial_sum = torch.empty_like(partial_max)
     args = _cuda_abi.DecodeArgs(
         query.data_ptr(), query.stride(0), query.stride(1),
-        key_cache.data_ptr(), value_cache.data_ptr(),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+        *paged_kv_values(key_cache, value_cache, block_tables, seq_lens),
         out.data_ptr(), out.stride(0), out.stride(1),
         *(t.data_ptr() if t is not None else None for t in (partial_out, partial_max, partial_sum)),
         num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, num_partitions,
@@ -100,7 +99,7 @@ def paged_decode(
     )
     lib = _library()
     status = lib.pb_paged_decode(ctypes.byref(args), _dtype_code(query.dtype), _dtype_code(key_cache.dtype), _stream())
-    _cuda_abi.check(lib, status, "paged_backend::paged_decode")
+    check_status(status, lib.pb_error_string, "paged_backend::paged_decode")
     return out
 
 
@@ -132,7 +131,7 @@ def reshape_and_cache_op(
     lib = _library()
     status = lib.pb_reshape_and_cache(ctypes.byref(args), _dtype_code(key.dtype), _dtype_code(key_cache.dtype),
                                       _stream())
-    _cuda_abi.check(lib, status, "paged_backend::reshape_and_cache")
+    check_status(status, lib.pb_error_string, "paged_backend::reshape_and_cache")
 
 
 @reshape_and_cache_op.register_fake
@@ -140,50 +139,29 @@ def _(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale):
     return None
 
 
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> None:
+@called_as(CacheWrite)
+def reshape_and_cache(write: CacheWrite) -> None:
     """Write key/value `[T, Hkv, D]` into the NHD pools at `slot_mapping[T]`; slot -1 is skipped."""
-    if key_cache.dtype != torch.float8_e4m3fn:  # same-dtype copies; fp8 pools quantize from any input dtype
-        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
-    key = key if key.stride(-1) == 1 else key.contiguous()
-    value = value if value.stride(-1) == 1 else value.contiguous()
-    reshape_and_cache_op(key, value, key_cache, value_cache, slot_mapping.to(torch.int64),
-                         float(k_scale), float(v_scale))
+    key, value = write.key, write.value
+    if write.key_cache.dtype != torch.float8_e4m3fn:  # same-dtype copies; fp8 pools quantize from any input dtype
+        key, value = key.to(write.key_cache.dtype), value.to(write.value_cache.dtype)
+    reshape_and_cache_op(unit_last_stride(key), unit_last_stride(value), write.key_cache, write.value_cache,
+                         write.slot_mapping.to(torch.int64), float(write.k_scale), float(write.v_scale))
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
-    """Decode-only paged attention (query row b is sequence b's one new token); contract in DESIGN.md."""
-    if query.shape[0] != seq_lens.shape[0]:
+@called_as(AttentionBatch)
+def paged_attention(batch: AttentionBatch) -> torch.Tensor:
+    """Decode-only paged attention (query row b is sequence b's one new token); the contract is `AttentionBatch`."""
+    if not batch.decode_only:
         raise BackendUnavailable(
-            f"the cuda backend runs decode batches only (one query token per sequence), got {query.shape[0]} "
-            f"tokens for {seq_lens.shape[0]} sequences; use backend='triton' or auto selection"
+            f"the cuda backend runs decode batches only (one query token per sequence), got {batch.query.shape[0]} "
+            f"tokens for {batch.seq_lens.shape[0]} sequences; use backend='triton' or auto selection"
         )
-    head_dim = query.shape[-1]
+    head_dim = batch.query.shape[-1]
     if head_dim % 8 or head_dim > MAX_HEAD_DIM:
         raise BackendUnavailable(f"the cuda backend needs head_dim a multiple of 8 and <= 256, got {head_dim}")
-    query = query if query.stride(-1) == 1 else query.contiguous()
     return paged_decode(
-        query, key_cache, value_cache, block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(), float(scale),
-        int(sliding_window or 0), float(softcap or 0.0), float(k_scale), float(v_scale),
+        unit_last_stride(batch.query), batch.key_cache, batch.value_cache,
+        as_int32(batch.block_tables), as_int32(batch.seq_lens), float(batch.scale),
+        int(batch.sliding_window or 0), float(batch.softcap or 0.0), float(batch.k_scale), float(batch.v_scale),
     )

@@ -15,7 +15,8 @@ from types import ModuleType
 
 import torch
 
-from paged_backend.ops.reference import is_fp8
+from paged_backend.ops._contract import AttentionBatch, CacheWrite, called_as, unit_last_stride
+from paged_backend.ops.reference import is_fp8, to_fp8
 
 # Below this many (sequence, kv head) programs a decode batch leaves most SMs idle: split the KV axis.
 SPLIT_KV_MAX_PROGRAMS = 128
@@ -25,11 +26,16 @@ KV_TILE = 32
 FP8_BIT_DECODE_SCALE = 256.0  # the kernel decodes e4m3 bytes to value / 256 (see _e4m3_as_fp16)
 
 
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run under its CPU interpreter (then `triton` accepts CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def unavailable_reason() -> str | None:
     """None when the Triton kernels can run here, else a sentence saying why not."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed; pip install 'paged-backend[triton]'"
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if not torch.cuda.is_available() and not triton_interpreted():
         return "no CUDA device is visible and TRITON_INTERPRET is not 1 (Triton's CPU interpreter)"
     return None
 
@@ -45,36 +51,23 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _to_pool_dtype(x: torch.Tensor, pool_dtype: torch.dtype, scale: float) -> torch.Tensor:
-    if not is_fp8(pool_dtype):
-        return x
-    # torch's rounding, identical to the oracle's (Triton's interpreter mis-rounds fp32 -> fp8 carries)
-    return (x.float() / scale).to(pool_dtype)
+    # fp8: torch's rounding, identical to the oracle's (Triton's interpreter mis-rounds fp32 -> fp8 carries)
+    return to_fp8(x, pool_dtype, scale) if is_fp8(pool_dtype) else x
 
 
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> None:
+@called_as(CacheWrite)
+def reshape_and_cache(write: CacheWrite) -> None:
     """Write key/value `[T, Hkv, D]` into the NHD pools at `slot_mapping[T]`; slot -1 is skipped."""
+    key, value, key_cache, value_cache = write.key, write.value, write.key_cache, write.value_cache
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    key = _unit_last_stride(_to_pool_dtype(key, key_cache.dtype, k_scale))
-    value = _unit_last_stride(_to_pool_dtype(value, value_cache.dtype, v_scale))
+    key = unit_last_stride(_to_pool_dtype(key, key_cache.dtype, write.k_scale))
+    value = unit_last_stride(_to_pool_dtype(value, value_cache.dtype, write.v_scale))
     _, cache_kernels = _kernels()
     cache_kernels.reshape_and_cache_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
+        key, value, key_cache, value_cache, write.slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -91,56 +84,33 @@ def choose_num_segments(num_seqs: int, num_tokens: int, num_kv_heads: int, max_c
     return min(SPLIT_KV_MAX_SEGMENTS, _next_pow2(wanted))
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
-    """Varlen causal paged attention, `[T, Hq, D]` -> `[T, Hq, D]`; contract in DESIGN.md."""
-    max_context = block_tables.shape[1] * key_cache.shape[1]  # an upper bound known without a device sync
-    segments = choose_num_segments(seq_lens.shape[0], query.shape[0], key_cache.shape[2], max_context)
-    return paged_attention_split_kv(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-        sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale, num_segments=segments,
-    )
+@called_as(AttentionBatch)
+def paged_attention(batch: AttentionBatch) -> torch.Tensor:
+    """Varlen causal paged attention, `[T, Hq, D]` -> `[T, Hq, D]`; the contract is `AttentionBatch`."""
+    num_seqs, num_tokens, num_kv_heads = batch.seq_lens.shape[0], batch.query.shape[0], batch.key_cache.shape[2]
+    segments = choose_num_segments(num_seqs, num_tokens, num_kv_heads, batch.max_context)
+    return _launch(batch, segments)
 
 
-def paged_attention_split_kv(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    num_segments: int = 1,
-) -> torch.Tensor:
-    """`paged_attention` with the KV axis of every sequence split into `num_segments` (a power of two)."""
+def paged_attention_split_kv(*args, num_segments: int = 1, **kwargs) -> torch.Tensor:
+    """`paged_attention` (same arguments) with the KV axis of every sequence split into `num_segments`."""
+    return _launch(AttentionBatch(*args, **kwargs), num_segments)
+
+
+def _launch(batch: AttentionBatch, num_segments: int) -> torch.Tensor:
+    """Run the kernel with `num_segments` KV segments per sequence (a power of two; > 1 adds a reduction)."""
     if num_segments & (num_segments - 1):
         raise ValueError(f"num_segments must be a power of two, got {num_segments}")
-    num_tokens, num_q_heads, head_dim = query.shape
-    num_seqs = seq_lens.shape[0]
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    group = num_q_heads // num_kv_heads
-    out = torch.zeros_like(query)
+    num_tokens, num_q_heads, head_dim = batch.query.shape
+    num_seqs = batch.seq_lens.shape[0]
+    _, block_size, num_kv_heads, _ = batch.key_cache.shape
+    group = batch.group
+    out = torch.zeros_like(batch.query)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    query = _unit_last_stride(query)
-    block_tables = block_tables.contiguous()
+    query, key_cache, value_cache = unit_last_stride(batch.query), batch.key_cache, batch.value_cache
+    k_scale, v_scale = batch.k_scale, batch.v_scale
+    block_tables = batch.block_tables.contiguous()
     head_dim_pad = max(16, _next_pow2(head_dim))
     # M tile = query tokens x the q heads of one kv head; dot needs M >= 16, prefill wants taller tiles
     # (16-bit inputs only: an fp32 64 x 256 Q tile alone would take 64 KiB of shared memory)
@@ -167,9 +137,9 @@ def paged_attention_split_kv(
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
     attention_kernels.paged_attention_kernel[grid](
         out, partial_out, partial_max, partial_sum,
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        float(scale * k_scale), float(softcap or 0.0), float(v_scale),
-        int(sliding_window or 0),
+        query, key_cache, value_cache, block_tables, batch.seq_lens, batch.query_start_loc,
+        float(batch.scale * k_scale), float(batch.softcap or 0.0), float(v_scale),
+        int(batch.sliding_window or 0),
         num_seqs, num_q_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -177,7 +147,7 @@ def paged_attention_split_kv(
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE=KV_TILE, BLOCK_M=block_m, BLOCK_Q=block_q,
-        NUM_SEGMENTS=num_segments, USE_SOFTCAP=bool(softcap), USE_WINDOW=sliding_window is not None,
+        NUM_SEGMENTS=num_segments, USE_SOFTCAP=bool(batch.softcap), USE_WINDOW=batch.sliding_window is not None,
         KV_FP8=kv_fp8, DOT_PRECISION="ieee" if query.dtype == torch.float32 or upcast_dot else "tf32",
         UPCAST_DOT=upcast_dot,
     )
