@@ -169,18 +169,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert all(self.bm.blocks[b].group == group for b in table[dropped:])
         for block in self.bm.blocks[1:]:
             assert block.ref_count == holders.get(block.block_id, 0)
-            assert (block.ref_count == 0) == (block in self.bm.free_queue)  # never free and held
-        assert self.bm.blocks[0].ref_count == 0 and self.bm.blocks[0] not in self.bm.free_queue
+            assert (block.ref_count == 0) == (block in self.bm.pool.free_queue)  # never free and held
+        assert self.bm.blocks[0].ref_count == 0 and self.bm.blocks[0] not in self.bm.pool.free_queue
         assert self.bm.num_used_blocks == sum(1 for b in self.bm.blocks[1:] if b.ref_count > 0)
         cpu_holders = Counter(
             b for s in self._live(on_cpu=True) for t in self.bm.block_tables(s) for b in t if b != CPU_NULL_BLOCK
         )
-        for cpu_block, count in enumerate(self.bm.cpu_ref_counts):
+        for cpu_block, count in enumerate(self.bm.swap.ref_counts):
             assert count == cpu_holders.get(cpu_block, 0)
 
     @invariant()
     def cache_index_is_consistent(self):
-        for group, cached in enumerate(self.bm.cached_by_group):
+        for group, cached in enumerate(self.bm.pool.cached_by_group):
             for key, block in cached.items():
                 assert block.hash == key and len(block.token_ids) == BLOCK_SIZE and block.group == group
 
