@@ -153,6 +153,17 @@ def test_swap_out_frees_gpu_blocks_and_swap_in_restores_the_table_length():
     assert bm.stats().cpu_blocks_used == 0
 
 
+def test_a_swapped_out_sequence_holding_cpu_ids_past_the_pool_counts_the_blocks_it_will_need():
+    bm = BlockManager(3, 4, num_cpu_blocks=8)  # 2 device blocks, 8 CPU blocks
+    for seq_id in ("a", "b"):
+        bm.allocate(seq_id, list(range(5)))
+        bm.swap_out([seq_id])
+    assert max(bm.block_table("b")) >= bm.num_blocks  # CPU ids the device pool does not have
+    assert bm.blocks_to_append("b", 1) == 0 and bm.blocks_to_append("b", 4) == 1
+    bm.swap_in(["b"])
+    assert bm.blocks_to_append("b", 4) == 1
+
+
 def test_swap_out_without_swap_space_says_to_raise_it():
     bm = BlockManager(8, 4)
     bm.allocate("a", [1, 2, 3])

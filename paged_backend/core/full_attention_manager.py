@@ -78,8 +78,9 @@ class FullAttentionManager:
         """Free blocks `append` takes; `copy`: whether a shared last block would be copied (not while on CPU)."""
         need = max(0, self.pool.blocks_needed(self.cover(num_tokens + num_new, until)) - len(table))
         index = self._partial_index(table, num_tokens)
-        shared = index is not None and self.pool.blocks[table[index]].ref_count > 1
-        return need + (num_new > 0 and copy and shared)
+        # a swapped-out table holds CPU block ids: nothing of the pool's to look at, nothing to copy
+        shared = copy and index is not None and self.pool.blocks[table[index]].ref_count > 1
+        return need + (num_new > 0 and shared)
 
     def append(self, table: list[int], num_tokens: int, end: int, until: int | None) -> list[tuple[int, int]]:
         """Make room for positions `num_tokens`..`end`-1 (and what `until` covers). Returns the (src, dst) copy
