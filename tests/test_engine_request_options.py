@@ -152,3 +152,32 @@ def test_extreme_temperature_penalty_and_top_k_sample_without_nan(make_llm):
                             top_k=2**70, ignore_eos=True)
     [output] = llm.generate([PROMPT], params)
     assert len(output.outputs[0].token_ids) == 4
+
+
+def test_prompts_in_each_of_vllms_forms_generate_the_same_tokens(make_llm):
+    llm = make_llm()
+    text = "the same prompt"
+    ids = llm.engine.tokenizer(text).input_ids
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    forms = [text, ids, {"prompt": text}, {"prompt_token_ids": ids}]
+    outputs = llm.generate(forms, greedy)
+    assert all(out.prompt_token_ids == ids for out in outputs)
+    assert len({tuple(out.outputs[0].token_ids) for out in outputs}) == 1
+    [single] = llm.generate({"prompt_token_ids": ids}, greedy)  # one prompt, not in a list
+    assert single.outputs[0].token_ids == outputs[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ({"text": "hi"}, "'prompt' .*'prompt_token_ids'"),
+        ({}, "'prompt' .*'prompt_token_ids'"),
+        ({"prompt_token_ids": "1 2"}, "list of token ids"),
+        ({"prompt": 5}, "a prompt is text"),
+    ],
+)
+def test_a_malformed_prompt_dict_names_the_keys_to_use(make_llm, prompt, message):
+    llm = make_llm()
+    with pytest.raises(InvalidRequest, match=message):
+        llm.generate([prompt], SamplingParams(max_tokens=2))
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks - 1

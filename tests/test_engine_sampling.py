@@ -136,7 +136,7 @@ def test_incremental_detokenization_waits_for_whole_characters(make_llm):
     pieces = []
     for token in tokenizer("héllo wörld ✓").input_ids:
         seq.token_ids.append(token)
-        pieces.append(engine._detokenize(seq))
+        pieces.append(engine.output_processor.detokenize(seq))
     assert "".join(pieces) == seq.text == "héllo wörld ✓"
     assert all("\ufffd" not in piece for piece in pieces)
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from paged_backend import cli
 from paged_backend.engine import LLM, Engine, SamplingParams
-from paged_backend.engine.engine import engine_config
+from paged_backend.engine import engine_config
 from paged_backend.hf import PagedCache
 from paged_backend.worker.models import byte_tokenizer
 from paged_backend.server.app import build_app

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from paged_backend import InvalidRequest  # noqa: E402
 from paged_backend.engine import Engine, SamplingParams  # noqa: E402
-from paged_backend.engine.engine import engine_config  # noqa: E402
+from paged_backend.engine import engine_config  # noqa: E402
 from paged_backend.hf import PagedCache  # noqa: E402
 from paged_backend.worker.models import byte_tokenizer, tiny_model  # noqa: E402
 from paged_backend.config.placement import parse_device_map, parse_max_memory  # noqa: E402

@@ -17,7 +17,7 @@ import os
 import torch
 
 from paged_backend.errors import InvalidRequest
-from paged_backend.core.kv_budget import available_memory, bytes_per_block, num_blocks_for_budget  # noqa: F401 (moving)
+from paged_backend.core.kv_budget import num_blocks_for_budget  # noqa: F401 (moving: hf imports it from here)
 from paged_backend.core.kv_groups import KVCacheGroup
 
 KV_CACHE_DTYPES = {
@@ -75,7 +75,7 @@ class PagedKVCache:
         layer_devices: list[torch.device | str] | None = None,
     ) -> None:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
         self.dtype, self.device = dtype, torch.device(device)
         self.groups = groups or [KVCacheGroup(tuple(range(num_layers)))]
         self.layer_group = [0] * num_layers  # which group's block tables a layer reads

@@ -132,8 +132,8 @@ class ParallelDriver:
     def failure(self) -> WorkerFailed | None:
         return self.state.failure
 
-    def runner(self, block_manager, attention_backend: str | None) -> DriverRunner:
-        return DriverRunner(self, block_manager, attention_backend)
+    def runner(self, attention_backend: str | None, lora=None) -> DriverRunner:
+        return DriverRunner(self, attention_backend, lora)
 
     def step(self, step: StepInput) -> torch.Tensor:
         """Broadcast a step, run the driver's shard of it and return the logits the driver samples from."""
@@ -165,9 +165,10 @@ class ParallelDriver:
 class DriverRunner(ModelRunner):
     """The engine's runner on the driver: packs the step as usual, then runs it on every rank."""
 
-    def __init__(self, driver: ParallelDriver, block_manager, attention_backend: str | None) -> None:
-        super().__init__(driver.model, driver.kv_cache, block_manager, attention_backend)
+    def __init__(self, driver: ParallelDriver, attention_backend: str | None, lora=None) -> None:
+        super().__init__(driver.model, driver.kv_cache, attention_backend)
         self.driver = driver
+        self.lora = lora  # the engine's LoRAManager: its slot writes and row slots go out with each step
 
     def forward(self, ids, positions, metadata, rows: list[int]) -> torch.Tensor:
         lora = None if self.lora is None else self.lora.take_step()

@@ -1,15 +1,28 @@
-"""The continuous-batching engine: scheduler, runner, sampler, `Engine` and `LLM`."""
+"""The continuous-batching engine: scheduler, runner, sampler, `Engine` and `LLM`.
 
-from paged_backend.engine.engine import LLM, Engine, EngineStats, engine_config
-from paged_backend.engine.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+Names are imported on first use, so `paged_backend.engine.args` (every command's flags) loads without the model
+stack: `paged-backend serve --help` answers before transformers' model code is imported.
+"""
 
-__all__ = [
-    "LLM",
-    "CompletionOutput",
-    "Engine",
-    "EngineStats",
-    "RequestMetrics",
-    "RequestOutput",
-    "SamplingParams",
-    "engine_config",
-]
+from importlib import import_module
+
+_HOMES = {
+    "Engine": "engine",
+    "LLM": "llm",
+    "engine_config": "llm",
+    "CompletionOutput": "request",
+    "RequestMetrics": "request",
+    "RequestOutput": "request",
+    "SamplingParams": "request",
+    "EngineStats": "stats",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_HOMES[name]}"), name)
+    globals()[name] = value
+    return value

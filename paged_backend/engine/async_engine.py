@@ -20,12 +20,12 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from paged_backend.engine.request import RequestOutput, SamplingParams
+from paged_backend.engine.request import RequestOutput
 from paged_backend.errors import InvalidRequest, PagedBackendError
 
 if TYPE_CHECKING:
-    from paged_backend.engine import Engine, EngineStats
-    from paged_backend.lora import LoRARequest
+    from paged_backend.engine.engine import Engine
+    from paged_backend.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -83,17 +83,8 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         self._thread = None
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt: str | None = None,
-        sampling_params: SamplingParams | None = None,
-        *,
-        prompt_token_ids: list[int] | None = None,
-        priority: int = 0,
-        lora_request: LoRARequest | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its cumulative outputs until it finishes.
+    async def generate(self, request_id: str, *args, **kwargs) -> AsyncIterator[RequestOutput]:
+        """Add a request (the arguments of `Engine.add_request`) and yield its cumulative outputs until it finishes.
 
         Bad input raises InvalidRequest / PromptTooLong before the first output. Closing or cancelling the
         iterator early (a client disconnect) aborts the request, which frees its blocks at once.
@@ -108,9 +99,7 @@ class AsyncEngine:
         finished = False
         try:
             try:
-                await self._call_on_engine_thread(
-                    lambda: self._add(request_id, prompt, sampling_params, prompt_token_ids, priority, lora_request)
-                )
+                await self._call_on_engine_thread(lambda: self._add(request_id, args, kwargs))
             except PagedBackendError:
                 finished = True  # rejected: nothing was queued, nothing to abort
                 raise
@@ -213,15 +202,8 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _add(self, request_id, prompt, sampling_params, prompt_token_ids, priority, lora_request) -> None:
-        self.engine.add_request(
-            request_id,
-            prompt,
-            sampling_params,
-            prompt_token_ids=prompt_token_ids,
-            priority=priority,
-            lora_request=lora_request,
-        )
+    def _add(self, request_id: str, args: tuple, kwargs: dict) -> None:
+        self.engine.add_request(request_id, *args, **kwargs)
         self._live_request_ids.add(request_id)
 
     def _abort(self, request_id: str) -> None:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from paged_backend.engine.detokenizer import IncrementalDetokenizer
+from paged_backend.engine.stopping import StopRules
 from paged_backend.errors import InvalidRequest
 from paged_backend.lora.adapter import LoRAAdapter
 from paged_backend.structured.params import StructuredOutputsParams
@@ -169,7 +171,6 @@ class RequestOutput:
 
 
 _sequence_ids = itertools.count()
-DETOKENIZE_CONTEXT = 5
 
 
 class Sequence:
@@ -189,11 +190,13 @@ class Sequence:
         self.generator: torch.Generator | None = None  # made by the sampler for seeded requests
         self.cumulative_logprob = 0.0
         self.grammar = None  # a structured-output matcher: made by add_request, or at the fork for siblings
-        # Incremental detokenization: text so far and the token window decoded last time. The window starts a
-        # few prompt tokens back so tokenizers that drop a word's leading space alone still render it.
-        self.text = ""
-        self.prefix_offset = max(0, self.num_prompt_tokens - DETOKENIZE_CONTEXT)
-        self.read_offset = self.num_prompt_tokens
+        self.text = ""  # detokenized output so far
+        params = request.params
+        self.detokenizer = IncrementalDetokenizer.after_prompt(
+            self.num_prompt_tokens,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        )
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -253,6 +256,7 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled while the prompt is computed
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     lora_adapter: LoRAAdapter | None = None  # the loaded adapter this request runs with; None = base model
+    stop_rules: StopRules | None = None  # set by the engine's input processor
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:

@@ -46,7 +46,7 @@ class Sampler:
         raw_logprobs = None
         if any(wants_logprobs) or any(p.needs_cumulative_logprob for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        plain = all(p.greedy and not _processes(p) for p in params)
+        plain = all(p.greedy and not processes_logits(p) for p in params)
         if plain and not any(seq.grammar is not None or self._blocked_ids(seq) for seq in seqs):
             tokens = logits.argmax(dim=-1).tolist()
         else:
@@ -173,7 +173,7 @@ class Sampler:
         return result
 
 
-def _processes(params: SamplingParams) -> bool:
+def processes_logits(params: SamplingParams) -> bool:
     """Whether any per-row processor changes this request's logits."""
     return bool(
         params.uses_penalties or params.logit_bias or params.allowed_token_ids is not None or params.bad_words

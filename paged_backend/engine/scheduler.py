@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from bisect import insort
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from paged_backend.core.block_manager import BlockManager
 from paged_backend.config import SchedulerConfig
+from paged_backend.core.block_manager import BlockManager
 from paged_backend.engine.request import Sequence, SequenceStatus
+from paged_backend.worker.runner import SequenceRows
 
 
 @dataclass
@@ -28,6 +30,11 @@ class ScheduledSequence:
     def samples(self) -> bool:
         """This chunk reaches the sequence's last token, so the step samples its next one."""
         return self.start + self.num_tokens - len(self.draft) == self.seq.num_tokens
+
+    def rows(self, block_tables: list[list[int]]) -> SequenceRows:
+        """What the runner needs of this sequence's share of the step, given its block tables (one per group)."""
+        own = self.seq.token_ids[self.start : self.start + self.num_tokens - len(self.draft)]
+        return SequenceRows(own + self.draft, self.start, block_tables, 1 + len(self.draft) if self.samples else 0)
 
 
 @dataclass
@@ -46,7 +53,12 @@ class Scheduler:
     """Decides each step's batch under the `max_num_seqs` / `max_num_batched_tokens` budgets."""
 
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, preemption_mode: str, max_chunk: int | None = None
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        preemption_mode: str,
+        max_chunk: int | None = None,
+        admits_adapter: Callable | None = None,
     ) -> None:
         self.config = config
         self.max_chunk = max_chunk or config.max_num_batched_tokens  # one sequence's prefill chunk (windowed pools)
@@ -57,7 +69,7 @@ class Scheduler:
         self.swapped: list[Sequence] = []  # kept sorted by `key`
         self.num_preemptions = 0
         self.num_split_prefills = 0  # prefill chunks that stopped before the end of their prompt
-        self.admits_adapter = None  # LoRAManager.admits when adapters are enabled: caps adapters running at once
+        self.admits_adapter = admits_adapter  # LoRAManager.admits with adapters on: caps adapters running at once
 
     def key(self, seq: Sequence) -> tuple[int, int, int]:
         """Smaller = served first, preempted last."""

@@ -53,9 +53,9 @@ class LoRAManager:
         self._step_rank = 0
 
     @classmethod
-    def for_engine(cls, config, model: nn.Module, runner, scheduler, parallel=None) -> LoRAManager:
-        """The manager of one engine: loads `config.lora_modules` and plugs into its runner and scheduler. A
-        parallel engine's driver uses its rank's slots and the whole model's shapes."""
+    def for_engine(cls, config, model: nn.Module, parallel=None) -> LoRAManager:
+        """The manager of one engine, with `config.lora_modules` loaded. A parallel engine's driver uses its rank's
+        slots and the whole model's shapes, and records slot writes for the other ranks."""
         worker = None if parallel is None else parallel.worker
         manager = cls(
             model,
@@ -67,7 +67,6 @@ class LoRAManager:
         manager.records_writes = worker is not None
         for name, path in config.lora_modules.items():
             manager.add(name, path)
-        runner.lora, scheduler.admits_adapter = manager, manager.admits
         return manager
 
     # ------------------------------------------------------------- registry

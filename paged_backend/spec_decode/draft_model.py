@@ -25,8 +25,7 @@ class DraftModelProposer:
         cache = CacheConfig(num_blocks=num_blocks, block_size=block_size)
         plan = plan_pool(model, cache, device, split_windows=False, backend=backend)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False, watermark=0.0)
-        worker = ModelWorker(model, plan, device, block_manager=self.block_manager, backend=backend, pack=pack,
-                             release=release)  # fmt: skip
+        worker = ModelWorker(model, plan, device, backend=backend, pack=pack, release=release)
         self.kv_cache, self.runner = worker.kv_cache, worker.runner
 
     def propose(self, requests: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
@@ -44,7 +43,7 @@ class DraftModelProposer:
                 rows.append(SequenceRows(tokens[start:], start, manager.block_tables(seq_id)))
         ids = list(proposals)
         while rows:  # the first round catches each draft KV up in one packed forward, then one token a round
-            tokens = self.runner.execute_rows(rows).argmax(dim=-1).tolist()
+            tokens = self.runner.execute(rows).argmax(dim=-1).tolist()
             next_rows, next_ids = [], []
             for seq_id, token in zip(ids, tokens, strict=True):
                 proposals[seq_id].append(token)

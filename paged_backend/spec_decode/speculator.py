@@ -6,13 +6,16 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_backend.config.speculative import SpeculativeConfig
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.engine.request import Sequence
-from paged_backend.engine.sampler import Sampler, _processes
+from paged_backend.engine.sampler import Sampler, processes_logits
 from paged_backend.engine.scheduler import ScheduledSequence
-from paged_backend.config.speculative import SpeculativeConfig
+from paged_backend.errors import InvalidRequest
+from paged_backend.spec_decode.draft_model import DraftModelProposer
 from paged_backend.spec_decode.ngram import propose_ngram
 from paged_backend.spec_decode.rejection import verify_greedy, verify_sampled
+from paged_backend.worker.models import load_model
 
 MAX_BACKOFF = 64
 
@@ -43,7 +46,7 @@ def speculates(seq: Sequence) -> bool:
     speculates. Penalties, bad words, watermarks, min_tokens and prompt logprobs fall back to plain decoding;
     grammars speculate (their matcher walks the draft to mask each row, then rolls back)."""
     params = seq.request.params
-    return not _processes(params) and params.prompt_logprobs is None and seq.num_output_tokens >= params.min_tokens
+    return not processes_logits(params) and params.prompt_logprobs is None and seq.num_output_tokens >= params.min_tokens
 
 
 class Speculator:
@@ -148,14 +151,14 @@ def grammar_rows(logits: torch.Tensor, matcher, draft: list[int], structured) ->
     return masked[: walked + 1], draft[:walked]
 
 
-def build_speculator(engine, backend: str | None) -> Speculator | None:
-    """The engine's speculator from `config.speculative_config` (None when unset); refuses what it cannot run."""
-    from paged_backend.errors import InvalidRequest
-
-    config = engine.config.speculative_config
+def build_speculator(
+    engine_config, manager: BlockManager, max_model_len: int, vocab_size: int, device, backend: str | None
+) -> Speculator | None:
+    """The engine's speculator from `speculative_config` (None when unset), proposing for the sequences of `manager`;
+    refuses what it cannot run."""
+    config = engine_config.speculative_config
     if config is None:
         return None
-    manager = engine.block_manager
     if any(window is not None for window in manager.sliding_windows):
         # Windowed layers free blocks behind the window as decoding moves on; a rollback could need them again.
         raise InvalidRequest(
@@ -164,19 +167,16 @@ def build_speculator(engine, backend: str | None) -> Speculator | None:
         )
     draft = None
     if config.method == "draft_model":
-        from paged_backend.worker.models import load_model
-        from paged_backend.spec_decode.draft_model import DraftModelProposer
-
         model, loaded = config.model, isinstance(config.model, str)
         if loaded:
-            model, _ = load_model(model, dtype=engine.config.dtype, device=str(engine.kv_cache.device))
-        if model.config.get_text_config().vocab_size != engine.vocab_size:
+            model, _ = load_model(model, dtype=engine_config.dtype, device=str(device))
+        if model.config.get_text_config().vocab_size != vocab_size:
             raise InvalidRequest(
                 f"the draft model's vocabulary ({model.config.get_text_config().vocab_size} tokens) differs from "
-                f"the target's ({engine.vocab_size}); use a draft with the target's tokenizer"
+                f"the target's ({vocab_size}); use a draft with the target's tokenizer"
             )
         draft = DraftModelProposer(
-            model, manager.num_blocks, manager.block_size, engine.kv_cache.device, backend,
-            pack=engine.config.prepack_weights, release=loaded,
+            model, manager.num_blocks, manager.block_size, device, backend,
+            pack=engine_config.prepack_weights, release=loaded,
         )  # fmt: skip
-    return Speculator(config, manager, engine.max_model_len, draft)
+    return Speculator(config, manager, max_model_len, draft)

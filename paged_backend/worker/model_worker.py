@@ -102,7 +102,6 @@ class ModelWorker:
         plan: PoolPlan,
         device: torch.device,
         *,
-        block_manager=None,
         backend: str | None = None,
         pack: bool = False,
         release: bool = False,
@@ -124,4 +123,4 @@ class ModelWorker:
         if calibrate:
             start_calibration(self.kv_cache)
         packed = pack_linears(model, pack, release=release)
-        self.runner = ModelRunner(model, self.kv_cache, block_manager, backend, packed)
+        self.runner = ModelRunner(model, self.kv_cache, backend, packed)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import Cache, PreTrainedModel
@@ -24,13 +23,9 @@ from paged_backend.worker.attention import (
     paged_attention_enabled,
     register_paged_attention,
 )
-from paged_backend.core.block_manager import BlockManager
 from paged_backend.worker.packed_linear import PackedLinears
 from paged_backend.core.kv_cache import PagedKVCache
 from paged_backend.core.kv_scales import calibrate_layer
-
-if TYPE_CHECKING:  # moving: the runner will take rows as data, not the scheduler's objects
-    from paged_backend.engine.scheduler import ScheduledSequence
 
 
 class StepCache(Cache):
@@ -59,13 +54,15 @@ class SequenceRows:
 
 
 class ModelRunner:
-    """Runs the model for a list of scheduled sequences; returns logits of the sequences that sample."""
+    """Runs one packed forward of a step's `SequenceRows` over the paged pool; returns the kept logits rows.
+
+    It takes block tables as data and never sees the scheduler or the block manager (vLLM V1's worker contract), so
+    the engine, the draft model and the TGI shard, which keep their tables differently, share it."""
 
     def __init__(
         self,
         model: PreTrainedModel,
         kv_cache: PagedKVCache,
-        block_manager: BlockManager,
         attention_backend: str | None = None,
         packed: PackedLinears | None = None,
     ) -> None:
@@ -74,24 +71,10 @@ class ModelRunner:
         self.packed = packed  # prepacked CPU linear layers, swapped in for each forward like attention
         self.model_configs = model_configs(model)  # switched to paged attention for each forward only
         self.kv_cache = kv_cache
-        self.block_manager = block_manager
         self.attention_backend = attention_backend
         self.device = kv_cache.device
-        self.lora = None  # a LoRAManager when adapters are enabled: it tells the layers each packed row's adapter
 
-    def prepare(self, scheduled: list[ScheduledSequence]):
-        """Moving: the scheduler's objects -> rows (the engine will hand rows over itself)."""
-        manager = self.block_manager
-        rows = [
-            SequenceRows(
-                item.seq.token_ids[item.start : item.start + item.num_tokens - len(item.draft)] + item.draft,
-                item.start, manager.block_tables(item.seq.seq_id), 1 + len(item.draft) if item.samples else 0,
-            )
-            for item in scheduled
-        ]  # fmt: skip
-        return self.prepare_rows(rows)
-
-    def prepare_rows(self, rows: list[SequenceRows]) -> tuple[torch.Tensor, torch.Tensor, PagedMetadata, list[int]]:
+    def prepare(self, rows: list[SequenceRows]) -> tuple[torch.Tensor, torch.Tensor, PagedMetadata, list[int]]:
         """Flatten the step into input ids, positions, paged metadata and the packed rows whose logits are kept."""
         block_size = self.kv_cache.block_size
         num_groups = len(self.kv_cache.groups)
@@ -130,19 +113,10 @@ class ModelRunner:
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)
         return ids, pos, metadata, logit_rows
 
-    def execute(self, scheduled: list[ScheduledSequence], extra_rows: list[int] = ()) -> torch.Tensor:
-        """One packed forward. Returns float32 logits `[num_sample_rows + len(extra_rows), vocab]`: the sampling
-        sequences' last positions (with drafts: their last `len(draft) + 1`), then the packed `extra_rows`."""
-        ids, positions, metadata, sample_rows = self.prepare(scheduled)
-        adapters = nullcontext() if self.lora is None else self.lora.activate(
-            [(item.seq.request.lora_adapter, item.num_tokens) for item in scheduled]
-        )
-        with adapters:
-            return self.forward(ids, positions, metadata, sample_rows + list(extra_rows))
-
-    def execute_rows(self, rows: list[SequenceRows], extra_rows: list[int] = ()) -> torch.Tensor:
-        """One packed forward of `rows`: float32 logits of each row's kept positions, then the packed `extra_rows`."""
-        ids, positions, metadata, logit_rows = self.prepare_rows(rows)
+    def execute(self, rows: list[SequenceRows], extra_rows: list[int] = ()) -> torch.Tensor:
+        """One packed forward of `rows`. Returns float32 logits of each row's kept positions (its last
+        `num_logit_rows`, in row order), then those of the packed positions `extra_rows` (prompt logprobs)."""
+        ids, positions, metadata, logit_rows = self.prepare(rows)
         return self.forward(ids, positions, metadata, logit_rows + list(extra_rows))
 
     @torch.inference_mode()

@@ -8,11 +8,12 @@ from collections.abc import AsyncIterator
 from paged_backend.engine import Engine
 from paged_backend.errors import InvalidRequest, PromptTooLong
 from paged_backend.engine.async_engine import AsyncEngine, EngineNotRunning, EngineStepFailed, RequestAborted
+from paged_backend.engine.output_processor import top_logprobs
 from paged_backend.tgi.backends.base import BackendEvent, BackendLoad, GeneratedToken, PrefillTokens
 from paged_backend.tgi.http.errors import GenerationError, OverloadedError, ValidationError
 from paged_backend.tgi.backends.lora import lora_request
 from paged_backend.tgi.http.metrics import TgiMetrics
-from paged_backend.tgi.backends.sampling import finish_reason, sampling_params, top_tokens
+from paged_backend.tgi.backends.sampling import finish_reason, sampling_params
 from paged_backend.tgi.http.validation import ValidRequest
 
 
@@ -81,7 +82,7 @@ class PagedBackend:
                     yield GeneratedToken(
                         id=token_id,
                         logprob=logprobs[token_id],
-                        top_tokens=top_tokens(logprobs, request.top_n_tokens),
+                        top_tokens=top_logprobs(logprobs, request.top_n_tokens),
                         finish_reason=self._finish_reason(completion, request) if done else None,
                     )
                 num_sent = last + 1

@@ -29,7 +29,7 @@ from paged_backend.engine.watermark import apply_watermark
 from paged_backend.tgi.backends.base import BackendEvent, BackendLoad, GeneratedToken, PrefillTokens
 from paged_backend.tgi.http.errors import GenerationError
 from paged_backend.tgi.http.metrics import TgiMetrics
-from paged_backend.tgi.backends.tokens import IncrementalDetokenizer, StoppingCriteria, eos_token_ids
+from paged_backend.tgi.backends.tokens import StoppingCriteria, TokenTexts, eos_token_ids
 from paged_backend.tgi.http.validation import ChooserParameters, ValidRequest
 
 _END = object()
@@ -91,7 +91,7 @@ class _TokenStreamer(BaseStreamer):
 
     def __init__(self, request: ValidRequest, tokenizer, eos_ids: set[int], recorder: RawLogprobs, emit) -> None:
         self.request, self.recorder, self.emit = request, recorder, emit
-        self.detokenizer = IncrementalDetokenizer(tokenizer, request.input_ids)
+        self.texts = TokenTexts(tokenizer, request.input_ids)
         stopping = request.stopping
         self.stopping = StoppingCriteria(
             eos_ids, stopping.stop_sequences, stopping.max_new_tokens, stopping.ignore_eos_token
@@ -105,7 +105,7 @@ class _TokenStreamer(BaseStreamer):
             return
         token_id = int(value.reshape(-1)[0])
         logprobs = self.recorder.latest
-        reason = self.stopping(token_id, self.detokenizer.push(token_id))
+        reason = self.stopping(token_id, self.texts.push(token_id))
         ids, values = _top(logprobs, self.request.top_n_tokens)
         self.emit(GeneratedToken(token_id, float(logprobs[token_id]), list(zip(ids, values, strict=True)), reason))
         self.finished = reason is not None

@@ -38,13 +38,6 @@ def sampling_params(
     )
 
 
-def top_tokens(logprobs: dict[int, float], top_n_tokens: int) -> list[tuple[int, float]]:
-    """The `top_n_tokens` most likely (id, logprob) pairs of an engine logprob dict."""
-    if not top_n_tokens:
-        return []
-    return sorted(logprobs.items(), key=lambda item: item[1], reverse=True)[:top_n_tokens]
-
-
 def finish_reason(engine_reason: str, stop_reason: int | str | None) -> FinishReason:
     """Engine finish reasons in TGI's words: a stop string is `stop_sequence`, any other stop is EOS."""
     if engine_reason == "length":

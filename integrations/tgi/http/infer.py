@@ -19,7 +19,7 @@ from paged_backend.tgi.http.errors import IncompleteGenerationError, OverloadedE
 from paged_backend.tgi.http.metrics import TgiMetrics
 from paged_backend.tgi.http.schemas import GenerateParameters
 from paged_backend.tgi.http.settings import RouterSettings
-from paged_backend.tgi.backends.tokens import IncrementalDetokenizer
+from paged_backend.tgi.backends.tokens import TokenTexts, generated_text, token_text
 from paged_backend.tgi.http.validation import ValidRequest, validate
 from paged_backend.observability.tracing import RequestTiming, RequestTracer
 
@@ -114,12 +114,12 @@ class Infer:
         return Token(token_id, text, logprob, token_id in self.special_ids)
 
     def _single_token(self, token_id: int, logprob: float | None) -> Token:
-        return self.token(token_id, self.tokenizer.decode([token_id], skip_special_tokens=False), logprob)
+        return self.token(token_id, token_text(self.tokenizer, token_id), logprob)
 
     async def stream(self, request: ValidRequest) -> AsyncIterator[StreamStep]:
         """Tokens of one request as the backend produces them; failures count once in the metrics."""
         start = time.monotonic()
-        detokenizer = IncrementalDetokenizer(self.tokenizer, request.input_ids)
+        texts = TokenTexts(self.tokenizer, request.input_ids)
         prefill: list[Token] = []
         tokens: list[Token] = []
         top_tokens: list[list[Token]] = []
@@ -132,7 +132,7 @@ class Infer:
                         continue
                     assert isinstance(event, GeneratedToken)
                     first_token_time = first_token_time or time.monotonic()
-                    token = self.token(event.id, detokenizer.push(event.id), event.logprob)
+                    token = self.token(event.id, texts.push(event.id), event.logprob)
                     tops = [self._single_token(i, lp) for i, lp in event.top_tokens]
                     tokens.append(token)
                     top_tokens.append(tops)
@@ -177,7 +177,7 @@ class Infer:
         self.metrics.request_input_length.observe(request.input_length)
         self.metrics.request_max_new_tokens.observe(request.stopping.max_new_tokens)
         return Generation(
-            generated_text=self.tokenizer.decode(generated_ids, skip_special_tokens=True),
+            generated_text=generated_text(self.tokenizer, generated_ids),
             finish_reason=finish_reason,
             generated_tokens=len(tokens),
             seed=request.parameters.seed if request.parameters.do_sample else None,

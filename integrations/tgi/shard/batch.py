@@ -12,7 +12,7 @@ from paged_backend.engine.request import Request, Sequence
 from paged_backend.errors import InvalidRequest
 from paged_backend.tgi.http.grammar import ValidGrammar
 from paged_backend.tgi.backends.sampling import sampling_params
-from paged_backend.tgi.backends.tokens import IncrementalDetokenizer, StoppingCriteria
+from paged_backend.tgi.backends.tokens import StoppingCriteria, TokenTexts
 from paged_backend.tgi.http.validation import ChooserParameters, StoppingParameters
 
 
@@ -23,7 +23,7 @@ class ShardRequest:
     blocks: list[int]
     slots: list[int]
     stopping: StoppingCriteria
-    detokenizer: IncrementalDetokenizer
+    detokenizer: TokenTexts
     chooser: ChooserParameters
     prefill_logprobs: bool
     top_n_tokens: int
@@ -132,7 +132,7 @@ def request_from_pb(request, tokenizer, eos_ids: set[int], block_size: int) -> S
         blocks=blocks,
         slots=slots,
         stopping=StoppingCriteria(eos_ids, stopping.stop_sequences, stop.max_new_tokens, stop.ignore_eos_token),
-        detokenizer=IncrementalDetokenizer(tokenizer, input_ids),
+        detokenizer=TokenTexts(tokenizer, input_ids),
         chooser=chooser,
         prefill_logprobs=request.prefill_logprobs,
         top_n_tokens=request.top_n_tokens,

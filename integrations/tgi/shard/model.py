@@ -157,7 +157,7 @@ class ShardModel:
             # TGI's router assigns each request one block table and every token's slot.
             rows.append(SequenceRows(request.seq.token_ids[computed:], computed, (request.blocks,),
                                      slots=(request.slots[computed:total],)))  # fmt: skip
-        ids, positions, metadata, sample_rows = self.runner.prepare_rows(rows)
+        ids, positions, metadata, sample_rows = self.runner.prepare(rows)
         prompt_rows = self._prompt_rows(batch, metadata.query_start_loc.tolist())
         keep = sorted(set(sample_rows) | {row for rows in prompt_rows.values() for row in rows})
         logits = self.runner.forward(ids, positions, metadata, keep)

@@ -13,6 +13,7 @@ from paged_backend.tgi.proto import generate_pb2 as pb
 from paged_backend.tgi.proto import generate_pb2_grpc as pb_grpc
 from paged_backend.tgi.shard.batch import ShardBatch, request_from_pb
 from paged_backend.tgi.shard.model import ShardModel, TokenResult
+from paged_backend.tgi.backends.tokens import generated_text, token_text
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         return pb.Tokens(ids=ids, logprobs=logprobs, texts=texts, is_special=[i in self.special_ids for i in ids])
 
     def _texts(self, ids: list[int]) -> list[str]:
-        return [self.model.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+        return [token_text(self.model.tokenizer, i) for i in ids]
 
     def _generation(self, result: TokenResult) -> pb.Generation:
         request = result.request
@@ -178,9 +179,8 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             generation.top_tokens.append(top)
         if result.finish_reason is not None:
             chooser = request.chooser
-            text = self.model.tokenizer.decode(request.generated_ids, skip_special_tokens=True)
             generated = pb.GeneratedText(
-                text=text,
+                text=generated_text(self.model.tokenizer, request.generated_ids),
                 generated_tokens=len(request.generated_ids),
                 finish_reason=FINISH_REASONS[result.finish_reason],
             )

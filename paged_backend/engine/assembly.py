@@ -1,0 +1,134 @@
+"""What an engine runs on: the model and tokenizer, its KV pool and block manager, the model runner (or the parallel
+driver's), and the longest sequence the pool holds. `assemble` builds them from an `EngineConfig`."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from paged_backend.config import EngineConfig
+from paged_backend.core.block_manager import BlockManager
+from paged_backend.core.kv_budget import KVShape
+from paged_backend.core.kv_cache import PagedKVCache
+from paged_backend.errors import InvalidRequest
+from paged_backend.lora import LoRAManager
+from paged_backend.worker.model_support import check_runs_paged
+from paged_backend.worker.model_worker import ModelWorker, plan_pool
+from paged_backend.worker.models import load_model
+from paged_backend.worker.offload import input_device
+from paged_backend.worker.runner import ModelRunner
+
+
+@dataclass
+class EngineParts:
+    """The assembled pieces an `Engine` steps with."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    kv_cache: PagedKVCache
+    block_manager: BlockManager
+    runner: ModelRunner
+    lora: LoRAManager | None  # with enable_lora: the adapters' registry and device slots
+    parallel: object | None  # the ParallelDriver of a TP x PP engine, else None
+    device: torch.device
+    backend: str | None  # the attention backend asked for; None = automatic
+    max_model_len: int
+    prefill_chunk_limit: int
+
+
+def assemble(
+    config: EngineConfig, model: PreTrainedModel | None = None, tokenizer: PreTrainedTokenizerBase | None = None
+) -> EngineParts:
+    """Load the model (unless given one, with its tokenizer), size and allocate the pool, build the runner."""
+    loaded = model is None
+    if loaded:
+        model, tokenizer = load_model(
+            config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=config.device,
+            device_map=config.device_map, max_memory=config.max_memory, cpu_offload_gb=config.cpu_offload_gb,
+            offload_folder=config.offload_folder, quantization=config.quantization,
+            quantization_param=config.quantization_param,
+        )  # fmt: skip
+    elif tokenizer is None:
+        raise InvalidRequest("a model object was given without its tokenizer; pass tokenizer=...")
+    if config.lora_modules and not config.enable_lora:
+        raise InvalidRequest("lora_modules were given but LoRA is disabled; set enable_lora=True (--enable-lora)")
+    check_runs_paged(model)
+    device = input_device(model)  # accelerate-dispatched models: each layer's KV on its own device
+    backend = None if config.attention_backend == "auto" else config.attention_backend
+    cache = config.cache
+    parallel = lora = None
+    if config.parallel.world_size > 1:  # rank 0 of a TP x PP group: its shard, its per-rank pool, the workers
+        if cache.calculate_kv_scales:
+            raise InvalidRequest("calculate_kv_scales runs in one process only; drop it or use tensor/pipeline size 1")
+        from paged_backend.distributed.driver import ParallelDriver  # torch.distributed, only when asked for
+
+        if not loaded:  # the driver shards its model in place: never the caller's object
+            model = copy.deepcopy(model)
+        parallel = ParallelDriver(config, model)
+        model, kv_cache = parallel.model, parallel.kv_cache
+        if config.enable_lora:
+            lora = LoRAManager.for_engine(config, model, parallel)
+        runner = parallel.runner(backend, lora)
+    else:
+        # Sliding-window layers get their own block tables unless the hybrid manager is off.
+        split = not config.scheduler.disable_hybrid_kv_cache_manager
+        plan = plan_pool(model, cache, device, split_windows=split, backend=config.attention_backend)
+        # The runner switches attention to "paged_backend" (and eval mode) for its own forwards only: a model object
+        # the caller passed in is left as it was, usable with plain generate() between and after steps; it also
+        # keeps its dense weights (only a model loaded here gives them up for the prepacked ones).
+        worker = ModelWorker(model, plan, device, backend=backend, pack=config.prepack_weights, release=loaded,
+                             calibrate=cache.calculate_kv_scales)  # fmt: skip
+        kv_cache, runner = worker.kv_cache, worker.runner
+        if config.enable_lora:
+            lora = LoRAManager.for_engine(config, model)
+    block_manager = BlockManager(
+        kv_cache.num_blocks, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
+        watermark=cache.watermark, num_cpu_blocks=kv_cache.num_cpu_blocks,
+        sliding_windows=[group.sliding_window for group in kv_cache.groups],
+    )  # fmt: skip
+    max_model_len = _max_model_len(config, block_manager, KVShape.of(model.config).max_positions)
+    return EngineParts(
+        model, tokenizer, kv_cache, block_manager, runner, lora, parallel, device, backend, max_model_len,
+        _prefill_chunk_limit(config, block_manager, max_model_len),
+    )  # fmt: skip
+
+
+def _max_model_len(config: EngineConfig, manager: BlockManager, max_positions: int) -> int:
+    """The longest sequence the pool holds on its own, as one sequence must to be scheduled again after a
+    recompute preemption re-prefills it. Full-attention groups hold every token; windowed groups only their
+    window plus a step's chunk, so a model windowed everywhere is bounded by positions, not by the pool (its
+    prefill chunks then shrink to fit, see `_prefill_chunk_limit`); unchunked, one step's budget also bounds it."""
+    scheduler, asked = config.scheduler, config.scheduler.max_model_len
+    chunked = scheduler.enable_chunked_prefill
+    capacity = _largest(lambda n: manager.fits_alone(n, 1 if chunked else n), max(max_positions, asked or 0))
+    if not scheduler.enable_chunked_prefill:
+        capacity = min(capacity, scheduler.max_num_batched_tokens)
+    if asked is not None and asked > capacity:
+        raise InvalidRequest(
+            f"max_model_len={asked} needs {manager.peak_blocks_per_sequence(asked, 1)} KV blocks for one "
+            f"sequence, but the pool has {manager.usable_blocks} usable blocks of {manager.block_size} tokens "
+            f"({manager.num_groups} layer group(s)), so it holds at most {capacity} tokens: raise num_blocks / "
+            f"kv_cache_memory_bytes / gpu_memory_utilization, or lower max_model_len to {capacity}"
+        )
+    return min(asked or max_positions, capacity)
+
+
+def _prefill_chunk_limit(config: EngineConfig, manager: BlockManager, max_model_len: int) -> int:
+    """The largest prefill chunk with which a `max_model_len` sequence still fits the pool on its own: the whole
+    step budget unless windowed groups, which hold a chunk's worth of blocks, need smaller chunks."""
+    budget = config.scheduler.max_num_batched_tokens
+    if not config.scheduler.enable_chunked_prefill:
+        return budget
+    return _largest(lambda chunk: manager.fits_alone(max_model_len, chunk), budget)
+
+
+def _largest(fits, high: int) -> int:
+    """The largest n in 1..high with fits(n), for a monotone `fits` (0 if none)."""
+    low = 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low

@@ -1,0 +1,131 @@
+"""`LLM`: offline batch generation on top of `Engine` (vLLM's `LLM`), and `engine_config` for its flat options."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from paged_backend.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from paged_backend.engine.engine import Engine
+from paged_backend.engine.input_processor import prompt_list
+from paged_backend.engine.request import RequestOutput, SamplingParams
+from paged_backend.errors import InvalidRequest
+from paged_backend.lora import LoRARequest
+
+
+class LLM:
+    """Offline batch generation on top of `Engine`.
+
+    >>> llm = LLM(device="cpu", num_blocks=64)
+    >>> [out] = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3))
+    >>> len(out.outputs[0].token_ids)
+    3
+    """
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel | None = None,
+        *,
+        tokenizer: str | PreTrainedTokenizerBase | None = None,
+        **engine_kwargs,
+    ) -> None:
+        objects = not (model is None or isinstance(model, str))
+        config = engine_config(model=None if objects else model,
+                               tokenizer=None if objects or tokenizer is None else tokenizer, **engine_kwargs)
+        self.engine = Engine(config, model=model if objects else None, tokenizer=tokenizer if objects else None)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | dict | list,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        priority: list[int] | None = None,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        A prompt is text, a list of token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": [ids]}; `prompts` is
+        one prompt or a list of them. `priority` (one per prompt, smaller first) matters with the "priority"
+        scheduling policy. `lora_request`: one adapter for all prompts, or one (or None for the base model) per prompt.
+        """
+        prompts = prompt_list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequest(f"{len(params)} sampling params for {len(prompts)} prompts; give one or one each")
+        priority = priority or [0] * len(prompts)
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise InvalidRequest(f"{len(loras)} lora requests for {len(prompts)} prompts; give one or one each")
+        ids: list[str] = []
+        try:
+            for prompt, param, rank, lora in zip(prompts, params, priority, loras, strict=True):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, prompt, param, priority=rank, lora_request=lora)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:  # all or nothing: a bad prompt leaves no half-queued batch behind
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block (vLLM's call), e.g. after the model's weights changed: cached blocks hold
+        KV computed with the old ones. Running sequences keep their blocks."""
+        self.engine.block_manager.reset_prefix_cache()
+        return True
+
+    def kv_map(self, path: str = "kv_map.png", *, title: str = "KV pool"):
+        """Draw the pool now as `path` (PNG) and the same name with .html; see `paged_backend.core.kv_map`."""
+        from paged_backend.core.kv_map import draw_kv_map
+
+        return draw_kv_map(self.engine.kv_snapshot(), path, title=title)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        progress = _progress(len(ids)) if use_tqdm else None
+        generated, started = 0, time.perf_counter()
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    generated += 1
+                    if output.finished:
+                        finished[output.request_id] = output
+                        if progress is not None:
+                            progress.update(1)
+                if progress is not None:
+                    progress.set_postfix_str(f"{generated / (time.perf_counter() - started):.1f} tok/s")
+        except BaseException:
+            # A failed step (or Ctrl-C) fails this batch: abort what is left so its blocks are free and the
+            # next generate() starts clean instead of resuming half-stepped requests.
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+        return [finished[request_id] for request_id in ids]
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)
+
+
+def engine_config(**kwargs) -> EngineConfig:
+    """Build an `EngineConfig` from flat keyword arguments (vLLM style: `block_size=16, max_num_seqs=64`).
+
+    >>> engine_config(block_size=8, max_num_seqs=4).scheduler.max_num_seqs
+    4
+    """
+    groups = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+    nested = {name: cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in cls.model_fields})
+              for name, cls in groups.items()}
+    unknown = set(kwargs) - set(EngineConfig.model_fields)
+    if unknown:
+        raise InvalidRequest(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+    return EngineConfig(**nested, **kwargs)

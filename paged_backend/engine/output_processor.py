@@ -1,0 +1,61 @@
+"""Output processing: from sampled tokens to sequence state and `RequestOutput`s (vLLM V1's OutputProcessor).
+
+Each token is appended, walked through the request's grammar, detokenized (`detokenizer`), and checked against the
+request's stop rules (`stopping`); a finished sequence leaves the scheduler and frees its blocks at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from paged_backend.engine.request import Request, RequestOutput, Sequence, SequenceStatus
+from paged_backend.engine.scheduler import Scheduler
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, scheduler: Scheduler) -> None:
+        self.tokenizer, self.scheduler = tokenizer, scheduler
+
+    def append_token(self, seq: Sequence, token: int, logprob: dict[int, float] | None) -> None:
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
+        new_text = self.detokenize(seq)
+        stop = seq.request.stop_rules.check(
+            token, seq.text, new_text, seq.num_output_tokens, seq.num_tokens, seq.grammar
+        )
+        if stop is not None:
+            if stop.text_end is not None:
+                seq.text = seq.text[: stop.text_end]
+            self.finish(seq, stop.reason, stop.stop_reason)
+
+    def detokenize(self, seq: Sequence) -> str:
+        """Append the text of the newest token(s) to `seq.text` and return it ('' while a character is incomplete)."""
+        new_text = seq.detokenizer.next_text(self.tokenizer, seq.token_ids)
+        seq.text += new_text
+        return new_text
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason
+        self.scheduler.remove(seq)
+
+    @staticmethod
+    def request_outputs(advanced: Iterable[Request], now: float) -> list[RequestOutput]:
+        """The cumulative output of every request that got a token (or finished) this step; marks finished ones."""
+        outputs = []
+        for request in advanced:
+            request.metrics.record_token(now)
+            if all(seq.is_finished for seq in request.seqs):
+                request.finished = True
+                request.metrics.finished_time = now
+            outputs.append(request.output())
+        return outputs
+
+
+def top_logprobs(entry: dict[int, float], count: int) -> list[tuple[int, float]]:
+    """The `count` most likely (token id, logprob) pairs of one token's logprobs, most likely first."""
+    if not count:
+        return []
+    return sorted(entry.items(), key=lambda item: item[1], reverse=True)[:count]
