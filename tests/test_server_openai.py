@@ -144,9 +144,10 @@ def test_chat_logprobs_list_top_alternatives(client):
 def test_metrics_use_vllm_names_and_count_the_traffic(server, client):
     sampled(client, max_tokens=4)
     metrics = server.wait_until_drained()
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
-                 "prefix_cache_queries_total", "prefix_cache_hits_total"):  # fmt: skip
+    for name in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
+                 "num_preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total"):  # fmt: skip
         assert f"paged_backend:{name}" in metrics
+    assert metrics["paged_backend:num_requests_swapped"] == 0  # drained
     assert metrics["paged_backend:prompt_tokens_total"] > 0
     assert metrics["paged_backend:generation_tokens_total"] >= 4
     for histogram in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):

@@ -16,6 +16,7 @@ from paged_backend.core.block_manager import CPU_NULL_BLOCK, NULL_BLOCK, BlockMa
 
 HISTORY_LENGTH = 256  # points kept; older ones are dropped
 HISTORY_BLOCKS_PER_STEP = 256  # bigger pools record every k-th step, so the cost per step stays flat
+HISTORY_FIELDS = ("usage", "waste_pct", "used_blocks", "shared_blocks", "cached_blocks")  # BlockStats, per point
 
 
 class KVHistory:
@@ -31,17 +32,8 @@ class KVHistory:
         if step % max(1, manager.num_blocks // HISTORY_BLOCKS_PER_STEP):
             return
         stats = manager.stats()
-        self.points.append(
-            dict(
-                step=step,
-                time=time.monotonic(),
-                usage=stats.usage,
-                waste_pct=stats.waste_pct,
-                used_blocks=stats.used_blocks,
-                shared_blocks=stats.shared_blocks,
-                cached_blocks=stats.cached_blocks,
-            )
-        )
+        point = {name: getattr(stats, name) for name in HISTORY_FIELDS}
+        self.points.append({"step": step, "time": time.monotonic(), **point})
 
 
 def pool_snapshot(manager: BlockManager, owners: Mapping[Hashable, str], history: KVHistory | None = None) -> dict:

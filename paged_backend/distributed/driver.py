@@ -35,10 +35,6 @@ class WorkerFailed(RuntimeError):
     fatal = True  # the engine cannot step again: a server stops (exit code 1) instead of serving errors
 
 
-def parallel_requested(config: EngineConfig) -> bool:
-    return config.parallel.world_size > 1
-
-
 class DriverKVCache(StageKVCache):
     """The driver's pool: applies the block copies and swaps the engine asks for and records them for the ranks."""
 

@@ -96,9 +96,6 @@ class Scheduler:
     def drop_finished(self) -> None:
         self.running = [seq for seq in self.running if not seq.is_finished]
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
-
     # ------------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -22,7 +22,6 @@ from paged_backend.errors import BadLoRAAdapter
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."
 _load_ids = count(1)
 
 

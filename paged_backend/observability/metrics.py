@@ -33,6 +33,9 @@ class EngineStatsCollector(Collector):
         stats = self.async_engine.stats()
         yield GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests in the running batch.", stats.num_running)
         yield GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests waiting to run.", stats.num_waiting)
+        yield GaugeMetricFamily(  # vLLM V0's name: sequences preempted by swapping, waiting to swap back in
+            f"{PREFIX}num_requests_swapped", "Sequences swapped out to CPU memory.", stats.num_swapped
+        )
         yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stats.kv_usage)
         counters = {
             "num_preemptions": ("Sequences preempted for lack of KV blocks.", stats.num_preemptions),
