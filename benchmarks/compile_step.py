@@ -25,11 +25,11 @@ import time
 import torch
 from transformers import Cache
 
-from paged_backend.worker import attention
 from paged_backend.bench.speculative import MODEL as SPEC_MODEL
 from paged_backend.bench.speculative import prompts as spec_prompts
 from paged_backend.bench.throughput import QUICK_MODEL
 from paged_backend.engine import LLM, SamplingParams
+from paged_backend.worker import attention
 from paged_backend.worker.models import byte_tokenizer, tiny_model
 
 STEP: dict = {}  # the running step's pool and metadata, read by the attention op

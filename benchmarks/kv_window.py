@@ -21,9 +21,9 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from paged_backend import BlockManager
-from paged_backend.engine import LLM, SamplingParams
 from paged_backend.core.kv_budget import bytes_per_block
 from paged_backend.core.kv_groups import kv_cache_groups, sliding_windows
+from paged_backend.engine import LLM, SamplingParams
 from paged_backend.worker.models import byte_tokenizer
 
 WINDOW, LAYERS, BLOCK_SIZE = 1024, 6, 16

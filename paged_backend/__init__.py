@@ -3,6 +3,7 @@
 import logging
 
 from paged_backend.core.block_manager import BlockManager, BlockStats
+from paged_backend.core.kv_cache import PagedKVCache
 from paged_backend.errors import (
     BackendUnavailable,
     InvalidRequest,
@@ -11,7 +12,6 @@ from paged_backend.errors import (
     PromptTooLong,
     UnsupportedModel,
 )
-from paged_backend.core.kv_cache import PagedKVCache
 
 # With the [quantization] extra installed, transformers imports torchao at start-up, which logs a warning for each
 # CUDA-only kernel library a CPU build cannot load and for each deprecated pytree registration: noise on every

@@ -10,8 +10,8 @@ import sys
 
 import torch
 
-from paged_backend.worker.attention import register_paged_attention
 from paged_backend.hf import PagedCache
+from paged_backend.worker.attention import register_paged_attention
 
 torch.set_num_threads(1)
 

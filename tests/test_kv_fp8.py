@@ -98,8 +98,8 @@ def test_calculated_scale_stops_large_keys_saturating_e4m3():
 
 
 def test_e5m2_is_refused_at_load_where_gpu_kernels_would_read_it():
-    from paged_backend.errors import InvalidRequest
     from paged_backend.core.kv_cache import check_kv_dtype_runs
+    from paged_backend.errors import InvalidRequest
 
     for device, backend in ((torch.device("cuda"), None), (torch.device("cpu"), "triton")):
         with pytest.raises(InvalidRequest, match="fp8_e5m2 is read by the cpu and torch attention backends only"):

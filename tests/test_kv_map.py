@@ -13,12 +13,11 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from paged_backend import cli
-from paged_backend.engine import LLM, Engine, SamplingParams
-from paged_backend.engine import engine_config
+from paged_backend.engine import LLM, Engine, SamplingParams, engine_config
 from paged_backend.hf import PagedCache
-from paged_backend.worker.models import byte_tokenizer
 from paged_backend.server.app import build_app
 from paged_backend.server.state import ServerSettings
+from paged_backend.worker.models import byte_tokenizer
 
 pytest.importorskip("matplotlib")
 

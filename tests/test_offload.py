@@ -10,11 +10,10 @@ pytest.importorskip("accelerate", reason="the [accelerate] extra is not installe
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from paged_backend import InvalidRequest  # noqa: E402
-from paged_backend.engine import Engine, SamplingParams  # noqa: E402
-from paged_backend.engine import engine_config  # noqa: E402
+from paged_backend.config.placement import parse_device_map, parse_max_memory  # noqa: E402
+from paged_backend.engine import Engine, SamplingParams, engine_config  # noqa: E402
 from paged_backend.hf import PagedCache  # noqa: E402
 from paged_backend.worker.models import byte_tokenizer, tiny_model  # noqa: E402
-from paged_backend.config.placement import parse_device_map, parse_max_memory  # noqa: E402
 from paged_backend.worker.offload import layer_devices  # noqa: E402
 
 # Layers 1 and 3 live on disk (accelerate streams their weights in at each forward), the rest in CPU memory.
@@ -140,8 +139,8 @@ def test_pool_keeps_each_layer_on_its_own_device():
 
 def test_serve_and_launch_map_the_placement_flags_onto_the_engine_config():
     from paged_backend.engine.args import EngineArgs
-    from paged_backend.tgi.launcher.launch import engine_config as launch_config
     from paged_backend.tgi.launcher.flags import parse_flags
+    from paged_backend.tgi.launcher.launch import engine_config as launch_config
 
     flags = ["--device-map", json.dumps(DISK_MAP), "--max-memory", "cpu=1GiB", "--offload-folder", "/tmp/off"]
     config = launch_config(parse_flags(flags))

@@ -9,8 +9,8 @@ from _engine_helpers import ragged_prompts
 from torch import nn
 
 from paged_backend.engine import LLM, SamplingParams
-from paged_backend.worker.packed_linear import PackedLinears, dtype_packs, packable
 from paged_backend.worker.models import byte_tokenizer, tiny_model
+from paged_backend.worker.packed_linear import PackedLinears, dtype_packs, packable
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

@@ -15,15 +15,15 @@ from typer.testing import CliRunner
 
 from paged_backend.cli import app as cli_app
 from paged_backend.engine import LLM, Engine, SamplingParams
-from paged_backend.errors import InvalidRequest, UnsupportedModel
-from paged_backend.worker.models import byte_tokenizer, load_model, tiny_model
-from paged_backend.worker.quantization import METHODS, TGI_NAMES, from_tgi, weight_bytes
-from paged_backend.server.app import build_app
 from paged_backend.engine.args import EngineArgs
+from paged_backend.errors import InvalidRequest, UnsupportedModel
+from paged_backend.server.app import build_app
 from paged_backend.server.state import ServerSettings
 from paged_backend.tgi.http.app import create_app
-from paged_backend.tgi.launcher.launch import build_backend, router_settings
 from paged_backend.tgi.launcher.flags import parse_flags
+from paged_backend.tgi.launcher.launch import build_backend, router_settings
+from paged_backend.worker.models import byte_tokenizer, load_model, tiny_model
+from paged_backend.worker.quantization import METHODS, TGI_NAMES, from_tgi, weight_bytes
 from tests._tgi_helpers import serving_in_thread
 
 NEW_TOKENS = 8

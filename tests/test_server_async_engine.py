@@ -9,8 +9,8 @@ import pytest
 
 from paged_backend.config import CacheConfig, EngineConfig
 from paged_backend.engine import Engine, SamplingParams
-from paged_backend.errors import InvalidRequest, PromptTooLong
 from paged_backend.engine.async_engine import AsyncEngine, EngineNotRunning, EngineStepFailed, RequestAborted
+from paged_backend.errors import InvalidRequest, PromptTooLong
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

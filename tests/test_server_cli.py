@@ -6,8 +6,8 @@ import typer
 from typer.testing import CliRunner
 
 from paged_backend.config import EngineConfig
-from paged_backend.server.cli import register
 from paged_backend.engine.args import EngineArgs
+from paged_backend.server.cli import register
 
 ENGINE_FLAGS = ["--model", "--block-size", "--num-blocks", "--max-num-seqs", "--max-num-batched-tokens",
                 "--max-model-len", "--swap-space", "--enable-prefix-caching", "--no-enable-prefix-caching",

@@ -14,11 +14,11 @@ import torch
 from _engine_helpers import make_llm_fixture  # noqa: F401
 from _hf_models import tiny_model
 
+from paged_backend.core.kv_cache import PagedKVCache
+from paged_backend.core.kv_groups import KVCacheGroup, kv_cache_groups
 from paged_backend.engine import LLM, SamplingParams
 from paged_backend.errors import InvalidRequest
 from paged_backend.hf import PagedCache
-from paged_backend.core.kv_cache import PagedKVCache
-from paged_backend.core.kv_groups import KVCacheGroup, kv_cache_groups
 
 WINDOWED = {
     "mistral": {},

@@ -12,9 +12,9 @@ import torch
 from scipy.stats import chisquare
 
 from paged_backend.bench.speculative import truncated
+from paged_backend.config.speculative import SpeculativeConfig
 from paged_backend.engine import SamplingParams
 from paged_backend.errors import InvalidRequest
-from paged_backend.config.speculative import SpeculativeConfig
 from paged_backend.spec_decode.ngram import propose_ngram
 from paged_backend.spec_decode.rejection import verify_sampled
 from tests._engine_helpers import make_llm_fixture, reference_model  # noqa: F401

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paged_backend.engine import LLM, SamplingParams
-from paged_backend.worker.models import byte_tokenizer
 from paged_backend.structured import StructuredOutputsParams
+from paged_backend.worker.models import byte_tokenizer
 
 KEYS = st.sampled_from(["a", "id", "name", "value", "tags", "x_y", "Ü"])
 

@@ -10,9 +10,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from paged_backend.errors import InvalidRequest
-from paged_backend.worker.models import SPECIAL_TOKENS, byte_tokenizer
 from paged_backend.structured import StructuredOutputsParams
 from paged_backend.structured.manager import StructuredOutputManager
+from paged_backend.worker.models import SPECIAL_TOKENS, byte_tokenizer
 
 EOS = SPECIAL_TOKENS["<|eos|>"]
 POINT = {

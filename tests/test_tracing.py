@@ -22,10 +22,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator  # noqa: E402
 
-from paged_backend.tgi.http.app import create_app  # noqa: E402
-from paged_backend.tgi.backends.paged import PagedBackend  # noqa: E402
-from paged_backend.tgi.http.settings import RouterSettings  # noqa: E402
 from paged_backend.observability.tracing import RequestTracer  # noqa: E402
+from paged_backend.tgi.backends.paged import PagedBackend  # noqa: E402
+from paged_backend.tgi.http.app import create_app  # noqa: E402
+from paged_backend.tgi.http.settings import RouterSettings  # noqa: E402
 from tests._tgi_helpers import free_port, serving_in_thread  # noqa: E402
 
 LATENCIES = ("time_to_first_token", "e2e", "time_in_model_decode")

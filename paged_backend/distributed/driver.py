@@ -16,15 +16,15 @@ import torch.distributed as dist
 from torch import nn
 
 from paged_backend.config import EngineConfig
-from paged_backend.distributed.executor import EXECUTORS
 from paged_backend.core.kv_budget import KVShape
+from paged_backend.distributed.executor import EXECUTORS
 from paged_backend.distributed.pipeline import stage_layers
 from paged_backend.distributed.sharding import check_shardable
 from paged_backend.distributed.state import RankContext, Topology, init_rank, torchrun_rank
 from paged_backend.distributed.worker import RankWorker, StepInput, serve_steps
+from paged_backend.errors import InvalidRequest
 from paged_backend.worker.model_worker import StageKVCache
 from paged_backend.worker.runner import ModelRunner
-from paged_backend.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
 

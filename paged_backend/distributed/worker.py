@@ -16,15 +16,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paged_backend.worker.attention import PagedMetadata
 from paged_backend.config import EngineConfig
 from paged_backend.core.kv_budget import KVShape
 from paged_backend.distributed.pipeline import PipelineStage, stage_layers
 from paged_backend.distributed.sharding import shard_model
 from paged_backend.distributed.state import RankContext, Topology, init_rank, rank_device
-from paged_backend.worker.model_worker import ModelWorker, StageKVCache, plan_pool
 from paged_backend.lora.adapter import linear_shapes
 from paged_backend.lora.layers import SlotLayers
+from paged_backend.worker.attention import PagedMetadata
+from paged_backend.worker.model_worker import ModelWorker, StageKVCache, plan_pool
 
 
 @dataclass

@@ -13,7 +13,7 @@ from contextlib import nullcontext
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from paged_backend.config import CacheConfig, EngineConfig
+from paged_backend.config import EngineConfig
 from paged_backend.engine.assembly import assemble
 from paged_backend.engine.detokenizer import eos_token_ids
 from paged_backend.engine.input_processor import InputProcessor

@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from paged_backend.engine.request import RequestOutput, SamplingParams
 from paged_backend.engine.async_engine import AsyncEngine
+from paged_backend.engine.request import RequestOutput, SamplingParams
 from paged_backend.observability.lora_metrics import lora_requests_info
 from paged_backend.observability.tracing import RequestTiming, RequestTracer
 

@@ -15,15 +15,15 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from paged_backend import __version__
-from paged_backend.server import chat, completions, debug_routes, lora_routes, system_routes, utility_routes
 from paged_backend.engine.async_engine import AsyncEngine
-from paged_backend.server.guard import RequestGuard
 from paged_backend.observability.metrics import ServerMetrics
+from paged_backend.observability.tracing import RequestTracer, TraceHeaders, otlp_tracer
+from paged_backend.server import chat, completions, debug_routes, lora_routes, system_routes, utility_routes
+from paged_backend.server.guard import RequestGuard
 from paged_backend.server.openai_errors import install_error_handlers
 from paged_backend.server.openapi_document import install_openapi
 from paged_backend.server.schemas import strict_fields
 from paged_backend.server.state import EMBEDDED_MODEL_NAME, ServerSettings, ServerState
-from paged_backend.observability.tracing import RequestTracer, TraceHeaders, otlp_tracer
 
 if TYPE_CHECKING:
     from paged_backend.engine import Engine

@@ -10,9 +10,9 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from paged_backend.engine.async_engine import AsyncEngine
 from paged_backend.engine.request import CompletionOutput, RequestOutput, SamplingParams
 from paged_backend.errors import InvalidRequest, PromptTooLong
-from paged_backend.engine.async_engine import AsyncEngine
 from paged_backend.observability.metrics import ServerMetrics
 
 

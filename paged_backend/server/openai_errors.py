@@ -10,8 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from paged_backend.errors import InvalidRequest, OutOfBlocks, PagedBackendError, PromptTooLong
 from paged_backend.engine.async_engine import EngineNotRunning, EngineStepFailed, RequestAborted
+from paged_backend.errors import InvalidRequest, OutOfBlocks, PagedBackendError, PromptTooLong
 from paged_backend.server.disconnect import ClientDisconnected
 from paged_backend.server.schemas import UNKNOWN_FIELDS_ERROR
 

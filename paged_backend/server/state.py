@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from fastapi import Request
 from transformers import PreTrainedTokenizerBase
 
+from paged_backend.engine.async_engine import AsyncEngine
 from paged_backend.lora import LoRARequest
 from paged_backend.lora.manager import served_adapters
-from paged_backend.engine.async_engine import AsyncEngine
 from paged_backend.observability.metrics import ServerMetrics
 from paged_backend.server.openai_errors import ModelNotFound
 

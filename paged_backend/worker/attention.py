@@ -19,8 +19,8 @@ from typing import Protocol
 
 import torch
 
-from paged_backend.errors import UnsupportedModel
 from paged_backend.core.kv_cache import PagedKVCache
+from paged_backend.errors import UnsupportedModel
 from paged_backend.ops import paged_attention, reshape_and_cache
 
 ATTN_IMPLEMENTATION = "paged_backend"

@@ -26,8 +26,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from paged_backend.worker import quantization as quantization_module
 from paged_backend.errors import InvalidRequest
+from paged_backend.worker import quantization as quantization_module
 from paged_backend.worker.offload import dispatch_kwargs, uses_accelerate
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

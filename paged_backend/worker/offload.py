@@ -10,7 +10,6 @@ from the GPU to CPU memory, or, when the model runs on the CPU, from CPU memory 
 
 from __future__ import annotations
 
-
 import torch
 
 from paged_backend.config.placement import parse_device_map, parse_max_memory

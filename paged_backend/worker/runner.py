@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, PreTrainedModel
 
+from paged_backend.core.kv_cache import PagedKVCache
+from paged_backend.core.kv_scales import calibrate_layer
 from paged_backend.worker.attention import (
     PackedKV,
     PagedMetadata,
@@ -24,8 +26,6 @@ from paged_backend.worker.attention import (
     register_paged_attention,
 )
 from paged_backend.worker.packed_linear import PackedLinears
-from paged_backend.core.kv_cache import PagedKVCache
-from paged_backend.core.kv_scales import calibrate_layer
 
 
 class StepCache(Cache):
