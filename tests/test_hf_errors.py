@@ -8,6 +8,7 @@ from _hf_models import prompts, tiny_model
 from transformers import AttentionInterface, BartConfig, LlamaConfig
 
 from paged_backend import InvalidRequest, OutOfBlocks, UnsupportedModel
+from paged_backend.core.kv_budget import kv_memory_bytes
 from paged_backend.hf import PagedCache
 from paged_backend.hf.layer_handle import PagedLayerKV
 
@@ -50,10 +51,23 @@ def test_keys_of_another_width_than_the_config_are_unsupported():
         cache.update(torch.zeros(1, 2, 3, 32), torch.zeros(1, 2, 3, 32), 0)
 
 
-@pytest.mark.parametrize("budget", [{}, {"max_tokens": 64, "num_blocks": 8}], ids=["none", "two"])
-def test_exactly_one_budget(budget):
-    with pytest.raises(InvalidRequest, match="exactly one budget"):
+@pytest.mark.parametrize(
+    "budget",
+    [{"max_tokens": 64, "num_blocks": 8}, {"max_tokens": 64, "num_blocks": 8, "memory_bytes": 1 << 20}],
+    ids=["two", "three"],
+)
+def test_at_most_one_budget(budget):
+    with pytest.raises(InvalidRequest, match="one budget at most"):
         PagedCache(llama_config(), **budget)
+
+
+def test_no_budget_takes_the_default_budget_of_kv_budget():
+    """As `DynamicCache()` needs no size, a bare PagedCache sizes its pool by the engine's default rule."""
+    model = tiny_model("llama")
+    cache = PagedCache(model)
+    assert cache.kv_cache.num_blocks == kv_memory_bytes(torch.device("cpu")) // cache.kv_cache.bytes_per_block
+    tokens = model.generate(**prompts(padded=True), max_new_tokens=3, do_sample=False, past_key_values=cache)
+    assert torch.equal(tokens, model.generate(**prompts(padded=True), max_new_tokens=3, do_sample=False))
 
 
 def test_memory_budget_sizes_the_pool():

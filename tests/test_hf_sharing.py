@@ -90,10 +90,10 @@ def test_beam_reorder_permutes_block_tables_without_copying_kv():
     model = tiny_model("llama")
     cache = PagedCache(model, max_tokens=256, block_size=4)
     model(**prompts(padded=False, rows=2), past_key_values=cache)
-    tables = [list(cache.block_manager.block_table(seq)) for seq in cache._rows]
+    tables = [list(cache.block_manager.block_table(seq)) for seq in cache.rows.seqs]
     pool_before = cache.kv_cache.kv.clone()
     cache.reorder_cache(torch.tensor([1, 1]))
-    assert [cache.block_manager.block_table(seq) for seq in cache._rows] == [tables[1], tables[1]]
+    assert [cache.block_manager.block_table(seq) for seq in cache.rows.seqs] == [tables[1], tables[1]]
     assert torch.equal(cache.kv_cache.kv, pool_before)
     assert cache.stats().used_blocks == len(tables[1])  # row 0's blocks went back to the free queue
     assert_all_blocks_free_after_reset(cache)

@@ -45,4 +45,7 @@ def test_kv_heads_that_do_not_split_over_the_ranks_are_refused():
 
     with pytest.raises(UnsupportedModel, match="3 KV heads.*size 2"):
         rank_geometry(KVGeometry(2, 3, 16, (None, None)), 2)
+    # tp_plan chunks every projection evenly, so the engine's replication of fewer heads than ranks is refused too.
+    with pytest.raises(UnsupportedModel, match="2 KV heads.*size 4"):
+        rank_geometry(KVGeometry(2, 2, 16, (None, None)), 4)
     assert rank_geometry(KVGeometry(2, 4, 16, (None, None)), None).num_kv_heads == 4

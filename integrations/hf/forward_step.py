@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_backend.worker.attention import PagedMetadata, grouped_metadata
 from paged_backend.core.block_manager import BlockManager
+from paged_backend.errors import InvalidRequest
+from paged_backend.worker.attention import PagedMetadata, grouped_metadata
 
 
 @dataclass
@@ -21,6 +22,43 @@ class ForwardStep:
     metadata: PagedMetadata | None = None
     gather_slots: list[torch.Tensor] | None = None  # per layer group: [B, past + q] pool slots, for sdpa / eager
     has_holes: bool = False  # a padding column sits after a stored one in some row
+
+
+def new_columns(attention_mask: torch.Tensor | None, stored: torch.Tensor, batch: int, q_len: int) -> torch.Tensor:
+    """[batch, q_len] which of this forward's columns are real tokens (paged attention never stores padding).
+
+    `stored` [batch, past] says which earlier columns were stored; the mask must repeat it and add q_len columns.
+
+    >>> new_columns(torch.tensor([[0, 1, 1]]), torch.tensor([[False, True]]), 1, 1)
+    tensor([[True]])
+    """
+    past = stored.shape[1]
+    if attention_mask is None:
+        if not bool(stored.all()):
+            raise InvalidRequest(
+                "the cache skipped padding columns earlier, so pass the full 2D attention_mask when continuing"
+            )
+        return torch.ones(batch, q_len, dtype=torch.bool)
+    mask = attention_mask.bool().cpu()
+    if tuple(mask.shape) != (batch, past + q_len):
+        raise InvalidRequest(
+            f"attention_mask has shape {tuple(mask.shape)}, expected ({batch}, {past + q_len}): past plus new columns"
+        )
+    if past and not torch.equal(mask[:, :past], stored):
+        raise InvalidRequest(
+            "the attention_mask's past columns differ from the padding the cache stored; keep the mask of "
+            "earlier calls and append to it"
+        )
+    return mask[:, past:]
+
+
+def has_holes(stored: torch.Tensor) -> bool:
+    """Whether a padding column sits after a stored one in some row of `stored` [B, columns].
+
+    >>> has_holes(torch.tensor([[False, True]])), has_holes(torch.tensor([[True, False]]))
+    (False, True)
+    """
+    return bool((stored.int().cummax(dim=1).values > stored.int()).any())
 
 
 def paged_metadata(
@@ -61,13 +99,3 @@ def paged_metadata(
         backend=backend,
     )
     return grouped_metadata(tables, slots, shared, layer_group)
-
-
-def gather_slots(block_tables: torch.Tensor, num_columns: int, block_size: int) -> torch.Tensor:
-    """[B, num_columns] pool slot of every column of every row (rows that store every column).
-
-    >>> gather_slots(torch.tensor([[3, 1]], dtype=torch.int32), 6, 4)
-    tensor([[12, 13, 14, 15,  4,  5]])
-    """
-    positions = torch.arange(num_columns, device=block_tables.device)
-    return block_tables.long()[:, positions // block_size] * block_size + positions % block_size

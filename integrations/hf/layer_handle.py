@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from paged_backend.errors import UnsupportedModel
-
-if TYPE_CHECKING:
-    from .paged_cache import PagedCache
 
 _TOUCHED = (
     "the model's attention code used the cached keys/values after Cache.update ({what}) instead of passing them "
@@ -18,13 +15,21 @@ _TOUCHED = (
 )
 
 
+class LayerAttention(Protocol):
+    """The cache a handle came from: it plans the forward on layer 0, then stores and attends each layer."""
+
+    def attend_layer(
+        self, handle: PagedLayerKV, query, scaling, sliding_window, softcap, attention_mask
+    ) -> torch.Tensor: ...
+
+
 class PagedLayerKV:
     """One layer's new K/V; `attend` stores them in the pool and runs paged attention over it.
 
     Model code must hand it to the attention function untouched: any tensor use raises `UnsupportedModel`.
     """
 
-    def __init__(self, cache: PagedCache, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    def __init__(self, cache: LayerAttention, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
         self.cache, self.layer_idx, self.key, self.value = cache, layer_idx, key, value
 
     def attend(self, query, scaling, sliding_window, softcap, attention_mask=None) -> torch.Tensor:

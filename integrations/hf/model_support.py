@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from paged_backend.errors import UnsupportedModel
+from paged_backend.core.kv_budget import KVShape, kv_heads_per_rank
 from paged_backend.core.kv_groups import layer_types, sliding_windows
+from paged_backend.errors import UnsupportedModel
 
 # Layer kinds whose K/V is an ordinary growing attention cache; anything else keeps other state.
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -44,29 +45,20 @@ def kv_geometry(config) -> KVGeometry:
     feature = _unsupported_feature(config)
     if feature:
         raise UnsupportedModel(f"{type(config).__name__} uses {feature}, which PagedCache does not support")
-    heads = config.num_attention_heads
-    return KVGeometry(
-        num_layers=config.num_hidden_layers,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        sliding_windows=sliding_windows(config),
-    )
+    shape = KVShape.of(config)
+    return KVGeometry(shape.num_layers, shape.num_kv_heads, shape.head_dim, sliding_windows(config))
 
 
 def rank_geometry(geometry: KVGeometry, tp_size: int | None) -> KVGeometry:
-    """The KV one tensor-parallel rank stores: its share of the KV heads (transformers' `tp_plan` splits them).
+    """The KV one tensor-parallel rank stores: its share of the KV heads.
+
+    transformers' `tp_plan` chunks every projection evenly, so heads that do not split over the ranks cannot be
+    replicated as the engine does: `kv_heads_per_rank` refuses them.
 
     >>> rank_geometry(KVGeometry(2, 4, 16, (None, None)), 2).num_kv_heads
     2
     """
-    if not tp_size or tp_size == 1:
-        return geometry
-    if geometry.num_kv_heads % tp_size:
-        raise UnsupportedModel(
-            f"the model has {geometry.num_kv_heads} KV heads, which tensor parallelism of size {tp_size} cannot split "
-            f"evenly; load it with a tp_size that divides {geometry.num_kv_heads}"
-        )
-    return replace(geometry, num_kv_heads=geometry.num_kv_heads // tp_size)
+    return replace(geometry, num_kv_heads=kv_heads_per_rank(geometry.num_kv_heads, tp_size or 1, replicate=False))
 
 
 def check_update_shapes(key, value, geometry: KVGeometry, layer_idx: int) -> None:

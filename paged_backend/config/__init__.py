@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from paged_backend.config.placement import parse_device_map, parse_max_memory
 from paged_backend.config.speculative import SpeculativeConfig, parse_speculative_config
+from paged_backend.core.kv_budget import GPU_MEMORY_UTILIZATION
 
 
 class _Config(BaseModel):
@@ -18,7 +19,7 @@ class CacheConfig(_Config):
     block_size: int = Field(16, description="tokens per KV block (power of two, 1..256)")
     num_blocks: int | None = Field(None, ge=2, description="pool size in blocks; overrides the memory budget")
     kv_cache_memory_bytes: int | None = Field(None, gt=0, description="pool size in bytes")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of free device memory for KV")
+    gpu_memory_utilization: float = Field(GPU_MEMORY_UTILIZATION, gt=0, le=1, description="fraction of free device memory for KV")
     swap_space: float = Field(0.0, ge=0, description="GiB of CPU memory for swapped-out KV blocks")
     cache_dtype: str = Field("auto", description="auto | float16 | bfloat16 | float32 | fp8 | fp8_e4m3 | fp8_e5m2")
     calculate_kv_scales: bool = Field(False, description="fp8 pools: per-layer K/V scales from the first step")

@@ -25,6 +25,7 @@ import torch
 
 from paged_backend.errors import InvalidRequest, UnsupportedModel
 
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of a GPU's free memory
 CPU_DEFAULT_KV_BYTES = 512 << 20
 CPU_MEMORY_SHARE = 10  # at most 1/10 of the machine's available memory on CPU
 

@@ -16,9 +16,8 @@ import os
 
 import torch
 
-from paged_backend.errors import InvalidRequest
-from paged_backend.core.kv_budget import num_blocks_for_budget  # noqa: F401 (moving: hf imports it from here)
 from paged_backend.core.kv_groups import KVCacheGroup
+from paged_backend.errors import InvalidRequest
 
 KV_CACHE_DTYPES = {
     "auto": None,

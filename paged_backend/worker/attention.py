@@ -113,8 +113,8 @@ class PackedKV:
         )
 
 
-def _rows(x: torch.Tensor, row_index: torch.Tensor | None) -> torch.Tensor:
-    """[B, H, q, D] -> [B*q, H, D] (optionally only `row_index`)."""
+def token_rows(x: torch.Tensor, row_index: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, H, q, D] -> [B*q, H, D], row-major like a slot mapping (optionally only the rows `row_index`)."""
     batch, heads, q_len, dim = x.shape
     rows = x.transpose(1, 2).reshape(batch * q_len, heads, dim)
     return rows if row_index is None else rows.index_select(0, row_index)
@@ -139,8 +139,8 @@ def attend_packed(
     k_scale, v_scale = cache.k_scales[layer_idx], cache.v_scales[layer_idx]
     with torch.profiler.record_function(PROFILE_LABEL):  # a no-op unless a profiler is running
         reshape_and_cache(
-            _rows(key, metadata.row_index),
-            _rows(value, metadata.row_index),
+            token_rows(key, metadata.row_index),
+            token_rows(value, metadata.row_index),
             key_cache,
             value_cache,
             metadata.slot_mapping,
@@ -149,7 +149,7 @@ def attend_packed(
             backend=metadata.backend,
         )
         out = paged_attention(
-            _rows(query, metadata.row_index),
+            token_rows(query, metadata.row_index),
             key_cache,
             value_cache,
             metadata.block_tables,
