@@ -9,11 +9,11 @@ import pytest
 
 from paged_backend.tgi.http.errors import ToolError, ValidationError
 from paged_backend.tgi.http.grammar import ValidGrammar, response_format_grammar, validate_grammar
-from paged_backend.tgi.router.queue import Entry, request_pb
 from paged_backend.tgi.http.schemas import ResponseFormat
-from paged_backend.tgi.shard.batch import chooser_from_pb
 from paged_backend.tgi.http.tools import NO_TOOL, parse_reply, plan_tools
 from paged_backend.tgi.http.validation import ChooserParameters, StoppingParameters, ValidRequest
+from paged_backend.tgi.router.queue import Entry, request_pb
+from paged_backend.tgi.shard.batch import chooser_from_pb
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TOOL = {

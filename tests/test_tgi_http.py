@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 
 from paged_backend.config import CacheConfig, EngineConfig, SchedulerConfig
 from paged_backend.engine import Engine
-from paged_backend.tgi.http.app import create_app
 from paged_backend.tgi.backends.paged import PagedBackend
+from paged_backend.tgi.http.app import create_app
 from paged_backend.tgi.http.settings import RouterSettings
 from paged_backend.tgi.http.sse import with_keep_alive
 from tests._tgi_helpers import serving_in_thread

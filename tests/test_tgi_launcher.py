@@ -10,11 +10,11 @@ import typer
 from typer.testing import CliRunner
 
 from paged_backend.tgi.launcher.cli import register
-from paged_backend.tgi.proto import generate_pb2 as pb
-from paged_backend.tgi.launcher.launch import LaunchError, engine_config, router_settings
 from paged_backend.tgi.launcher.flags import ignored_flags, parse_flags
-from paged_backend.tgi.shard.cli import app as shard_app
+from paged_backend.tgi.launcher.launch import LaunchError, engine_config, router_settings
+from paged_backend.tgi.proto import generate_pb2 as pb
 from paged_backend.tgi.proto.stubs import compile_stubs, proto_path
+from paged_backend.tgi.shard.cli import app as shard_app
 
 
 def test_tgi_defaults():

@@ -11,9 +11,9 @@ import pytest
 
 from paged_backend.config import CacheConfig, EngineConfig
 from paged_backend.engine import Engine, SamplingParams
-from paged_backend.worker.models import byte_tokenizer
 from paged_backend.tgi.proto import generate_pb2 as pb
 from paged_backend.tgi.proto import generate_pb2_grpc as pb_grpc
+from paged_backend.worker.models import byte_tokenizer
 from tests._tgi_helpers import Shard, running, warmup_request
 
 BLOCK_SIZE = 16

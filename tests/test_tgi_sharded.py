@@ -71,8 +71,8 @@ def test_launch_num_shard_2_matches_one_process_and_hf_generate_and_goes_down_wi
 @pytest.mark.parametrize("speculate", [[], ["--speculate", "2"]], ids=["plain", "speculate"])
 def test_launch_paged_num_shard_2_runs_the_engine_tensor_parallel(speculate):
     from paged_backend.tgi.http.app import create_app
-    from paged_backend.tgi.launcher.launch import build_backend, router_settings
     from paged_backend.tgi.launcher.flags import parse_flags
+    from paged_backend.tgi.launcher.launch import build_backend, router_settings
 
     args = parse_flags(
         ["--num-shard", "2", "--device", "cpu", "--num-blocks", "64", "--max-total-tokens", "512", *speculate]
@@ -97,8 +97,8 @@ def test_launch_paged_num_shard_2_runs_the_engine_tensor_parallel(speculate):
 def test_sharded_shard_refuses_a_launcher_environment_that_does_not_add_up(monkeypatch):
 
     from paged_backend.errors import InvalidRequest
-    from paged_backend.tgi.launcher.launch import engine_config, num_shards
     from paged_backend.tgi.launcher.flags import parse_flags
+    from paged_backend.tgi.launcher.launch import engine_config, num_shards
     from paged_backend.tgi.shard.tensor_parallel import shard_rank
 
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -6,14 +6,14 @@ import itertools
 from collections.abc import AsyncIterator
 
 from paged_backend.engine import Engine
-from paged_backend.errors import InvalidRequest, PromptTooLong
 from paged_backend.engine.async_engine import AsyncEngine, EngineNotRunning, EngineStepFailed, RequestAborted
 from paged_backend.engine.output_processor import top_logprobs
+from paged_backend.errors import InvalidRequest, PromptTooLong
 from paged_backend.tgi.backends.base import BackendEvent, BackendLoad, GeneratedToken, PrefillTokens
-from paged_backend.tgi.http.errors import GenerationError, OverloadedError, ValidationError
 from paged_backend.tgi.backends.lora import lora_request
-from paged_backend.tgi.http.metrics import TgiMetrics
 from paged_backend.tgi.backends.sampling import finish_reason, sampling_params
+from paged_backend.tgi.http.errors import GenerationError, OverloadedError, ValidationError
+from paged_backend.tgi.http.metrics import TgiMetrics
 from paged_backend.tgi.http.validation import ValidRequest
 
 

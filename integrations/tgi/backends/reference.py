@@ -27,9 +27,9 @@ from transformers.generation.streamers import BaseStreamer
 
 from paged_backend.engine.watermark import apply_watermark
 from paged_backend.tgi.backends.base import BackendEvent, BackendLoad, GeneratedToken, PrefillTokens
+from paged_backend.tgi.backends.tokens import StoppingCriteria, TokenTexts, eos_token_ids
 from paged_backend.tgi.http.errors import GenerationError
 from paged_backend.tgi.http.metrics import TgiMetrics
-from paged_backend.tgi.backends.tokens import StoppingCriteria, TokenTexts, eos_token_ids
 from paged_backend.tgi.http.validation import ChooserParameters, ValidRequest
 
 _END = object()

@@ -17,8 +17,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from paged_backend import __version__
-from paged_backend.tgi.http import openai_routes
+from paged_backend.observability.tracing import RequestTracer, TraceHeaders
 from paged_backend.tgi.backends.base import Backend
+from paged_backend.tgi.http import openai_routes
 from paged_backend.tgi.http.errors import TgiError, UnhealthyError
 from paged_backend.tgi.http.infer import Infer
 from paged_backend.tgi.http.metrics import TgiMetrics
@@ -28,7 +29,6 @@ from paged_backend.tgi.http.schemas import ChatRequest, CompatGenerateRequest, G
 from paged_backend.tgi.http.settings import RouterSettings
 from paged_backend.tgi.http.sse import event, sse_response
 from paged_backend.tgi.http.validation import validate_stream
-from paged_backend.observability.tracing import RequestTracer, TraceHeaders
 
 DRAIN_TIMEOUT_SECONDS = 90.0  # TGI's --graceful-termination-timeout default
 

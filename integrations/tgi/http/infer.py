@@ -14,14 +14,14 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 
+from paged_backend.observability.tracing import RequestTiming, RequestTracer
 from paged_backend.tgi.backends.base import Backend, FinishReason, GeneratedToken, PrefillTokens
+from paged_backend.tgi.backends.tokens import TokenTexts, generated_text, token_text
 from paged_backend.tgi.http.errors import IncompleteGenerationError, OverloadedError, TgiError, ValidationError
 from paged_backend.tgi.http.metrics import TgiMetrics
 from paged_backend.tgi.http.schemas import GenerateParameters
 from paged_backend.tgi.http.settings import RouterSettings
-from paged_backend.tgi.backends.tokens import TokenTexts, generated_text, token_text
 from paged_backend.tgi.http.validation import ValidRequest, validate
-from paged_backend.observability.tracing import RequestTiming, RequestTracer
 
 
 @dataclass

@@ -130,6 +130,11 @@ def _constrain(schema: dict, field: str, **constraints: Any) -> None:
             option.update(constraints)
 
 
+def _constrain_fields(schema: dict, rules: dict[str, dict[str, Any]]) -> None:
+    for field, constraints in rules.items():
+        _constrain(schema, field, **constraints)
+
+
 def _constrain_stop(schema: dict, settings: RouterSettings) -> None:
     for option in schema["properties"]["stop"]["anyOf"]:
         if option.get("type") == "array":
@@ -140,48 +145,47 @@ def _constrain_stop(schema: dict, settings: RouterSettings) -> None:
 
 def _request_constraints(components: dict, settings: RouterSettings) -> None:
     max_new_tokens = settings.max_total_tokens - 1  # at least one prompt token always takes a slot
-    parameters = components["GenerateParameters"]
-    for name, rule in {
-        "best_of": {"minimum": 1, "maximum": settings.max_best_of},
-        "temperature": {"exclusiveMinimum": 0},
-        "repetition_penalty": {"exclusiveMinimum": 0},
-        "frequency_penalty": {"minimum": -2, "maximum": 2},
-        "top_k": {"minimum": 1},
-        "top_p": {"exclusiveMinimum": 0, "exclusiveMaximum": 1},
-        "typical_p": {"exclusiveMinimum": 0, "exclusiveMaximum": 1},
-        "max_new_tokens": {"minimum": 1, "maximum": max_new_tokens},
-        "stop": {"maxItems": settings.max_stop_sequences, "items": {"type": "string", "minLength": 1}},
-        "truncate": {"minimum": 1, "maximum": settings.max_input_tokens},
-        "seed": {"minimum": 0, "maximum": U64_MAX},
-        "top_n_tokens": {"minimum": 0, "maximum": settings.max_top_n_tokens},
-    }.items():
-        _constrain(parameters, name, **rule)
+    _constrain_fields(
+        components["GenerateParameters"],
+        {
+            "best_of": {"minimum": 1, "maximum": settings.max_best_of},
+            "temperature": {"exclusiveMinimum": 0},
+            "repetition_penalty": {"exclusiveMinimum": 0},
+            "frequency_penalty": {"minimum": -2, "maximum": 2},
+            "top_k": {"minimum": 1},
+            "top_p": {"exclusiveMinimum": 0, "exclusiveMaximum": 1},
+            "typical_p": {"exclusiveMinimum": 0, "exclusiveMaximum": 1},
+            "max_new_tokens": {"minimum": 1, "maximum": max_new_tokens},
+            "stop": {"maxItems": settings.max_stop_sequences, "items": {"type": "string", "minLength": 1}},
+            "truncate": {"minimum": 1, "maximum": settings.max_input_tokens},
+            "seed": {"minimum": 0, "maximum": U64_MAX},
+            "top_n_tokens": {"minimum": 0, "maximum": settings.max_top_n_tokens},
+        },
+    )
     for name in ("GenerateRequest", "CompatGenerateRequest"):
         _constrain(components[name], "inputs", minLength=1)
+    # The OpenAI bodies' shared fields, with the same ranges on both routes.
+    openai_rules = {
+        "temperature": {"minimum": 0},
+        "top_p": {"exclusiveMinimum": 0, "exclusiveMaximum": 1},
+        "frequency_penalty": {"minimum": -2, "maximum": 2},
+        "max_tokens": {"minimum": 1, "maximum": max_new_tokens},
+        "seed": {"minimum": 0, "maximum": U64_MAX},
+    }
     chat = components["ChatRequest"]
     chat["properties"]["messages"]["minItems"] = 1
-    for name, rule in {
-        "temperature": {"minimum": 0},
-        "top_p": {"exclusiveMinimum": 0, "exclusiveMaximum": 1},
-        "frequency_penalty": {"minimum": -2, "maximum": 2},
-        "presence_penalty": {"exclusiveMinimum": -2, "maximum": 2},
-        "max_tokens": {"minimum": 1, "maximum": max_new_tokens},
-        "max_completion_tokens": {"minimum": 1, "maximum": max_new_tokens},
-        "top_logprobs": {"minimum": 0, "maximum": settings.max_top_n_tokens},
-        "seed": {"minimum": 0, "maximum": U64_MAX},
-    }.items():
-        _constrain(chat, name, **rule)
+    _constrain_fields(
+        chat,
+        {
+            **openai_rules,
+            "presence_penalty": {"exclusiveMinimum": -2, "maximum": 2},
+            "max_completion_tokens": {"minimum": 1, "maximum": max_new_tokens},
+            "top_logprobs": {"minimum": 0, "maximum": settings.max_top_n_tokens},
+        },
+    )
     _constrain_stop(chat, settings)
     completion = components["CompletionRequest"]
-    for name, rule in {
-        "temperature": {"minimum": 0},
-        "top_p": {"exclusiveMinimum": 0, "exclusiveMaximum": 1},
-        "repetition_penalty": {"exclusiveMinimum": 0},
-        "frequency_penalty": {"minimum": -2, "maximum": 2},
-        "max_tokens": {"minimum": 1, "maximum": max_new_tokens},
-        "seed": {"minimum": 0, "maximum": U64_MAX},
-    }.items():
-        _constrain(completion, name, **rule)
+    _constrain_fields(completion, {**openai_rules, "repetition_penalty": {"exclusiveMinimum": 0}})
     for option in completion["properties"]["prompt"]["anyOf"]:
         if option.get("type") == "string":
             option["minLength"] = 1

@@ -61,6 +61,10 @@ class ValidRequest:
         return len(self.input_ids)
 
 
+# GenerateParameters that ChooserParameters takes under the same name; one not given keeps its default ("off").
+_CHOOSER_NAMES = ("temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "watermark")
+
+
 def _strictly_positive(name: str, value: float | None) -> None:
     if value is not None and value <= 0:
         raise ValidationError(f"`{name}` must be strictly positive")
@@ -146,17 +150,9 @@ def validate(
         raise ValidationError(f"`inputs` must have less than {settings.max_input_tokens} tokens. Given: {input_length}")
     if max_new_tokens == 0:
         raise ValidationError("`max_new_tokens` must be strictly positive")
-    chooser = ChooserParameters(
-        temperature=params.temperature if params.temperature is not None else 1.0,
-        top_k=params.top_k or 0,
-        top_p=params.top_p if params.top_p is not None else 1.0,
-        typical_p=params.typical_p if params.typical_p is not None else 1.0,
-        repetition_penalty=params.repetition_penalty if params.repetition_penalty is not None else 1.0,
-        frequency_penalty=params.frequency_penalty or 0.0,
-        seed=params.seed if params.seed is not None else random.getrandbits(64),
-        watermark=params.watermark,
-        grammar=grammar,
-    )
+    given = {name: getattr(params, name) for name in _CHOOSER_NAMES if getattr(params, name) is not None}
+    seed = params.seed if params.seed is not None else random.getrandbits(64)
+    chooser = ChooserParameters(**given, seed=seed, grammar=grammar)
     chooser = replace(chooser, do_sample=params.do_sample or chooser.warpers_active)
     return ValidRequest(
         inputs=inputs,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paged_backend.engine.args import ENGINE_FLAGS, add_engine_arguments, parse_with_config
+from paged_backend.tgi.http.settings import ROUTER_FLAG_FIELDS
 
 BACKENDS = ("paged", "reference", "grpc")
 ALL = frozenset(BACKENDS)
@@ -37,11 +38,21 @@ class Flag:
 
     @property
     def dest(self) -> str:
-        return self.name.removeprefix("--").replace("-", "_")
+        return _dest(self.name)
 
     @property
     def env_var(self) -> str:
         return self.env or self.dest.upper()
+
+
+def _dest(name: str) -> str:
+    return name.removeprefix("--").replace("-", "_")
+
+
+def _router_flag(name: str, kind: Callable[[str], Any] | None) -> Flag:
+    """A flag the HTTP face's RouterSettings declares (http/settings.py): its default and help are read there."""
+    declared = ROUTER_FLAG_FIELDS[_dest(name)]
+    return Flag(name, kind, declared.default, declared.metadata["help"])
 
 
 def _truthy(text: str) -> bool:
@@ -76,10 +87,10 @@ FLAGS: list[Flag] = [
     Flag("--offload-folder", str, None, "folder for disk-offloaded weights", LOADERS),
     Flag("--hostname", str, "0.0.0.0", "address to listen on"),
     Flag("--port", int, 3000, "HTTP port", short="-p"),
-    Flag("--max-concurrent-requests", int, 128, "requests in flight before 429 overloaded"),
-    Flag("--max-best-of", int, 2, "largest best_of accepted"),
-    Flag("--max-stop-sequences", int, 4, "most stop sequences per request"),
-    Flag("--max-top-n-tokens", int, 5, "largest top_n_tokens accepted"),
+    _router_flag("--max-concurrent-requests", int),
+    _router_flag("--max-best-of", int),
+    _router_flag("--max-stop-sequences", int),
+    _router_flag("--max-top-n-tokens", int),
     Flag("--max-input-tokens", int, None, "longest prompt (default: max-total-tokens - 1)"),
     Flag("--max-input-length", int, None, "legacy name of --max-input-tokens"),
     Flag("--max-total-tokens", int, None, "longest prompt + output (default: the model's context)"),
@@ -88,17 +99,17 @@ FLAGS: list[Flag] = [
     Flag("--max-batch-size", int, None, "most requests per batch", frozenset({"paged", "grpc"})),
     Flag("--waiting-served-ratio", float, 0.3, "waiting/running ratio that triggers a prefill", ROUTER),
     Flag("--max-waiting-tokens", int, 20, "decode steps before waiting requests are forced in", ROUTER),
-    Flag("--max-client-batch-size", int, 4, "most prompts in one /v1/completions call"),
+    _router_flag("--max-client-batch-size", int),
     Flag("--cuda-memory-fraction", float, 1.0, "fraction of device memory for the KV pool", frozenset({"paged"})),
     Flag("--block-size", int, 16, "tokens per KV block (paged-backend addition)", frozenset({"paged", "grpc"})),
     Flag("--num-blocks", int, None, "KV pool size in blocks, overrides memory sizing", frozenset({"paged", "grpc"})),
-    Flag("--api-key", str, None, "require `Authorization: Bearer <key>` on generate routes"),
-    Flag("--payload-limit", int, 2_000_000, "largest request body in bytes (413 above)"),
+    _router_flag("--api-key", str),
+    _router_flag("--payload-limit", int),
     Flag("--graceful-termination-timeout", int, 90, "seconds to drain requests on shutdown"),
     Flag("--shard-uds-path", str, "/tmp/text-generation-server", "shard socket prefix; rank 0 at {path}-0", ROUTER),
     Flag("--master-shard-uds-path", str, None, "socket of shard 0 (default: {shard-uds-path}-0)", ROUTER),
-    Flag("--disable-grammar-support", None, False, "refuse the `grammar` parameter (and tools, response_format)"),
-    Flag("--validation-workers", int, 2, "reported in /info; validation runs on the event loop"),
+    _router_flag("--disable-grammar-support", None),
+    _router_flag("--validation-workers", int),
     # Accepted so TGI command lines keep working; reported as ignored when given.
     Flag("--revision", str, None, "hub revision", NONE),
     Flag("--json-output", None, False, "JSON log lines", NONE),
@@ -143,10 +154,13 @@ ENGINE_FLAG_ALIASES = {
     "lora_modules": "--lora-adapters",  # TGI's form: id=path,id2=path2
 }
 TGI_NAMES = {flag.name for flag in FLAGS}
-# The engine options launch adds: those TGI has neither under the engine's name nor under an alias.
-ADDED_ENGINE_FIELDS = frozenset(
-    flag.field for flag in ENGINE_FLAGS if flag.field not in ENGINE_FLAG_ALIASES and flag.name not in TGI_NAMES
-)
+# Engine options a TGI flag sets: engine field -> that flag's dest (an alias above, or the engine's own name).
+ENGINE_FIELDS_FROM_TGI = {
+    **{flag.field: _dest(flag.name) for flag in ENGINE_FLAGS if flag.name in TGI_NAMES},
+    **{field: _dest(name) for field, name in ENGINE_FLAG_ALIASES.items()},
+}
+# The engine options launch adds: those no TGI flag sets.
+ADDED_ENGINE_FIELDS = frozenset(flag.field for flag in ENGINE_FLAGS if flag.field not in ENGINE_FIELDS_FROM_TGI)
 
 
 def build_parser(prog: str = "paged-backend launch") -> argparse.ArgumentParser:

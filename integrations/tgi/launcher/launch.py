@@ -18,8 +18,13 @@ import sys
 
 from paged_backend.errors import PagedBackendError
 from paged_backend.tgi.backends.lora import lora_options
-from paged_backend.tgi.http.settings import RouterSettings, model_to_load
-from paged_backend.tgi.launcher.flags import ADDED_ENGINE_FIELDS, ignored_flags, parse_flags
+from paged_backend.tgi.http.settings import ROUTER_FLAG_FIELDS, RouterSettings, model_to_load
+from paged_backend.tgi.launcher.flags import (
+    ADDED_ENGINE_FIELDS,
+    ENGINE_FIELDS_FROM_TGI,
+    ignored_flags,
+    parse_flags,
+)
 from paged_backend.tgi.names import kv_cache_dtype
 
 logger = logging.getLogger("paged_backend.tgi")
@@ -33,32 +38,25 @@ class LaunchError(SystemExit):
 
 
 def engine_config(args: argparse.Namespace):
-    """EngineConfig for `--backend paged`: TGI's flags mapped onto the engine's (pool sized by
-    --max-batch-total-tokens), then the engine options TGI lacks, as given."""
+    """EngineConfig for `--backend paged`: TGI's flags mapped onto the engine's (`ENGINE_FIELDS_FROM_TGI`; the pool
+    sized by --max-batch-total-tokens), then the engine options TGI lacks, as given."""
     from paged_backend.engine.args import EngineArgs
 
     num_blocks = args.num_blocks
     if num_blocks is None and args.max_batch_total_tokens is not None:
         num_blocks = math.ceil(args.max_batch_total_tokens / args.block_size) + 1  # + the reserved block 0
-    tgi = dict(
+    # TGI flags whose value the engine takes in another form (the LoRA adapters: below).
+    translated = dict(
         model=model_to_load(args.model_id),
-        tokenizer=args.tokenizer_name,
-        block_size=args.block_size,
         num_blocks=num_blocks,
-        max_num_seqs=args.max_batch_size,
-        max_num_batched_tokens=args.max_batch_prefill_tokens,
-        max_model_len=args.max_total_tokens,
-        dtype=args.dtype,
-        device=args.device,
-        gpu_memory_utilization=args.cuda_memory_fraction,
         tensor_parallel_size=num_shards(args) or 1,
         cache_dtype=kv_cache_dtype(args.kv_cache_dtype),
         speculative_config=_speculative_config(args),
-        **placement_flags(args),
         **_quantization(args),
     )
+    as_given = {field: getattr(args, dest) for field, dest in ENGINE_FIELDS_FROM_TGI.items() if field != "lora_modules"}
     added = EngineArgs.from_namespace(args, ADDED_ENGINE_FIELDS).model_dump(exclude_none=True)
-    config = EngineArgs(**{**tgi, **added}).to_engine_config()
+    config = EngineArgs(**{**as_given, **translated, **added}).to_engine_config()
     for name, value in lora_options(args.lora_adapters).items():
         if name not in added:  # TGI sizes LoRA from the adapters; an engine flag given says otherwise
             setattr(config, name, value)
@@ -143,17 +141,9 @@ def router_settings(args: argparse.Namespace, max_model_len: int) -> RouterSetti
         raise LaunchError(f"`max_total_tokens` ({max_total}) exceeds what the backend holds ({max_model_len})")
     return RouterSettings(
         model_id=args.model_id or RouterSettings.model_id,
-        max_concurrent_requests=args.max_concurrent_requests,
-        max_best_of=args.max_best_of,
-        max_stop_sequences=args.max_stop_sequences,
-        max_top_n_tokens=args.max_top_n_tokens,
         max_input_tokens=max_input,
         max_total_tokens=max_total,
-        max_client_batch_size=args.max_client_batch_size,
-        validation_workers=args.validation_workers,
-        api_key=args.api_key,
-        payload_limit=args.payload_limit,
-        disable_grammar_support=args.disable_grammar_support,
+        **{name: getattr(args, name) for name in ROUTER_FLAG_FIELDS},
     )
 
 

@@ -20,17 +20,17 @@ import grpc
 
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.tgi.backends.base import BackendEvent, BackendLoad, GeneratedToken
+from paged_backend.tgi.backends.tokens import eos_token_ids
 from paged_backend.tgi.http.errors import TgiError
-from paged_backend.tgi.proto import generate_pb2 as pb
-from paged_backend.tgi.proto import generate_pb2_grpc as pb_grpc
 from paged_backend.tgi.http.grammar import GrammarCompiler
 from paged_backend.tgi.http.metrics import TgiMetrics
+from paged_backend.tgi.http.settings import model_to_load
+from paged_backend.tgi.http.validation import ValidRequest
+from paged_backend.tgi.proto import generate_pb2 as pb
+from paged_backend.tgi.proto import generate_pb2_grpc as pb_grpc
 from paged_backend.tgi.router.batching import BatchingLoop, BatchingSettings
 from paged_backend.tgi.router.client import CHANNEL_OPTIONS, ShardedClient
 from paged_backend.tgi.router.queue import Entry, Queue
-from paged_backend.tgi.http.settings import model_to_load
-from paged_backend.tgi.backends.tokens import eos_token_ids
-from paged_backend.tgi.http.validation import ValidRequest
 
 logger = logging.getLogger(__name__)
 U64_MAX = 2**64 - 1

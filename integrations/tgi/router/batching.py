@@ -18,8 +18,8 @@ import grpc
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.tgi.backends.base import GeneratedToken, PrefillTokens
 from paged_backend.tgi.http.errors import GenerationError
-from paged_backend.tgi.proto import generate_pb2 as pb
 from paged_backend.tgi.http.metrics import TgiMetrics
+from paged_backend.tgi.proto import generate_pb2 as pb
 from paged_backend.tgi.router.client import ShardClient
 from paged_backend.tgi.router.queue import Entry, Queue
 

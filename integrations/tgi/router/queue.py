@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from paged_backend.core.block_manager import BlockManager
+from paged_backend.tgi.http.validation import ChooserParameters, ValidRequest
 from paged_backend.tgi.proto import generate_pb2 as pb
-from paged_backend.tgi.http.validation import ValidRequest
 
 
 @dataclass(eq=False)
@@ -30,27 +30,25 @@ class Entry:
 GRAMMAR_TYPES = {None: pb.GRAMMAR_TYPE_NONE, "json": pb.GRAMMAR_TYPE_JSON, "regex": pb.GRAMMAR_TYPE_REGEX}
 
 
-def request_pb(entry: Entry, blocks: list[int], slots: list[int]) -> pb.Request:
-    request, chooser, stopping = entry.request, entry.request.parameters, entry.request.stopping
+def chooser_pb(chooser: ChooserParameters) -> pb.NextTokenChooserParameters:
+    """Every ChooserParameters field under its own name in the message; the grammar as its text and type."""
+    same_named = {each.name: getattr(chooser, each.name) for each in fields(chooser) if each.name != "grammar"}
     grammar = chooser.grammar
+    return pb.NextTokenChooserParameters(
+        **same_named,
+        grammar="" if grammar is None else grammar.text,
+        grammar_type=GRAMMAR_TYPES[None if grammar is None else grammar.type],
+    )
+
+
+def request_pb(entry: Entry, blocks: list[int], slots: list[int]) -> pb.Request:
+    request, stopping = entry.request, entry.request.stopping
     return pb.Request(
         id=entry.id,
         inputs=request.inputs,
         input_chunks=pb.Input(chunks=[pb.InputChunk(text=request.inputs)]),
         truncate=request.truncate or 0,
-        parameters=pb.NextTokenChooserParameters(
-            temperature=chooser.temperature,
-            top_k=chooser.top_k,
-            top_p=chooser.top_p,
-            typical_p=chooser.typical_p,
-            do_sample=chooser.do_sample,
-            seed=chooser.seed,
-            repetition_penalty=chooser.repetition_penalty,
-            frequency_penalty=chooser.frequency_penalty,
-            watermark=chooser.watermark,
-            grammar="" if grammar is None else grammar.text,
-            grammar_type=GRAMMAR_TYPES[None if grammar is None else grammar.type],
-        ),
+        parameters=chooser_pb(request.parameters),
         stopping_parameters=pb.StoppingCriteriaParameters(
             max_new_tokens=stopping.max_new_tokens,
             stop_sequences=list(stopping.stop_sequences),

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field, replace
 
 from paged_backend.engine.request import Request, Sequence
 from paged_backend.errors import InvalidRequest
-from paged_backend.tgi.http.grammar import ValidGrammar
 from paged_backend.tgi.backends.sampling import sampling_params
 from paged_backend.tgi.backends.tokens import StoppingCriteria, TokenTexts
+from paged_backend.tgi.http.grammar import ValidGrammar
 from paged_backend.tgi.http.validation import ChooserParameters, StoppingParameters
 
 

@@ -52,11 +52,11 @@ def serve(
 ) -> None:
     """Serve TextGenerationService for MODEL_ID on a unix socket."""
     from paged_backend.errors import InvalidRequest, PagedBackendError
-    from paged_backend.worker.models import resolve_device
-    from paged_backend.worker.quantization import from_tgi
     from paged_backend.tgi.shard import tensor_parallel
     from paged_backend.tgi.shard.model import ShardModel
     from paged_backend.tgi.shard.server import serve as serve_shard
+    from paged_backend.worker.models import resolve_device
+    from paged_backend.worker.quantization import from_tgi
 
     logging.basicConfig(level=logger_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

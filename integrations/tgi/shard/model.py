@@ -15,17 +15,17 @@ from dataclasses import dataclass
 import torch
 
 from paged_backend.config import CacheConfig
+from paged_backend.core.kv_cache import PagedKVCache
 from paged_backend.distributed.sharding import shard_model
-from paged_backend.worker.model_worker import ModelWorker, plan_pool
-from paged_backend.worker.runner import ModelRunner, SequenceRows
 from paged_backend.engine.sampler import Sampler
 from paged_backend.errors import InvalidRequest, OutOfBlocks
-from paged_backend.core.kv_cache import PagedKVCache
-from paged_backend.worker.model_support import check_runs_paged
-from paged_backend.worker.models import load_model
+from paged_backend.tgi.backends.tokens import eos_token_ids
 from paged_backend.tgi.shard.batch import ShardBatch, ShardRequest
 from paged_backend.tgi.shard.tensor_parallel import ShardRank
-from paged_backend.tgi.backends.tokens import eos_token_ids
+from paged_backend.worker.model_support import check_runs_paged
+from paged_backend.worker.model_worker import ModelWorker, plan_pool
+from paged_backend.worker.models import load_model
+from paged_backend.worker.runner import ModelRunner, SequenceRows
 
 logger = logging.getLogger(__name__)
 

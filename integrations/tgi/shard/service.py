@@ -9,11 +9,11 @@ import time
 import grpc
 
 from paged_backend.errors import PagedBackendError
+from paged_backend.tgi.backends.tokens import generated_text, token_text
 from paged_backend.tgi.proto import generate_pb2 as pb
 from paged_backend.tgi.proto import generate_pb2_grpc as pb_grpc
 from paged_backend.tgi.shard.batch import ShardBatch, request_from_pb
 from paged_backend.tgi.shard.model import ShardModel, TokenResult
-from paged_backend.tgi.backends.tokens import generated_text, token_text
 
 logger = logging.getLogger(__name__)
 
@@ -76,14 +76,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         start = time.perf_counter_ns()
         async with self.lock:
             batch = await self._run(context, asyncio.to_thread(self._batch_from_pb, request.batch))
-            generations, cached, forward_ns = await self._run(context, asyncio.to_thread(self._step, batch))
-        return pb.PrefillResponse(
-            generations=generations,
-            batch=cached,
-            forward_ns=forward_ns,
-            decode_ns=0,
-            total_ns=time.perf_counter_ns() - start,
-        )
+            return await self._step_response(pb.PrefillResponse, context, batch, start)
 
     async def Decode(self, request, context):
         start = time.perf_counter_ns()
@@ -93,15 +86,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             batches = [await self._take(context, cached.id) for cached in request.batches]
             batch = ShardBatch.concatenate(batches) if len(batches) > 1 else batches[0]
             concat_ns = time.perf_counter_ns() - start
-            generations, cached, forward_ns = await self._run(context, asyncio.to_thread(self._step, batch))
-        return pb.DecodeResponse(
-            generations=generations,
-            batch=cached,
-            forward_ns=forward_ns,
-            decode_ns=0,
-            total_ns=time.perf_counter_ns() - start,
-            concat_ns=concat_ns,
-        )
+            return await self._step_response(pb.DecodeResponse, context, batch, start, concat_ns=concat_ns)
 
     # ---- helpers ---------------------------------------------------------------------------------------
 
@@ -113,6 +98,18 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         except Exception as error:
             logger.exception("shard call failed")
             await context.abort(grpc.StatusCode.INTERNAL, str(error))
+
+    async def _step_response(self, response_type, context, batch: ShardBatch, start: int, **timings):
+        """One step of `batch`, answered as Prefill and Decode both answer: generations, the batch left, timings."""
+        generations, cached, forward_ns = await self._run(context, asyncio.to_thread(self._step, batch))
+        return response_type(
+            generations=generations,
+            batch=cached,
+            forward_ns=forward_ns,
+            decode_ns=0,
+            total_ns=time.perf_counter_ns() - start,
+            **timings,
+        )
 
     async def _take(self, context, batch_id: int) -> ShardBatch:
         batch = self.cache.pop(batch_id, None)
