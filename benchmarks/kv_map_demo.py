@@ -1,4 +1,4 @@
-"""The README's KV map: a real engine run with parallel sampling (n=3) and prefix-cache hits on a tiny
+"""The KV map of docs/operations.md: a real engine run with parallel sampling (n=3) and prefix-cache hits on a tiny
 Gemma-3-style model (one sliding-window layer, window 16, and one full-attention layer: two block groups).
 
     python benchmarks/kv_map_demo.py --output docs/kv_map.png

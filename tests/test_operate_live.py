@@ -168,7 +168,7 @@ def test_every_panel_answers_and_counters_match_traffic(faces, tmp_path):
         assert 0 < hit_rate < 1  # the repeated prompt hit the prefix cache
         picture = render("serve", tmp_path / "serve.png", prometheus.url, started, time.time(), WINDOW)
         assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        if os.environ.get("PAGED_BACKEND_DASHBOARD_PNG"):  # how the README's figure was made
+        if os.environ.get("PAGED_BACKEND_DASHBOARD_PNG"):  # how docs/operations.md's figure was made
             render("serve", os.environ["PAGED_BACKEND_DASHBOARD_PNG"], prometheus.url, started, time.time(), WINDOW)
     finally:
         prometheus.stop()

@@ -1,5 +1,5 @@
 """A dashboard's panels drawn with matplotlib from a Prometheus's answers: the picture a Grafana would show,
-where no Grafana runs (the README's figure, a quick look from a terminal).
+where no Grafana runs (docs/operations.md's figure, a quick look from a terminal).
 
     paged-backend dashboards render serve dashboard.png --prometheus http://localhost:9090 --minutes 15
 """
