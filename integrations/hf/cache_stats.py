@@ -20,29 +20,12 @@ class CacheStats:
     bytes_per_block: int
     peak_used_blocks: int
 
-    @property
-    def used_blocks(self) -> int:
-        return self.blocks.used_blocks
-
-    @property
-    def shared_blocks(self) -> int:
-        return self.blocks.shared_blocks
-
-    @property
-    def free_blocks(self) -> int:
-        return self.blocks.free_blocks
-
-    @property
-    def total_blocks(self) -> int:
-        return self.blocks.total_blocks
-
-    @property
-    def blocks_saved_by_sharing(self) -> int:
-        return self.blocks.blocks_saved_by_sharing
-
-    @property
-    def waste_pct(self) -> float:
-        return self.blocks.waste_pct
+    def __getattr__(self, name: str):
+        """Every `BlockStats` count reads through (used_blocks, shared_blocks, free_blocks, total_blocks, waste_pct,
+        blocks_saved_by_sharing, groups, ...)."""
+        if name == "blocks":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.blocks, name)
 
     @property
     def used_bytes(self) -> int:
