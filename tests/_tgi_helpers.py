@@ -22,6 +22,7 @@ from text_generation import Client
 
 from paged_backend.tgi.http.settings import EMBEDDED_MODEL_ID
 from paged_backend.tgi.proto import generate_pb2 as pb
+from paged_backend.tgi.router.backend import warmup_chooser
 from tests._server_helpers import parse_metrics
 
 STARTUP_TIMEOUT = 240  # seconds; importing torch on a busy 2-core box is slow
@@ -201,17 +202,7 @@ def warmup_request(max_input: int, max_total: int) -> pb.WarmupRequest:
     truncate = 20
     image = pb.InputChunk(image=pb.Image(data=b"\xff\xd8", mimetype="image/jpeg"))
     chunks = [image, pb.InputChunk(text="_test " * truncate)]
-    params = pb.NextTokenChooserParameters(
-        temperature=0.9,
-        top_k=10,
-        top_p=0.9,
-        typical_p=0.9,
-        do_sample=False,
-        seed=0,
-        repetition_penalty=1.2,
-        frequency_penalty=0.1,
-        watermark=True,
-    )
+    params = warmup_chooser()
     stopping = pb.StoppingCriteriaParameters(max_new_tokens=max_total - truncate, ignore_eos_token=True)
     requests = [
         pb.Request(

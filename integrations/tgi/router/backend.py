@@ -49,6 +49,14 @@ def load_tokenizer(model_id: str | None, tokenizer_name: str | None):
     return AutoTokenizer.from_pretrained(source)
 
 
+def warmup_chooser() -> pb.NextTokenChooserParameters:
+    """The chooser TGI's router warms its shards up with: every logits processor on, so warmup runs them all."""
+    return pb.NextTokenChooserParameters(
+        temperature=0.9, top_k=10, top_p=0.9, typical_p=0.9, do_sample=False, seed=0, repetition_penalty=1.2,
+        frequency_penalty=0.1, watermark=True,
+    )
+
+
 def warmup_batch(tokenizer, max_input_tokens: int | None, max_prefill_tokens: int, max_batch_size: int | None):
     """TGI's warmup batch: `_test ` prompts up to the prefill budget, worst-case parameters, no blocks."""
     requests, used = [], 0
@@ -63,17 +71,7 @@ def warmup_batch(tokenizer, max_input_tokens: int | None, max_prefill_tokens: in
                 add_special_tokens=True,
                 prefill_logprobs=True,
                 top_n_tokens=20,
-                parameters=pb.NextTokenChooserParameters(
-                    temperature=0.9,
-                    top_k=10,
-                    top_p=0.9,
-                    typical_p=0.9,
-                    do_sample=False,
-                    seed=0,
-                    repetition_penalty=1.2,
-                    frequency_penalty=0.1,
-                    watermark=True,
-                ),
+                parameters=warmup_chooser(),
                 stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=1, ignore_eos_token=True),
             )
         )
