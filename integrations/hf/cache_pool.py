@@ -16,8 +16,6 @@ from paged_backend.worker.offload import input_device, layer_devices
 
 from .model_support import KVGeometry, kv_geometry, rank_geometry
 
-# The engine's default share of free GPU memory, taken from its config so both faces size pools alike.
-
 
 @dataclass(frozen=True)
 class ModelFacts:

@@ -40,8 +40,7 @@ class PoolPlan:
 
     @property
     def num_slots(self) -> int:
-        """Layers one block holds: a group's (all of a stage's layers when there is one group)."""
-        return len(self.groups[0].layers) if len(self.groups) > 1 else len(self.layers)
+        return slots_per_block(self.groups, self.layers)
 
     @property
     def bytes_per_block(self) -> int:
@@ -51,6 +50,11 @@ class PoolPlan:
         """The same pool with another block count (an explicit size, or the smallest over the ranks)."""
         cpu = self.size.num_cpu_blocks if num_cpu_blocks is None else num_cpu_blocks
         return replace(self, size=PoolSize(num_blocks, cpu))
+
+
+def slots_per_block(groups: tuple[KVCacheGroup, ...], layers: range) -> int:
+    """Layers one block holds: a group's (all of a stage's layers when there is one group)."""
+    return len(groups[0].layers) if len(groups) > 1 else len(layers)
 
 
 def plan_pool(
@@ -74,8 +78,7 @@ def plan_pool(
     groups = tuple(kv_cache_groups(windows))
     dtype = resolve_kv_dtype(cache.cache_dtype, model.dtype)
     check_kv_dtype_runs(dtype, device, backend)
-    num_slots = len(groups[0].layers) if len(groups) > 1 else len(layers)
-    size = pool_size(cache, shape, dtype, device, num_slots)
+    size = pool_size(cache, shape, dtype, device, slots_per_block(groups, layers))
     return PoolPlan(shape, dtype, cache.block_size, size, groups, layers)
 
 
