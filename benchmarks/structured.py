@@ -25,6 +25,7 @@ import time
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from paged_backend.worker.default_model import TINY_MODEL
 from paged_backend.worker.models import byte_tokenizer
 
 SCHEMAS: list[dict] = [
@@ -254,7 +255,7 @@ def engine_throughput(args: argparse.Namespace) -> None:
     from paged_backend.structured import StructuredOutputsParams
 
     torch.set_num_threads(args.torch_threads)
-    llm = LLM(device=args.device, num_blocks=args.num_blocks)
+    llm = LLM(TINY_MODEL, device=args.device, num_blocks=args.num_blocks)
     engine = llm.engine
     compile_times(engine.tokenizer, engine.vocab_size, set(engine.eos_token_ids))
     constraint = StructuredOutputsParams(json=ENGINE_SCHEMA)

@@ -63,11 +63,11 @@ def read_prompts(text: str, *, jsonl: bool | None = None) -> list[dict]:
     return records
 
 
-def _result_line(index: int, output) -> str:
+def _result_line(index: int, prompt: str, output) -> str:
     metrics = output.metrics
     record = {
         "index": index,
-        "prompt": output.prompt,
+        "prompt": prompt,
         "text": output.outputs[0].text,
         "outputs": [
             {
@@ -107,7 +107,15 @@ def _summary(outputs, stats, elapsed: float, block_manager) -> str:
 def run(
     engine: EngineArgs,
     input: Annotated[
-        Path | None, typer.Option("--input", "-i", help="prompts: text (one per line) or JSONL; default stdin")
+        Path | None,
+        typer.Option(
+            "--input",
+            "-i",
+            exists=True,
+            dir_okay=False,
+            allow_dash=True,
+            help="prompts: text (one per line) or JSONL; default stdin",
+        ),
     ] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="JSONL results; default stdout")] = None,
     max_tokens: Annotated[int, typer.Option(help="default max new tokens per prompt")] = 16,
@@ -115,6 +123,9 @@ def run(
     top_p: Annotated[float, typer.Option(help="default nucleus probability")] = 1.0,
     top_k: Annotated[int, typer.Option(help="default top-k (0 = off)")] = 0,
     ignore_eos: Annotated[bool, typer.Option(help="keep generating past EOS")] = False,
+    chat: Annotated[
+        bool, typer.Option(help="send each prompt as a user message through the model's chat template (LLM.chat)")
+    ] = False,
     progress: Annotated[bool, typer.Option(help="show a progress bar on stderr")] = True,
 ) -> None:
     """Offline batch generation: prompts in, JSONL results out, a throughput summary on stderr."""
@@ -127,12 +138,18 @@ def run(
     text = input.read_text() if input is not None and str(input) != "-" else sys.stdin.read()
     records = read_prompts(text, jsonl=True if input is not None and input.suffix in (".jsonl", ".json") else None)
     try:
-        params = [SamplingParams(**{**defaults, **{k: v for k, v in r.items() if k not in ("prompt", "priority")}})
-                  for r in records]
+        params = [
+            SamplingParams(**{**defaults, **{k: v for k, v in r.items() if k not in ("prompt", "priority")}})
+            for r in records
+        ]
         llm = LLM(**engine.engine_kwargs())
         started = time.perf_counter()
         priorities = [int(r.get("priority", 0)) for r in records]
-        outputs = llm.generate([r["prompt"] for r in records], params, priority=priorities, use_tqdm=progress)
+        if chat:
+            conversations = [[{"role": "user", "content": r["prompt"]}] for r in records]
+            outputs = llm.chat(conversations, params, priority=priorities, use_tqdm=progress)
+        else:
+            outputs = llm.generate([r["prompt"] for r in records], params, priority=priorities, use_tqdm=progress)
         elapsed = time.perf_counter() - started
     except (PagedBackendError, ValidationError, TypeError) as error:
         typer.echo(f"error: {error}", err=True)
@@ -143,7 +160,9 @@ def run(
         typer.echo(f"error: {error}", err=True)  # a parallel rank failed: its workers are already stopped
         raise typer.Exit(1) from error
     llm.engine.close()
-    lines = "".join(_result_line(i, o) + "\n" for i, o in enumerate(outputs))
+    lines = "".join(
+        _result_line(i, r["prompt"], o) + "\n" for i, (r, o) in enumerate(zip(records, outputs, strict=True))
+    )
     if output is None:
         sys.stdout.write(lines)
     else:

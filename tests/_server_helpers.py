@@ -17,8 +17,10 @@ import httpx
 import openai
 import pytest
 
+from paged_backend.worker.default_model import TINY_MODEL
+
 API_KEY = "test-key"
-MODEL = "paged-backend-tiny"
+MODEL = TINY_MODEL  # the fast seeded model, unless a test names another
 STARTUP_TIMEOUT = 180  # seconds; importing torch on a busy 2-core box is slow
 
 
@@ -79,11 +81,15 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 @contextmanager
-def running_server(*flags: str):
-    """Start the server with `flags` (plus --api-key, cpu), wait for /health, SIGTERM it afterwards."""
+def running_server(*flags: str, model: str | None = TINY_MODEL):
+    """Start the server with `flags` (plus --api-key, cpu), wait for /health, SIGTERM it afterwards.
+
+    `model` is added as --model unless the flags name one; None starts the server on its default model."""
     port = free_port()
+    named = {"--model", "--config"} & set(flags) or (flags and not flags[0].startswith("-"))  # vLLM's positional MODEL
+    model = [] if model is None or named else ["--model", model]
     command = [sys.executable, "-m", "paged_backend.server", "--port", str(port), "--device", "cpu",
-               "--api-key", API_KEY, "--log-level", "warning", *flags]  # fmt: skip
+               "--api-key", API_KEY, "--log-level", "warning", *model, *flags]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with tempfile.TemporaryFile("w+") as log:  # a file, not a pipe: a full pipe would block the server
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)

@@ -20,9 +20,9 @@ import uvicorn
 from huggingface_hub import InferenceClient
 from text_generation import Client
 
-from paged_backend.tgi.http.settings import EMBEDDED_MODEL_ID
 from paged_backend.tgi.proto import generate_pb2 as pb
 from paged_backend.tgi.router.backend import warmup_chooser
+from paged_backend.worker.default_model import TINY_MODEL
 from tests._server_helpers import parse_metrics
 
 STARTUP_TIMEOUT = 240  # seconds; importing torch on a busy 2-core box is slow
@@ -79,7 +79,8 @@ class TgiServer(Process):
         self.url = f"http://127.0.0.1:{self.port}"
         self.backend = backend
         args = ["-m", "paged_backend.tgi", "--backend", backend, "--hostname", "127.0.0.1", "--port", str(self.port)]
-        super().__init__([*args, *server_args, *extra_args], env)
+        model = [] if "--model-id" in extra_args else ["--model-id", TINY_MODEL]  # the fast seeded model by default
+        super().__init__([*args, *model, *server_args, *extra_args], env)
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> TgiServer:
         deadline = time.monotonic() + timeout
@@ -114,7 +115,7 @@ class Shard(Process):
     def __init__(self, uds_path: str, extra_args: list[str] = ()) -> None:
         self.uds_path = uds_path
         self.socket_path = f"{uds_path}-0"
-        args = ["-m", "paged_backend.tgi.shard", "serve", EMBEDDED_MODEL_ID, "--uds-path", uds_path, *extra_args]
+        args = ["-m", "paged_backend.tgi.shard", "serve", TINY_MODEL, "--uds-path", uds_path, *extra_args]
         super().__init__(args, {"PAGED_BACKEND_DEVICE": "cpu"})
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> Shard:

@@ -26,6 +26,7 @@ from paged_backend.config import CacheConfig, EngineConfig, ParallelConfig, Sche
 from paged_backend.engine.args import ENGINE_FLAGS, EngineArgs, parse_with_config
 from paged_backend.tgi.launcher.flags import ENGINE_FLAG_ALIASES, ignored_flags, parse_flags
 from paged_backend.tgi.launcher.launch import LaunchError, engine_config
+from paged_backend.worker.default_model import TINY_MODEL
 from paged_backend.worker.models import byte_tokenizer, tiny_model
 
 BOOLEANS = [flag for flag in ENGINE_FLAGS if flag.kind is bool]
@@ -196,12 +197,13 @@ def test_run_takes_the_model_positionally_as_vllm_does(tmp_path):
     prompts.write_text("Hello there\n")
     common = ["-i", str(prompts), "--max-tokens", "4", "--ignore-eos", "--no-progress", "--num-blocks", "32"]
     outputs = []
-    for args in (["run", str(model_dir), *common], ["run", "--model", str(model_dir), *common], ["run", *common]):
+    for args in (["run", str(model_dir), *common], ["run", "--model", str(model_dir), *common],
+                 ["run", "--model", TINY_MODEL, *common]):
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 0, result.output
         rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
         outputs.append(rows[0]["outputs"][0]["token_ids"])
-    assert outputs[0] == outputs[1] != outputs[2]  # the positional MODEL is --model, not the embedded model
+    assert outputs[0] == outputs[1] != outputs[2]  # the positional MODEL is --model, not another model
 
 
 MAX_TOKENS = 6

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from paged_backend.cli import app as cli_app
 from paged_backend.engine import LLM, SamplingParams
+from paged_backend.worker.default_model import TINY_MODEL
 from paged_backend.worker.models import byte_tokenizer, tiny_model
 
 PROMPTS = [[5, 17, 42, 99, 7, 180, 33], [60 + i for i in range(21)], [9] * 12]
@@ -49,7 +50,7 @@ def test_calculated_scales_are_per_layer_and_set_once():
 def test_kv_cache_dtype_flags_on_run(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hello\n")
-    args = ["run", "--device", "cpu", "--num-blocks", "32", "--max-tokens", "3", "--input", str(prompts),
+    args = ["run", "--model", TINY_MODEL, "--device", "cpu", "--num-blocks", "32", "--max-tokens", "3", "--input", str(prompts),
             "--kv-cache-dtype", "fp8_e5m2", "--calculate-kv-scales"]  # fmt: skip
     assert CliRunner().invoke(cli_app, args).exit_code == 0
     bad = CliRunner().invoke(cli_app, [*args[:-3], "--kv-cache-dtype", "int3"])

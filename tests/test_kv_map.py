@@ -17,6 +17,7 @@ from paged_backend.engine import LLM, Engine, SamplingParams, engine_config
 from paged_backend.hf import PagedCache
 from paged_backend.server.app import build_app
 from paged_backend.server.state import ServerSettings
+from paged_backend.worker.default_model import TINY_MODEL
 from paged_backend.worker.models import byte_tokenizer
 
 pytest.importorskip("matplotlib")
@@ -70,7 +71,7 @@ def test_paged_cache_map_matches_stats(tmp_path):
 
 
 def test_debug_route_is_off_by_default():
-    engine = Engine(engine_config(device="cpu", num_blocks=16))
+    engine = Engine(engine_config(model=TINY_MODEL, device="cpu", num_blocks=16))
     with TestClient(build_app(engine, ServerSettings())) as client:
         assert client.get("/debug/kv").status_code == 404
     with TestClient(build_app(engine, ServerSettings(enable_debug_routes=True))) as client:

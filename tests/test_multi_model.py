@@ -9,6 +9,7 @@ from paged_backend.config import EngineConfig
 from paged_backend.errors import InvalidRequest
 from paged_backend.lora.request import parse_lora_modules
 from paged_backend.server.multi_model import build_engines, model_specs
+from paged_backend.worker.default_model import TINY_MODEL
 
 
 def test_a_config_file_lists_models_with_options_and_shares(tmp_path):
@@ -17,7 +18,7 @@ def test_a_config_file_lists_models_with_options_and_shares(tmp_path):
                          "  - {model: null, served_model_name: b}\n")  # fmt: skip
     toml_file.write_text('[[models]]\nserved_model_name = "a"\nshare = 3\nmax_num_seqs = 8\n'
                          '[[models]]\nserved_model_name = "b"\n')  # fmt: skip
-    base = EngineConfig(device="cpu", cache={"kv_cache_memory_bytes": 4 << 20})
+    base = EngineConfig(model=TINY_MODEL, device="cpu", cache={"kv_cache_memory_bytes": 4 << 20})
     for path in (yaml_file, toml_file):
         specs = model_specs(base, [], [], str(path))
         assert [(s.name, s.share, s.config.scheduler.max_num_seqs) for s in specs] == [("a", 3, 8), ("b", 1, 256)]

@@ -13,6 +13,7 @@ from paged_backend import InvalidRequest  # noqa: E402
 from paged_backend.config.placement import parse_device_map, parse_max_memory  # noqa: E402
 from paged_backend.engine import Engine, SamplingParams, engine_config  # noqa: E402
 from paged_backend.hf import PagedCache  # noqa: E402
+from paged_backend.worker.default_model import TINY_MODEL
 from paged_backend.worker.models import byte_tokenizer, tiny_model  # noqa: E402
 from paged_backend.worker.offload import layer_devices  # noqa: E402
 
@@ -105,7 +106,7 @@ def test_bad_placement_flags_say_what_to_change(model_dir):
     with pytest.raises(InvalidRequest, match="not a size"):
         parse_max_memory("cpu=lots")
     with pytest.raises(InvalidRequest, match="give --model"):
-        Engine(engine_config(device="cpu", device_map="auto"))
+        Engine(engine_config(model=TINY_MODEL, device="cpu", device_map="auto"))
     with pytest.raises(InvalidRequest, match="not both"):
         Engine(engine_config(model=model_dir, device="cpu", cpu_offload_gb=1, max_memory="cpu=1GiB"))
 

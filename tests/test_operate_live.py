@@ -25,9 +25,9 @@ import yaml
 
 from paged_backend.observability.dashboards import DASHBOARDS, dashboard, export, panel_queries
 from paged_backend.observability.dashboards.render import promql, render
-from paged_backend.tgi.http.settings import EMBEDDED_MODEL_ID
+from paged_backend.worker.default_model import TINY_MODEL
 from tests._otlp_receiver import otlp_receiver
-from tests._server_helpers import API_KEY, MODEL, running_server, wait_for_ok
+from tests._server_helpers import API_KEY, running_server, wait_for_ok
 from tests._tgi_helpers import TgiServer, free_port
 
 SCRAPE_INTERVAL = "1s"
@@ -35,6 +35,7 @@ WINDOW = "2m"  # stands in for $__rate_interval / $__range: the whole test fits 
 SERVE_REQUESTS = [list(range(3, 40)), list(range(3, 40)), [7, 8, 9], list(range(50, 70))]  # a repeat: prefix hits
 TGI_PROMPTS = ["Hello world", "The quick brown fox", "paged"]
 MAX_TOKENS = 6
+SERVE_NAME = "tiny-serve"  # the tiny model under its own name on serve, so the two faces' spans tell apart
 
 
 def prometheus_binary() -> str:
@@ -63,7 +64,8 @@ def faces():
             for name, value in OTLP_ENV.items():
                 env.setenv(name, value)
             serve = stack.enter_context(
-                running_server("--enable-prefix-caching", "--num-blocks", "256", "--block-size", "16", *serve_flags)
+                running_server("--enable-prefix-caching", "--num-blocks", "256", "--block-size", "16",
+                               "--served-model-name", SERVE_NAME, *serve_flags)
             )
         launch.wait_ready()
         yield serve, launch, receiver
@@ -202,7 +204,7 @@ def send_traffic(serve, launch) -> tuple[int, int, int, int, int, int]:
     client = openai.OpenAI(base_url=f"{serve.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
     prompt_tokens = generated = 0
     for index, prompt in enumerate(SERVE_REQUESTS):
-        body = dict(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+        body = dict(model=SERVE_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
         if index % 2:
             chunks = list(client.completions.create(**body, stream=True, stream_options={"include_usage": True}))
             usage = chunks[-1].usage
@@ -251,7 +253,7 @@ def test_both_faces_export_spans_to_a_real_otlp_receiver(faces):
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     headers = {"traceparent": f"00-{trace_id}-{parent_id}-01"}
     client = openai.OpenAI(base_url=f"{serve.url}/v1", api_key=API_KEY, max_retries=0, default_headers=headers)
-    client.completions.create(model=MODEL, prompt=[4, 5, 6], max_tokens=3, extra_body={"ignore_eos": True})
+    client.completions.create(model=SERVE_NAME, prompt=[4, 5, 6], max_tokens=3, extra_body={"ignore_eos": True})
     response = httpx.post(f"{launch.url}/generate", headers=headers, timeout=60,
                           json={"inputs": "Hello", "parameters": {"max_new_tokens": 3}})  # fmt: skip
     assert response.status_code == 200, response.text
@@ -263,4 +265,4 @@ def test_both_faces_export_spans_to_a_real_otlp_receiver(faces):
         assert attributes["gen_ai.usage.completion_tokens"].int_value == 3
         assert attributes["gen_ai.latency.e2e"].double_value > 0
     models = {next(a.value.string_value for a in s.attributes if a.key == "gen_ai.response.model") for s in spans}
-    assert models == {MODEL, EMBEDDED_MODEL_ID}  # one span from each face
+    assert models == {SERVE_NAME, TINY_MODEL}  # one span from each face

@@ -16,6 +16,7 @@ import grpc
 
 from paged_backend.core.kv_budget import KVShape, kv_memory_bytes, num_blocks_for_budget
 from paged_backend.tgi.proto import generate_pb2_grpc as pb_grpc
+from paged_backend.worker.default_model import TINY_MODEL
 from paged_backend.worker.models import load_model
 from tests._server_helpers import running_server
 from tests._tgi_helpers import Shard, TgiServer, running, warmup_request
@@ -30,7 +31,7 @@ def blocks_in_metrics(metrics: dict[str, float]) -> int:
 
 
 def test_run_serve_launch_and_the_shard_size_the_same_pool():
-    model, _ = load_model(None, device="cpu")  # the embedded model every face serves by default
+    model, _ = load_model(TINY_MODEL, device="cpu")  # the model every face below is started with
     shape = KVShape.of(model.config)
     expected = num_blocks_for_budget(shape.num_layers, shape.num_kv_heads, shape.head_dim, BLOCK_SIZE, model.dtype,
                                      memory_bytes=kv_memory_bytes(model.device))  # fmt: skip
@@ -41,7 +42,7 @@ def test_run_serve_launch_and_the_shard_size_the_same_pool():
     try:
         with running_server() as server, running(launch, shard):
             run = subprocess.run(
-                [str(Path(sys.executable).parent / "paged-backend"), "run", "--device", "cpu", "--max-tokens", "2",
+                [str(Path(sys.executable).parent / "paged-backend"), "run", "--model", TINY_MODEL, "--device", "cpu", "--max-tokens", "2",
                  "--no-progress"],
                 input="Hello\n", capture_output=True, text=True, timeout=300,
             )  # fmt: skip

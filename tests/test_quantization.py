@@ -22,6 +22,7 @@ from paged_backend.server.state import ServerSettings
 from paged_backend.tgi.http.app import create_app
 from paged_backend.tgi.launcher.flags import parse_flags
 from paged_backend.tgi.launcher.launch import build_backend, router_settings
+from paged_backend.worker.default_model import TINY_MODEL
 from paged_backend.worker.models import byte_tokenizer, load_model, tiny_model
 from paged_backend.worker.quantization import METHODS, TGI_NAMES, from_tgi, weight_bytes
 from tests._tgi_helpers import serving_in_thread
@@ -185,7 +186,7 @@ def test_bad_names_and_schemes_say_what_to_choose(checkpoints):
 
 
 def test_embedded_model_quantizes_in_place():
-    llm = LLM(device="cpu", num_blocks=32, quantization="torchao")
+    llm = LLM(TINY_MODEL, device="cpu", num_blocks=32, quantization="torchao")
     assert type(llm.engine.model.model.layers[0].mlp.up_proj.weight).__module__.startswith("torchao")
     assert len(llm.generate("Hi", greedy())[0].outputs[0].token_ids) == NEW_TOKENS
 
@@ -227,7 +228,7 @@ def test_grpc_backend_serves_a_shard_started_with_quantize():
                 )
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    model, tokenizer = load_model(None, device="cpu", quantization="torchao")
+    model, tokenizer = load_model(TINY_MODEL, device="cpu", quantization="torchao")
     ids = tokenizer(text).input_ids
     with torch.no_grad():
         expected = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids) :]

@@ -11,13 +11,14 @@ from paged_backend.config import CacheConfig, EngineConfig
 from paged_backend.engine import Engine, SamplingParams
 from paged_backend.engine.async_engine import AsyncEngine, EngineNotRunning, EngineStepFailed, RequestAborted
 from paged_backend.errors import InvalidRequest, PromptTooLong
+from paged_backend.worker.default_model import TINY_MODEL
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(EngineConfig(device="cpu", cache=CacheConfig(num_blocks=64)))
+    return Engine(EngineConfig(model=TINY_MODEL, device="cpu", cache=CacheConfig(num_blocks=64)))
 
 
 def run_with(engine: Engine, scenario) -> object:

@@ -10,6 +10,7 @@ import pytest
 from text_generation import Client
 
 from paged_backend.engine import LLM, SamplingParams
+from paged_backend.worker.default_model import TINY_MODEL
 from tests._server_helpers import MODEL, running_server
 from tests._tgi_helpers import TgiServer
 
@@ -35,7 +36,7 @@ def faces():
 @pytest.fixture(scope="module")
 def plain():
     """Greedy tokens of plain decoding on the same embedded model, in this process."""
-    llm = LLM(device="cpu", num_blocks=64, block_size=4)
+    llm = LLM(TINY_MODEL, device="cpu", num_blocks=64, block_size=4)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params)
     return {
@@ -84,7 +85,7 @@ def test_run_speculative_config_gives_plain_tokens_and_reports_acceptance(tmp_pa
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    args = ["run", "--input", str(prompts), "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--no-progress",
+    args = ["run", "--model", TINY_MODEL, "--input", str(prompts), "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--no-progress",
             "--device", "cpu", "--num-blocks", "64", "--block-size", "4", "--speculative-config", json.dumps(NGRAM)]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output

@@ -16,6 +16,7 @@ from paged_backend.tgi.backends.paged import PagedBackend
 from paged_backend.tgi.http.app import create_app
 from paged_backend.tgi.http.settings import RouterSettings
 from paged_backend.tgi.http.sse import with_keep_alive
+from paged_backend.worker.default_model import TINY_MODEL
 from tests._tgi_helpers import serving_in_thread
 
 NUM_BLOCKS = 96
@@ -23,7 +24,10 @@ NUM_BLOCKS = 96
 
 def make_engine() -> Engine:
     config = EngineConfig(
-        device="cpu", cache=CacheConfig(num_blocks=NUM_BLOCKS), scheduler=SchedulerConfig(max_model_len=512)
+        model=TINY_MODEL,
+        device="cpu",
+        cache=CacheConfig(num_blocks=NUM_BLOCKS),
+        scheduler=SchedulerConfig(max_model_len=512),
     )
     return Engine(config)
 
@@ -72,7 +76,10 @@ VALIDATION_CASES = [
         "`inputs` tokens + `max_new_tokens` must be <= 256. Given: 11 `inputs` tokens and 250 `max_new_tokens`",
     ),
     ({"typical_p": 1.0}, "`typical_p` must be > 0.0 and < 1.0"),
-    ({"grammar": {"type": "regex", "value": ""}}, "grammar is not valid: a regex grammar needs a non-empty string `value`"),
+    (
+        {"grammar": {"type": "regex", "value": ""}},
+        "grammar is not valid: a regex grammar needs a non-empty string `value`",
+    ),
     (
         {"grammar": {"type": "json", "value": "{not json"}},
         "grammar is not valid: `value` is not JSON: Expecting property name enclosed in double quotes: line 1 column 2 "

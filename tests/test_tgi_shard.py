@@ -13,6 +13,7 @@ from paged_backend.config import CacheConfig, EngineConfig
 from paged_backend.engine import Engine, SamplingParams
 from paged_backend.tgi.proto import generate_pb2 as pb
 from paged_backend.tgi.proto import generate_pb2_grpc as pb_grpc
+from paged_backend.worker.default_model import TINY_MODEL
 from paged_backend.worker.models import byte_tokenizer
 from tests._tgi_helpers import Shard, running, warmup_request
 
@@ -100,7 +101,7 @@ def liveness() -> pb.PrefillRequest:
 
 def engine_tokens(prompts: dict[int, tuple[str, int]] = PROMPTS) -> dict[int, list[int]]:
     """The in-process engine's greedy tokens for each prompt (the shard must match them)."""
-    engine = Engine(EngineConfig(device="cpu", cache=CacheConfig(num_blocks=64)))
+    engine = Engine(EngineConfig(model=TINY_MODEL, device="cpu", cache=CacheConfig(num_blocks=64)))
     for request_id, (text, max_new_tokens) in prompts.items():
         params = SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True)
         engine.add_request(str(request_id), text, params)

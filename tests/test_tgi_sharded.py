@@ -19,6 +19,7 @@ import torch
 from text_generation import Client
 
 from paged_backend.engine import LLM, SamplingParams
+from paged_backend.worker.default_model import TINY_MODEL
 from paged_backend.worker.models import embedded_model
 from tests._distributed_helpers import engine_processes
 from tests._tgi_helpers import MAX_NEW_TOKENS, PROMPTS, ROUTER_ARGS, TgiServer, free_port, running, serving_in_thread
@@ -62,7 +63,8 @@ def test_launch_num_shard_2_matches_one_process_and_hf_generate_and_goes_down_wi
     _, still_running = psutil.wait_procs(children, timeout=15)
     assert not still_running, f"children left behind: {still_running}"
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS)
-    one_process = [out.outputs[0].token_ids for out in LLM(device="cpu", num_blocks=64).generate(PROMPTS, params)]
+    llm = LLM(TINY_MODEL, device="cpu", num_blocks=64)
+    one_process = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)]
     expected = hf_greedy_tokens()
     assert one_process == expected
     assert grpc_tokens == expected
@@ -74,9 +76,9 @@ def test_launch_paged_num_shard_2_runs_the_engine_tensor_parallel(speculate):
     from paged_backend.tgi.launcher.flags import parse_flags
     from paged_backend.tgi.launcher.launch import build_backend, router_settings
 
-    args = parse_flags(
-        ["--num-shard", "2", "--device", "cpu", "--num-blocks", "64", "--max-total-tokens", "512", *speculate]
-    )
+    flags = ["--model-id", TINY_MODEL, "--num-shard", "2", "--device", "cpu", "--num-blocks", "64",
+             "--max-total-tokens", "512"]  # fmt: skip
+    args = parse_flags([*flags, *speculate])
     backend = build_backend(args)
     engine = backend.async_engine.engine
     try:

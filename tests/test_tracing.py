@@ -26,6 +26,7 @@ from paged_backend.observability.tracing import RequestTracer  # noqa: E402
 from paged_backend.tgi.backends.paged import PagedBackend  # noqa: E402
 from paged_backend.tgi.http.app import create_app  # noqa: E402
 from paged_backend.tgi.http.settings import RouterSettings  # noqa: E402
+from paged_backend.worker.default_model import TINY_MODEL as MODEL  # noqa: E402
 from tests._tgi_helpers import free_port, serving_in_thread  # noqa: E402
 
 LATENCIES = ("time_to_first_token", "e2e", "time_in_model_decode")
@@ -34,7 +35,9 @@ SCHEDULED = ("time_in_queue", "time_in_model_prefill", "time_in_model_inference"
 
 def make_engine() -> Engine:
     return Engine(
-        EngineConfig(device="cpu", cache=CacheConfig(num_blocks=64), scheduler=SchedulerConfig(max_model_len=256))
+        EngineConfig(
+            model=MODEL, device="cpu", cache=CacheConfig(num_blocks=64), scheduler=SchedulerConfig(max_model_len=256)
+        )
     )
 
 
@@ -77,9 +80,9 @@ def test_serve_spans_continue_the_client_trace():
     with serving_in_thread(build_app(make_engine(), ServerSettings(), tracer=tracer)) as url:
         parent, headers = client_span()
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", default_headers=headers, max_retries=0)
-        completion = client.completions.create(model="paged-backend-tiny", prompt=[5, 6, 7], max_tokens=4,
+        completion = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4,
                                                temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
-        stream = client.chat.completions.create(model="paged-backend-tiny", messages=[{"role": "user", "content": "hi"}],
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                 max_tokens=3, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
         assert sum(1 for _ in stream) > 0
     spans = exporter.get_finished_spans()
@@ -87,7 +90,7 @@ def test_serve_spans_continue_the_client_trace():
     assert completion.usage.completion_tokens == 4
     check_span(spans[0], parent, 3, 4, "length", scheduled=True)
     check_span(spans[1], parent, None, 3, "length", scheduled=True)
-    assert spans[0].attributes["gen_ai.response.model"] == "paged-backend-tiny"
+    assert spans[0].attributes["gen_ai.response.model"] == MODEL
     assert spans[0].attributes["gen_ai.request.temperature"] == 0
 
 
@@ -120,7 +123,7 @@ def test_serve_exports_over_otlp_to_a_real_receiver(monkeypatch):
             app = build_app(make_engine(), settings)
             with serving_in_thread(app) as url:
                 client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", default_headers=headers)
-                await client.completions.create(model="paged-backend-tiny", prompt=[1, 2], max_tokens=2,
+                await client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=2,
                                                 extra_body={"ignore_eos": True})  # fmt: skip
             # Leaving the server ran its shutdown, which flushed the batched span to the receiver.
             span = await receiver.await_trace(lambda s: s.name == "llm_request", timeout=30)
@@ -169,7 +172,7 @@ def test_serve_exports_over_otlp_grpc_by_default(monkeypatch):
         settings = ServerSettings(otlp_traces_endpoint=f"http://127.0.0.1:{port}")
         with serving_in_thread(build_app(make_engine(), settings)) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-            client.completions.create(model="paged-backend-tiny", prompt=[9, 8], max_tokens=2,
+            client.completions.create(model=MODEL, prompt=[9, 8], max_tokens=2,
                                       extra_body={"ignore_eos": True})  # fmt: skip
         # Leaving the server flushed the batched span over gRPC.
     finally:

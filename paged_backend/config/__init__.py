@@ -62,7 +62,9 @@ class ParallelConfig(_Config):
 
 
 class EngineConfig(_Config):
-    model: str | None = Field(None, description="local directory or hub id; None = the embedded tiny model")
+    model: str | None = Field(
+        None, description="local directory, hub id or .gguf file; None = the default model (SmolLM2-135M-Instruct)"
+    )
     tokenizer: str | None = None
     dtype: str = Field("auto", description="auto | float32 | float16 | bfloat16")
     quantization: str | None = Field(

@@ -39,8 +39,9 @@ class EngineArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = _option("local directory or hub id (run and serve also take it as the positional MODEL); "
-                                "omit for the embedded tiny model")  # fmt: skip
+    model: str | None = _option("local directory, hub id or .gguf file (run and serve also take it as the positional "
+                                "MODEL); omit for the default model, SmolLM2-135M-Instruct; "
+                                "paged-backend/embedded-tiny is the seeded tiny model")  # fmt: skip
     tokenizer: str | None = _option("tokenizer directory or id; default: the model's")
     dtype: str | None = _option("auto | float32 | float16 | bfloat16")
     device: str | None = _option("auto | cpu | cuda | cuda:N")

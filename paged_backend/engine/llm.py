@@ -8,6 +8,7 @@ import time
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from paged_backend.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from paged_backend.engine.chat_template import render_chat
 from paged_backend.engine.engine import Engine
 from paged_backend.engine.input_processor import prompt_list
 from paged_backend.engine.request import RequestOutput, SamplingParams
@@ -18,8 +19,8 @@ from paged_backend.lora import LoRARequest
 class LLM:
     """Offline batch generation on top of `Engine`.
 
-    >>> llm = LLM(device="cpu", num_blocks=64)
-    >>> [out] = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3))
+    >>> llm = LLM("paged-backend/embedded-tiny", device="cpu", num_blocks=64)
+    >>> [out] = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     >>> len(out.outputs[0].token_ids)
     3
     """
@@ -71,6 +72,34 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        priority: list[int] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or a list of them, each
+        laid out by the chat template (`chat_template`, else the tokenizer's) and generated as `generate` does."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.tokenizer
+        prompts = [
+            {"prompt_token_ids": render_chat(
+                tokenizer, conversation, tools=tools, chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+            )}
+            for conversation in conversations
+        ]  # fmt: skip
+        return self.generate(prompts, sampling_params, priority=priority, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt block (vLLM's call), e.g. after the model's weights changed: cached blocks hold

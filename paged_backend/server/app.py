@@ -23,7 +23,8 @@ from paged_backend.server.guard import RequestGuard
 from paged_backend.server.openai_errors import install_error_handlers
 from paged_backend.server.openapi_document import install_openapi
 from paged_backend.server.schemas import strict_fields
-from paged_backend.server.state import EMBEDDED_MODEL_NAME, ServerSettings, ServerState
+from paged_backend.server.state import ServerSettings, ServerState
+from paged_backend.worker.default_model import served_name
 
 if TYPE_CHECKING:
     from paged_backend.engine import Engine
@@ -33,7 +34,7 @@ def build_app(engine: Engine, settings: ServerSettings, tracer: RequestTracer | 
     """An app serving `engine`; the engine loop starts and drains with the app's lifespan. Request spans go to
     `tracer`, or to settings.otlp_traces_endpoint."""
     async_engine = AsyncEngine(engine)
-    model_name = settings.served_model_name or engine.config.model or EMBEDDED_MODEL_NAME
+    model_name = settings.served_model_name or served_name(engine.config.model)
     if tracer is None and settings.otlp_traces_endpoint:
         tracer = otlp_tracer(settings.otlp_traces_endpoint, "paged-backend")
     state = ServerState(settings, async_engine, ServerMetrics(async_engine, model_name, tracer), model_name)

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from paged_backend.engine.chat_template import render_chat
 from paged_backend.engine.request import SamplingParams
 from paged_backend.errors import InvalidRequest
 from paged_backend.server import sse
@@ -21,14 +22,6 @@ from paged_backend.server.tool_parsers import StreamDelta
 from paged_backend.server.tool_parsers.choice import ToolCallPlan, ToolCallReader, plan_tool_calls
 
 router = APIRouter()
-
-# apply_chat_template's own arguments: chat_template_kwargs may not override them.
-TEMPLATE_ARGUMENTS = frozenset(
-    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-     "return_assistant_tokens_mask", "tokenizer_kwargs"}
-)  # fmt: skip
-
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(
@@ -89,38 +82,13 @@ def chat_sampling_params(body: ChatCompletionRequest, plan: ToolCallPlan, max_to
 
 def render_chat_prompt(server: ServerState, body: ChatCompletionRequest) -> list[int]:
     """Token ids of the conversation as the chat template (the request's, else the model's) lays it out."""
-    tokenizer = server.tokenizer
-    if not (body.chat_template or tokenizer.chat_template):
-        raise InvalidRequest("this model's tokenizer has no chat template; send 'chat_template' or use /v1/completions")
-    if body.add_generation_prompt and body.continue_final_message:
-        raise InvalidRequest(
-            "continue_final_message and add_generation_prompt cannot both be true; "
-            "set add_generation_prompt to false to continue the last message"
-        )
-    template_kwargs = dict(body.chat_template_kwargs or {})
-    clashing = sorted(TEMPLATE_ARGUMENTS & template_kwargs.keys())
-    if clashing:
-        raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(clashing)}; use the request fields")
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-    try:
-        text = tokenizer.apply_chat_template(
-            [message.for_template() for message in body.messages], tools=tools, documents=body.documents,
-            add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
-            chat_template=body.chat_template, tokenize=False, **template_kwargs,
-        )  # fmt: skip
-    except Exception as error:  # the template is user input too: whatever it raises is this request's fault
-        raise InvalidRequest(
-            f"the chat template could not render these messages: {type(error).__name__}: {error}"
-        ) from error
-    if not text:
-        raise InvalidRequest("the chat template rendered these messages as empty text; check the template")
-    try:
-        text.encode()
-    except UnicodeEncodeError as error:  # JSON may carry lone surrogates ("\\ud800"), which no tokenizer encodes
-        raise InvalidRequest(
-            f"the messages hold text that is not valid Unicode ({error.reason}); send UTF-8 text"
-        ) from None
-    return tokenizer(text, add_special_tokens=body.add_special_tokens).input_ids
+    return render_chat(
+        server.tokenizer, [message.for_template() for message in body.messages], tools=tools,
+        documents=body.documents, chat_template=body.chat_template, add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message, add_special_tokens=body.add_special_tokens,
+        chat_template_kwargs=body.chat_template_kwargs,
+    )  # fmt: skip
 
 
 class _ChatFormatter:

@@ -34,7 +34,9 @@ def serve(
     model_tag: ModelArgument = None,
     model: Annotated[
         list[str] | None,
-        typer.Option(help="local directory or hub id; several serve several models; omit for the embedded one"),
+        typer.Option(
+            help="local directory, hub id or .gguf file; several serve several models; omit for the default model"
+        ),
     ] = None,
     config: Annotated[
         str | None,

@@ -13,8 +13,6 @@ from paged_backend.lora.manager import served_adapters
 from paged_backend.observability.metrics import ServerMetrics
 from paged_backend.server.openai_errors import ModelNotFound
 
-EMBEDDED_MODEL_NAME = "paged-backend-tiny"
-
 
 @dataclass
 class ServerSettings:

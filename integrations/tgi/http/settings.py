@@ -4,13 +4,7 @@ from __future__ import annotations
 
 from dataclasses import Field, dataclass, field, fields
 
-# The model id that names the embedded tiny model (what --model-id / MODEL_ID default to).
-EMBEDDED_MODEL_ID = "paged-backend/embedded-tiny"
-
-
-def model_to_load(model_id: str | None) -> str | None:
-    """What `paged_backend.worker.models.load_model` takes: None for the embedded model."""
-    return None if model_id in (None, EMBEDDED_MODEL_ID) else model_id
+from paged_backend.worker.default_model import TINY_MODEL
 
 
 def _router_flag(default, help: str):
@@ -20,7 +14,7 @@ def _router_flag(default, help: str):
 
 @dataclass
 class RouterSettings:
-    model_id: str = EMBEDDED_MODEL_ID
+    model_id: str = TINY_MODEL  # the launcher sets the model it serves
     max_concurrent_requests: int = _router_flag(128, "requests in flight before 429 overloaded")
     max_best_of: int = _router_flag(2, "largest best_of accepted")
     max_stop_sequences: int = _router_flag(4, "most stop sequences per request")

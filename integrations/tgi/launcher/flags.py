@@ -61,7 +61,7 @@ def _truthy(text: str) -> bool:
 
 FLAGS: list[Flag] = [
     Flag("--backend", str, "paged", "paged | reference | grpc: which engine serves the TGI API", env="TGI_BACKEND"),
-    Flag("--model-id", str, None, "local directory or hub id; omit for the embedded tiny model"),
+    Flag("--model-id", str, None, "local directory, hub id or .gguf file; omit for the default model"),
     Flag("--tokenizer-name", str, None, "tokenizer directory or id when it differs from the model"),
     # grpc: passed on to the shards this launcher starts (--num-shard).
     Flag("--dtype", str, None, "float16 | bfloat16 | float32 (default: auto)", used_by=ALL),

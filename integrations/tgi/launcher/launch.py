@@ -18,7 +18,7 @@ import sys
 
 from paged_backend.errors import PagedBackendError
 from paged_backend.tgi.backends.lora import lora_options
-from paged_backend.tgi.http.settings import ROUTER_FLAG_FIELDS, RouterSettings, model_to_load
+from paged_backend.tgi.http.settings import ROUTER_FLAG_FIELDS, RouterSettings
 from paged_backend.tgi.launcher.flags import (
     ADDED_ENGINE_FIELDS,
     ENGINE_FIELDS_FROM_TGI,
@@ -26,6 +26,7 @@ from paged_backend.tgi.launcher.flags import (
     parse_flags,
 )
 from paged_backend.tgi.names import kv_cache_dtype
+from paged_backend.worker.default_model import served_name
 
 logger = logging.getLogger("paged_backend.tgi")
 
@@ -47,7 +48,7 @@ def engine_config(args: argparse.Namespace):
         num_blocks = math.ceil(args.max_batch_total_tokens / args.block_size) + 1  # + the reserved block 0
     # TGI flags whose value the engine takes in another form (the LoRA adapters: below).
     translated = dict(
-        model=model_to_load(args.model_id),
+        model=args.model_id,
         num_blocks=num_blocks,
         tensor_parallel_size=num_shards(args) or 1,
         cache_dtype=kv_cache_dtype(args.kv_cache_dtype),
@@ -121,7 +122,7 @@ def build_backend(args: argparse.Namespace, shards=None):
         from paged_backend.worker.models import load_model
 
         model, tokenizer = load_model(
-            model_to_load(args.model_id), tokenizer=args.tokenizer_name, dtype=args.dtype or "auto",
+            args.model_id, tokenizer=args.tokenizer_name, dtype=args.dtype or "auto",
             device=args.device, **placement_flags(args), **_quantization(args),
         )  # fmt: skip
         max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", 2048)
@@ -140,7 +141,7 @@ def router_settings(args: argparse.Namespace, max_model_len: int) -> RouterSetti
     if max_total > max_model_len:
         raise LaunchError(f"`max_total_tokens` ({max_total}) exceeds what the backend holds ({max_model_len})")
     return RouterSettings(
-        model_id=args.model_id or RouterSettings.model_id,
+        model_id=served_name(args.model_id),
         max_input_tokens=max_input,
         max_total_tokens=max_total,
         **{name: getattr(args, name) for name in ROUTER_FLAG_FIELDS},

@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from paged_backend.tgi.http.settings import EMBEDDED_MODEL_ID
+from paged_backend.worker.default_model import default_model
 
 logger = logging.getLogger("paged_backend.tgi")
 STARTUP_TIMEOUT = 600.0  # seconds for every shard to load its weights and bind its socket
@@ -35,7 +35,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 def shard_command(args: argparse.Namespace, num_shard: int) -> list[str]:
-    command = [sys.executable, "-m", "paged_backend.tgi.shard", "serve", args.model_id or EMBEDDED_MODEL_ID]
+    command = [sys.executable, "-m", "paged_backend.tgi.shard", "serve", args.model_id or default_model()]
     command += ["--uds-path", args.shard_uds_path]
     if num_shard > 1:
         command.append("--sharded")

@@ -24,7 +24,6 @@ from paged_backend.tgi.backends.tokens import eos_token_ids
 from paged_backend.tgi.http.errors import TgiError
 from paged_backend.tgi.http.grammar import GrammarCompiler
 from paged_backend.tgi.http.metrics import TgiMetrics
-from paged_backend.tgi.http.settings import model_to_load
 from paged_backend.tgi.http.validation import ValidRequest
 from paged_backend.tgi.proto import generate_pb2 as pb
 from paged_backend.tgi.proto import generate_pb2_grpc as pb_grpc
@@ -39,14 +38,9 @@ WARMUP_TEXT = "_test "
 
 def load_tokenizer(model_id: str | None, tokenizer_name: str | None):
     """The router validates and counts tokens itself, so it needs the model's tokenizer (not its weights)."""
-    source = tokenizer_name or model_to_load(model_id)
-    if source is None:
-        from paged_backend.worker.models import byte_tokenizer
+    from paged_backend.worker.models import load_tokenizer
 
-        return byte_tokenizer()
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(source)
+    return load_tokenizer(model_id, tokenizer_name)
 
 
 def warmup_chooser() -> pb.NextTokenChooserParameters:

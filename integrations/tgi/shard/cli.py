@@ -16,8 +16,8 @@ from typing import Annotated
 
 import typer
 
-from paged_backend.tgi.http.settings import model_to_load
 from paged_backend.tgi.names import kv_cache_dtype as kv_cache_dtype_from_tgi
+from paged_backend.worker.default_model import TINY_MODEL
 
 app = typer.Typer(help="generate.v3 gRPC shard (text-generation-server compatible) on paged-backend.")
 logger = logging.getLogger("paged_backend.tgi.shard")
@@ -82,7 +82,7 @@ def serve(
     try:
         quantization, quantization_param = from_tgi(quantize)
         model = ShardModel(
-            model_to_load(model_id),
+            model_id,
             quantization=quantization,
             quantization_param=quantization_param,
             dtype=dtype or "auto",
@@ -121,11 +121,10 @@ def download_weights(
 ) -> None:
     """Fetch MODEL_ID's weights and tokenizer into the hub cache (nothing to do for local or embedded models)."""
     logging.basicConfig(level=logger_level.upper())
-    source = model_to_load(model_id)
-    if source is None or os.path.isdir(os.path.expanduser(source)):
+    if model_id == TINY_MODEL or os.path.exists(os.path.expanduser(model_id)):
         logger.info("%s is local: nothing to download", model_id)
         return
     from huggingface_hub import snapshot_download
 
     patterns = [f"*{extension}", "*.json", "*.model", "*.txt", "*.tiktoken"]
-    snapshot_download(source, revision=revision, allow_patterns=patterns)
+    snapshot_download(model_id, revision=revision, allow_patterns=patterns)

@@ -1,0 +1,144 @@
+"""GGUF files as a model source: converted once through transformers' GGUF loader, then loaded as a plain
+HF directory from the cache.
+
+A `.gguf` file (or a directory holding exactly one) carries the architecture, the weights, the tokenizer and
+the chat template. transformers reads all of it and dequantizes the tensors, which takes seconds to tens of
+seconds (mostly parsing the tokenizer's fields). The result is saved once under
+`cache_root()/gguf/<content hash>` as config + safetensors (float32: the exact dequantized values) +
+tokenizer, with a manifest of the entry's file digests. The next start hashes the GGUF file, finds the entry,
+checks the manifest, and loads a directory in well under a second. An entry whose files do not match their
+manifest is deleted and rebuilt, never trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from paged_backend.core.build_cache import build_once, cache_root
+from paged_backend.errors import InvalidRequest, UnsupportedModel
+
+MAGIC = b"GGUF"
+MANIFEST = "manifest.json"
+CACHE_FORMAT = 1  # bump when the layout of an entry changes
+
+
+def gguf_file(model: str) -> Path | None:
+    """The GGUF file `model` names (a `.gguf` file, or a directory holding exactly one), else None."""
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise InvalidRequest(f"model file '{model}' not found: no such .gguf file")
+        return path
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise InvalidRequest(f"'{model}' holds several GGUF files ({names}); give --model the one to load")
+    return found[0] if found else None
+
+
+def converted(path: Path) -> Path:
+    """The cached HF directory for GGUF file `path`, built on first use (or when its entry is damaged)."""
+    entry = cache_entry(path)
+    if entry.exists() and not _intact(entry):
+        print(f"paged-backend: the cached conversion {entry} is damaged; rebuilding it", file=sys.stderr)
+        shutil.rmtree(entry, ignore_errors=True)
+    if not entry.exists():
+        check(path)
+        print(f"paged-backend: converting {path.name} once (cached in {entry})", file=sys.stderr)
+    return build_once(entry, lambda scratch: _convert(path, scratch))
+
+
+def cache_entry(path: Path) -> Path:
+    """Where the conversion of `path` lives: keyed by the file's content, so a renamed copy hits it too."""
+    return cache_root() / "gguf" / f"{_digest(path)}-v{CACHE_FORMAT}"
+
+
+def check(path: Path) -> None:
+    """Refuse, with a sentence, a file that is not a complete GGUF or holds tensors no loader here reads."""
+    from gguf import GGUFReader
+
+    with open(path, "rb") as handle:
+        if handle.read(4) != MAGIC:
+            raise InvalidRequest(f"{path} is not a GGUF file (it does not start with 'GGUF')")
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # the reader raises whatever numpy does on a short file
+        raise InvalidRequest(
+            f"{path} is not a readable GGUF file; it is truncated or corrupt ({type(exc).__name__}: {exc}). "
+            f"Download or copy it again"
+        ) from exc
+    unreadable = sorted({t.tensor_type.name for t in reader.tensors if not _dequantizes(t.tensor_type)})
+    if unreadable:
+        raise UnsupportedModel(
+            f"{path.name} stores tensors as {', '.join(unreadable)}, which transformers' GGUF loader cannot "
+            f"dequantize; convert the model to a supported type (F32, F16, BF16, Q8_0, Q4_K, ...) with "
+            f"llama-quantize"
+        )
+
+
+def _dequantizes(qtype) -> bool:
+    from gguf import GGML_QUANT_SIZES, dequantize
+
+    _, block_bytes = GGML_QUANT_SIZES[qtype]
+    try:
+        dequantize(np.zeros(block_bytes, dtype=np.uint8), qtype)
+    except (NotImplementedError, ValueError):
+        return False
+    return True
+
+
+def _convert(path: Path, out: Path) -> None:
+    import torch
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(path.parent), path.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except Exception as exc:  # the file is user input: whatever transformers trips on, say which file and why
+        if isinstance(exc, ValueError) and "architecture" in str(exc):  # transformers names it
+            raise UnsupportedModel(f"{path.name}: {exc} Use a GGUF of a supported architecture (llama, qwen2, "
+                                   f"mistral, ...), or the model's safetensors checkpoint") from exc  # fmt: skip
+        raise InvalidRequest(
+            f"transformers could not load {path.name} ({type(exc).__name__}: {exc}); the file lacks fields a "
+            f"GGUF export of a supported model carries"
+        ) from exc
+    out.mkdir(parents=True)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config  # the saved weights are plain float32, not GGUF blocks
+    model.config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    save_model(model, str(out / "model.safetensors"))  # handles the tied embedding / lm_head pair
+    tokenizer.save_pretrained(out)
+    files = {p.name: _file_digest(p) for p in sorted(out.iterdir())}
+    (out / MANIFEST).write_text(json.dumps({"source": str(path), "files": files}, indent=1))
+
+
+def _intact(entry: Path) -> bool:
+    try:
+        files = json.loads((entry / MANIFEST).read_text())["files"]
+        present = {p.name for p in entry.iterdir()} - {MANIFEST}
+        return present == set(files) and all(_file_digest(entry / n) == d for n, d in files.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _digest(path: Path) -> str:
+    return _file_digest(path)[:32]
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
