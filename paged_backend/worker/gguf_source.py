@@ -75,7 +75,7 @@ def check(path: Path) -> None:
             f"{path} is not a readable GGUF file; it is truncated or corrupt ({type(exc).__name__}: {exc}). "
             f"Download or copy it again"
         ) from exc
-    unreadable = sorted({t.tensor_type.name for t in reader.tensors if not _dequantizes(t.tensor_type)})
+    unreadable = sorted(t.name for t in {t.tensor_type for t in reader.tensors} if not _dequantizes(t))
     if unreadable:
         raise UnsupportedModel(
             f"{path.name} stores tensors as {', '.join(unreadable)}, which transformers' GGUF loader cannot "
@@ -103,7 +103,9 @@ def _convert(path: Path, out: Path) -> None:
     folder, name = str(path.parent), path.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32, output_loading_info=True
+        )
     except Exception as exc:  # the file is user input: whatever transformers trips on, say which file and why
         if isinstance(exc, ValueError) and "architecture" in str(exc):  # transformers names it
             raise UnsupportedModel(f"{path.name}: {exc} Use a GGUF of a supported architecture (llama, qwen2, "
@@ -112,6 +114,12 @@ def _convert(path: Path, out: Path) -> None:
             f"transformers could not load {path.name} ({type(exc).__name__}: {exc}); the file lacks fields a "
             f"GGUF export of a supported model carries"
         ) from exc
+    missing = sorted(loading["missing_keys"])
+    if missing:  # transformers would start those weights at random: a model that only looks loaded
+        raise InvalidRequest(
+            f"{path.name} has no tensors for {len(missing)} of the {model.config.model_type} model's weights "
+            f"({', '.join(missing[:3])}, ...); it is not a complete export of that architecture"
+        )
     out.mkdir(parents=True)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config  # the saved weights are plain float32, not GGUF blocks
