@@ -5,7 +5,7 @@ A `.gguf` file (or a directory holding exactly one) carries the architecture, th
 the chat template. transformers reads all of it and dequantizes the tensors, which takes seconds to tens of
 seconds (mostly parsing the tokenizer's fields). The result is saved once under
 `cache_root()/gguf/<content hash>` as config + safetensors (float32: the exact dequantized values) +
-tokenizer, with a manifest of the entry's file digests. The next start hashes the GGUF file, finds the entry,
+tokenizer, with a manifest of the entry's file checksums. The next start hashes the GGUF file, finds the entry,
 checks the manifest, and loads a directory in well under a second. An entry whose files do not match their
 manifest is deleted and rebuilt, never trusted.
 """
@@ -16,6 +16,7 @@ import hashlib
 import json
 import shutil
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ from paged_backend.errors import InvalidRequest, UnsupportedModel
 
 MAGIC = b"GGUF"
 MANIFEST = "manifest.json"
-CACHE_FORMAT = 1  # bump when the layout of an entry changes
+CACHE_FORMAT = 2  # bump when the layout of an entry changes
 
 
 def gguf_file(model: str) -> Path | None:
@@ -127,7 +128,7 @@ def _convert(path: Path, out: Path) -> None:
     model.generation_config.save_pretrained(out)
     save_model(model, str(out / "model.safetensors"))  # handles the tied embedding / lm_head pair
     tokenizer.save_pretrained(out)
-    files = {p.name: _file_digest(p) for p in sorted(out.iterdir())}
+    files = {p.name: _checksum(p) for p in sorted(out.iterdir())}
     (out / MANIFEST).write_text(json.dumps({"source": str(path), "files": files}, indent=1))
 
 
@@ -135,18 +136,24 @@ def _intact(entry: Path) -> bool:
     try:
         files = json.loads((entry / MANIFEST).read_text())["files"]
         present = {p.name for p in entry.iterdir()} - {MANIFEST}
-        return present == set(files) and all(_file_digest(entry / n) == d for n, d in files.items())
+        return present == set(files) and all(_checksum(entry / n) == c for n, c in files.items())
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
 
 def _digest(path: Path) -> str:
-    return _file_digest(path)[:32]
-
-
-def _file_digest(path: Path) -> str:
+    """The cache key: sha256 of the GGUF file's content."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(1 << 24):
             digest.update(chunk)
-    return digest.hexdigest()
+    return digest.hexdigest()[:32]
+
+
+def _checksum(path: Path) -> str:
+    """A damaged entry's detector, checked on every start: CRC-32 reads 540 MB in a fifth of sha256's time."""
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"crc32:{crc:08x}"
