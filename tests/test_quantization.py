@@ -1,6 +1,7 @@
 """Quantized weights through the paged engine: torchao int8 / int4 weight-only on CPU via LLM, `run`, the
 OpenAI server and the TGI launcher, compared token for token with the same quantized model under HF generate;
-checkpoints saved quantized load with no flag; GPU-only formats are refused on CPU with what they need."""
+checkpoints saved quantized load with no flag; GPU-only formats are refused on CPU with what they need (AWQ and
+GPTQ checkpoints load on CPU: tests/test_int4_checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ def test_run_command_quantizes_on_the_fly(checkpoints, tmp_path):
     result = CliRunner().invoke(cli_app, args)  # fmt: skip
     assert result.exit_code == 0, result.output
     bad = CliRunner().invoke(cli_app, [*args[:-2], "--quantization", "awq", "--input", str(prompts)])
-    assert bad.exit_code == 2 and "'awq' needs a CUDA GPU" in bad.output
+    assert bad.exit_code == 2 and "'awq' needs a checkpoint already quantized with it" in bad.output
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -156,17 +157,23 @@ def test_tgi_launch_quantize_torchao(checkpoints, arch, backend):
     assert [t.id for t in generated.details.tokens] == hf_greedy(checkpoints[arch], "int8_weight_only", tuple(ids))
 
 
-@pytest.mark.parametrize("name", [m for m in METHODS if m != "torchao"])
+@pytest.mark.parametrize("name", [m for m, method in METHODS.items() if not method.runs_on_cpu])
 def test_gpu_formats_are_refused_on_cpu_naming_what_they_need(checkpoints, name):
     with pytest.raises(UnsupportedModel, match=f"{name!r} needs .*(GPU|ExLlamaV2)"):
         load_model(checkpoints["llama"], device="cpu", quantization=name)
 
 
+@pytest.mark.parametrize("name", [m for m, method in METHODS.items() if method.int4_on_cpu])
+def test_awq_and_gptq_on_cpu_need_a_checkpoint_saved_in_them(checkpoints, name):
+    with pytest.raises(InvalidRequest, match=f"quantization {name!r} needs a checkpoint already quantized with it"):
+        load_model(checkpoints["llama"], device="cpu", quantization=name)
+
+
 def test_checkpoint_in_a_gpu_format_is_refused_on_cpu_without_a_flag(checkpoints, tmp_path):
     config = json.loads(open(f"{checkpoints['llama']}/config.json").read())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModel, match="checkpoint is quantized with 'gptq' needs a CUDA GPU"):
+    with pytest.raises(UnsupportedModel, match="checkpoint is quantized with 'marlin' needs a CUDA GPU"):
         load_model(str(tmp_path), device="cpu")
 
 
@@ -195,8 +202,8 @@ def test_launch_and_shard_refuse_gpu_formats_with_a_sentence(checkpoints):
     from paged_backend.tgi.launcher.launch import main as launch
     from paged_backend.tgi.shard.cli import app as shard_app
 
-    with pytest.raises(SystemExit, match="'awq' needs a CUDA GPU"):
-        launch(["--model-id", checkpoints["llama"], "--quantize", "awq", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="'marlin' needs a CUDA GPU"):
+        launch(["--model-id", checkpoints["llama"], "--quantize", "marlin", "--device", "cpu"])
     result = CliRunner().invoke(shard_app, ["serve", checkpoints["llama"], "--quantize", "bitsandbytes-nf4",
                                             "--device", "cpu"], terminal_width=300)  # fmt: skip
     assert result.exit_code == 2 and "'bitsandbytes' needs a CUDA GPU" in result.output

@@ -8,6 +8,7 @@ tokenizer built with the `tokenizers` library, for fast tests and synthetic-weig
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -32,6 +33,8 @@ from paged_backend.errors import InvalidRequest
 from paged_backend.worker import gguf_source
 from paged_backend.worker import quantization as quantization_module
 from paged_backend.worker.default_model import TINY_MODEL, default_model
+from paged_backend.worker.int4_checkpoint import load_int4_checkpoint
+from paged_backend.worker.int4_formats import Int4Scheme
 from paged_backend.worker.offload import dispatch_kwargs, uses_accelerate
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -209,6 +212,13 @@ def load_model(
         config = AutoConfig.from_pretrained(source)
         torch_dtype = resolve_dtype(dtype, target, getattr(config, "dtype", None))
         quantized = quantization_module.resolve(quantization, quantization_param, config, target)
+        if isinstance(quantized, Int4Scheme):  # an AWQ/GPTQ int4 checkpoint on CPU: repacked or dequantized here
+            if dispatched:
+                raise InvalidRequest("AWQ/GPTQ checkpoints load whole on CPU; drop --device-map, --max-memory and "
+                                     "--cpu-offload-gb")  # fmt: skip
+            loaded, summary = load_int4_checkpoint(source, config, torch_dtype, target)
+            print(f"paged-backend: {summary}", file=sys.stderr)
+            return loaded, load_tokenizer(source, tokenizer)
         placement = {"quantization_config": quantized} if quantized is not None else {}
         if dispatched:
             placement |= dispatch_kwargs(source, torch_dtype, target, device_map=device_map, max_memory=max_memory,

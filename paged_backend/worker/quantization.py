@@ -2,8 +2,10 @@
 
 A checkpoint whose config.json carries `quantization_config` loads as saved, with no flag. A flag on a
 full-precision checkpoint quantizes it while loading (torchao; bitsandbytes, fp8 and eetq on a GPU); a flag
-naming a pre-quantized format (awq, gptq, ...) must match the checkpoint's own `quant_method`. Formats whose
-kernels need a GPU are refused on CPU before any weight is read, with a sentence naming what they need.
+naming a pre-quantized format (awq, gptq, ...) must match the checkpoint's own `quant_method`. AWQ (GEMM) and
+GPTQ int4 checkpoints load on CPU without a kernel package (`int4_checkpoint`: repacked for torchao's CPU int4
+kernel, or dequantized). Formats whose kernels need a GPU (Marlin, exl2, bitsandbytes, ...) are refused on CPU
+before any weight is read, with a sentence naming what they need.
 
 `quantization_param` picks the scheme inside a method (torchao: int8_weight_only, int4_weight_only,
 int8_dynamic_activation_int8_weight; bitsandbytes: 8bit, nf4, fp4). vLLM passes torchao schemes as a JSON
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_backend.errors import InvalidRequest, UnsupportedModel
+from paged_backend.worker import int4_formats
 
 TORCHAO_SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic_activation_int8_weight")
 BITSANDBYTES_SCHEMES = ("8bit", "nf4", "fp4")
@@ -36,6 +39,7 @@ class Method:
     package: str | None = None  # the Python package whose kernels it calls
     schemes: tuple[str, ...] = ()
     default_scheme: str | None = None
+    int4_on_cpu: bool = False  # on CPU its checkpoints load through int4_checkpoint, without `package`
 
 
 METHODS = {
@@ -47,8 +51,10 @@ METHODS = {
                "bitsandbytes", BITSANDBYTES_SCHEMES, "nf4"),
         Method("fp8", ("fp8", "fbgemm_fp8"), True, False, "a CUDA GPU with fp8 support (compute capability 8.9+)"),
         Method("eetq", ("eetq",), True, False, "a CUDA GPU and the eetq package", "eetq"),
-        Method("awq", ("awq",), False, False, "a CUDA GPU and an AWQ kernel package (gptqmodel)", "gptqmodel"),
-        Method("gptq", ("gptq",), False, False, "a CUDA GPU and a GPTQ kernel package (gptqmodel)", "gptqmodel"),
+        Method("awq", ("awq",), False, True, "an AWQ kernel package (gptqmodel) on a CUDA GPU", "gptqmodel",
+               int4_on_cpu=True),
+        Method("gptq", ("gptq",), False, True, "a GPTQ kernel package (gptqmodel) on a CUDA GPU", "gptqmodel",
+               int4_on_cpu=True),
         Method("marlin", ("gptq", "awq"), False, False, "a CUDA GPU (compute capability 8.0+) for Marlin kernels",
                "gptqmodel"),
         Method("compressed-tensors", ("compressed-tensors",), False, False,
@@ -95,7 +101,8 @@ def _check_runs_here(method: Method, device: torch.device, source: str) -> None:
         )
     if method.name == "exl2":
         raise UnsupportedModel(f"{source} 'exl2' needs {method.needs}")
-    if method.package and importlib.util.find_spec(method.package) is None:
+    without_package = method.int4_on_cpu and device.type == "cpu"
+    if method.package and not without_package and importlib.util.find_spec(method.package) is None:
         raise UnsupportedModel(f"{source} {method.name!r} needs {method.needs}: pip install {method.package}")
 
 
@@ -104,8 +111,31 @@ def _find_method_for_checkpoint(saved: str) -> Method | None:
                  [c.replace("-", "_") for c in m.checkpoint_methods]), None)  # fmt: skip
 
 
+def _saved_settings(config) -> dict:
+    saved = config.quantization_config
+    return saved if isinstance(saved, dict) else saved.to_dict()
+
+
+def _saved_format(config, saved: str) -> Method | None:
+    """The format a checkpoint is saved in: its `quant_method`, or Marlin when an AWQ/GPTQ config says its
+    weights are repacked for that GPU kernel."""
+    method = _find_method_for_checkpoint(saved)
+    if method is not None and method.int4_on_cpu and int4_formats.is_marlin_format(_saved_settings(config)):
+        return METHODS["marlin"]
+    return method
+
+
+def _saved_as_is(method: Method | None, config, device: torch.device) -> int4_formats.Int4Scheme | None:
+    """What loads a checkpoint saved quantized: its int4 scheme when CPU loads it through `int4_checkpoint`
+    (checked here, before any weight is read), else None (transformers' own quantizer)."""
+    if method is not None and method.int4_on_cpu and device.type == "cpu":
+        return int4_formats.Int4Scheme.from_config(_saved_settings(config))
+    return None
+
+
 def resolve(quantization: str | None, param: str | None, config, device: torch.device):
-    """The `quantization_config` to hand `from_pretrained`, or None to load the checkpoint as saved.
+    """What loads the model: the `quantization_config` to hand `from_pretrained`; an `Int4Scheme` when the checkpoint
+    is an AWQ/GPTQ int4 export to load on CPU with `int4_checkpoint.load_int4_checkpoint`; or None to load it as saved.
 
     Raises `InvalidRequest` for unknown names or a flag that contradicts the checkpoint, and
     `UnsupportedModel` when the format's kernels cannot run on `device`.
@@ -114,10 +144,11 @@ def resolve(quantization: str | None, param: str | None, config, device: torch.d
     if quantization is None:
         if param is not None:
             raise InvalidRequest("quantization_param was given without quantization; add --quantization NAME")
-        method = _find_method_for_checkpoint(saved) if saved else None
+        method = _saved_format(config, saved) if saved else None
         if method is not None:
             _check_runs_here(method, device, "the checkpoint is quantized with")
-        return None  # full precision, or a format transformers itself loads (or refuses with its own words)
+        # None: full precision, or a format transformers itself loads (or refuses with its own words)
+        return _saved_as_is(method, config, device)
     if quantization not in METHODS:
         raise InvalidRequest(f"unknown quantization {quantization!r}; choose one of {', '.join(METHODS)}")
     method = METHODS[quantization]
@@ -127,13 +158,14 @@ def resolve(quantization: str | None, param: str | None, config, device: torch.d
                 f"the checkpoint is quantized with {saved!r} but quantization={quantization!r} "
                 f"was given; drop the flag or pass --quantization {saved}"
             )
-        _check_runs_here(method, device, "the checkpoint is quantized with")
+        saved_format = _saved_format(config, saved) if method.int4_on_cpu else method  # awq/gptq: Marlin-packed?
+        _check_runs_here(saved_format, device, "the checkpoint is quantized with")
         if param is not None:
             raise InvalidRequest(
                 "quantization_param applies to on-the-fly quantization; this checkpoint is "
                 "already quantized, drop --quantization-param"
             )
-        return None
+        return _saved_as_is(saved_format, config, device)
     _check_runs_here(method, device, "quantization")
     if not method.on_the_fly:
         raise InvalidRequest(
