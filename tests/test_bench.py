@@ -8,8 +8,11 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from paged_backend.bench.chat_workload import chat_workload
 from paged_backend.bench.workload import jsonl_workload
 from paged_backend.cli import app
+from paged_backend.errors import InvalidRequest
+from paged_backend.worker.default_model import TINY_MODEL
 from paged_backend.worker.models import byte_tokenizer
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -33,6 +36,27 @@ def test_throughput_quick_on_a_jsonl_workload(tmp_path):
     ]
     assert set(written["speedup"]) == {"vs_best_hf_static"}
     assert png_path.read_bytes()[:8] == PNG
+
+
+def test_throughput_on_chat_prompts_stops_at_eos_and_compares_tokens(tmp_path):
+    """`--dataset chat`: prompts through the chat template, natural EOS with a cap, and every system's greedy
+    tokens checked against the engine's (the tiny model here; the real model's numbers are in RESULTS.md)."""
+    json_path = tmp_path / "chat.json"
+    result = CliRunner().invoke(app, ["bench", "throughput", "--model", TINY_MODEL, "--dataset", "chat",
+                                      "--num-requests", "2", "--max-tokens", "8", "--static-batch-sizes", "2",
+                                      "--skip", "hf-cb,engine-dense", "--output-json", str(json_path), "--plot", ""])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "natural EOS (ids [254]), each capped" in result.output
+    written = json.loads(json_path.read_text())
+    assert written["natural_eos"] and written["num_requests"] == 2
+    engine, static = written["results"]
+    assert 2 <= engine["output_tokens"] == static["output_tokens"] <= 16
+    assert static["token_mismatches"] == [] and "| HF generate static batch=2 |" in result.output
+
+
+def test_chat_workload_refuses_more_requests_than_it_holds():
+    with pytest.raises(InvalidRequest, match="holds 96 distinct prompts; give --num-requests between 1 and 96"):
+        chat_workload(byte_tokenizer(), 97, seed=0, max_tokens=8)
 
 
 def test_latency_quick(tmp_path):
