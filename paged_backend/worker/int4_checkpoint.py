@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.initialization import no_init_weights
 
 from paged_backend.errors import InvalidRequest
-from paged_backend.worker.int4_formats import Int4Scheme, Int4Weight
+from paged_backend.worker.int4_formats import Int4Scheme, Int4Weight, saved_settings
 
 PACKED_PARTS = ("qweight", "qzeros", "scales", "g_idx")  # a quantized layer's tensors, besides its bias
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)
@@ -41,8 +41,7 @@ def load_int4_checkpoint(source: str, config, dtype: torch.dtype, device: torch.
 
     Returns the model and one sentence for startup: how many layers were repacked and which were dequantized, why.
     """
-    saved = config.quantization_config
-    scheme = Int4Scheme.from_config(saved if isinstance(saved, dict) else saved.to_dict())
+    scheme = Int4Scheme.from_config(saved_settings(config))
     model = _unloaded_model(config, dtype)
     checkpoint = _CheckpointTensors(source)
     layers = sorted({name.removesuffix(".qweight") for name in checkpoint.names if name.endswith(".qweight")})

@@ -37,6 +37,12 @@ def _format(saved: dict, method: str) -> str:
     return str(_setting(saved, *keys, default="gemm" if method == "awq" else "gptq")).lower()
 
 
+def saved_settings(config) -> dict:
+    """A checkpoint config's `quantization_config` as a dict (transformers may hold it as a config object)."""
+    saved = config.quantization_config
+    return saved if isinstance(saved, dict) else saved.to_dict()
+
+
 def is_marlin_format(saved: dict) -> bool:
     """Whether an AWQ/GPTQ config says its weights are repacked for the Marlin GPU kernel."""
     method = str(saved.get("quant_method", "")).lower()

@@ -111,16 +111,11 @@ def _find_method_for_checkpoint(saved: str) -> Method | None:
                  [c.replace("-", "_") for c in m.checkpoint_methods]), None)  # fmt: skip
 
 
-def _saved_settings(config) -> dict:
-    saved = config.quantization_config
-    return saved if isinstance(saved, dict) else saved.to_dict()
-
-
 def _saved_format(config, saved: str) -> Method | None:
     """The format a checkpoint is saved in: its `quant_method`, or Marlin when an AWQ/GPTQ config says its
     weights are repacked for that GPU kernel."""
     method = _find_method_for_checkpoint(saved)
-    if method is not None and method.int4_on_cpu and int4_formats.is_marlin_format(_saved_settings(config)):
+    if method is not None and method.int4_on_cpu and int4_formats.is_marlin_format(int4_formats.saved_settings(config)):
         return METHODS["marlin"]
     return method
 
@@ -129,7 +124,7 @@ def _saved_as_is(method: Method | None, config, device: torch.device) -> int4_fo
     """What loads a checkpoint saved quantized: its int4 scheme when CPU loads it through `int4_checkpoint`
     (checked here, before any weight is read), else None (transformers' own quantizer)."""
     if method is not None and method.int4_on_cpu and device.type == "cpu":
-        return int4_formats.Int4Scheme.from_config(_saved_settings(config))
+        return int4_formats.Int4Scheme.from_config(int4_formats.saved_settings(config))
     return None
 
 
