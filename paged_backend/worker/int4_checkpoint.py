@@ -13,6 +13,7 @@ parameters never initialised: each is set once, from the checkpoint.
 from __future__ import annotations
 
 import copy
+import ctypes
 import importlib.util
 import json
 import os
@@ -62,6 +63,7 @@ def load_int4_checkpoint(source: str, config, dtype: torch.dtype, device: torch.
         if _set_tensor(model, name, checkpoint.read(name), dtype):
             loaded.add(name)
     _check_complete(model, loaded, source)
+    _return_freed_memory()
     return model.to(device).eval(), _summary(scheme, len(layers), dequantized, dtype)
 
 
@@ -151,6 +153,17 @@ def _check_complete(model: PreTrainedModel, loaded: set[str], source: str) -> No
             f"the checkpoint {source} lacks {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; "
             f"it is incomplete or does not match its config.json"
         )
+
+
+def _return_freed_memory() -> None:
+    """Hand the per-layer unpacking buffers back to the OS. glibc keeps freed blocks of their size in its heap, so
+    without this the process RSS stays ~as large as a dense load (measured: +330 MiB for 171 MiB of weights, +183
+    after the trim). Not glibc (no malloc_trim): nothing to do."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def _summary(scheme: Int4Scheme, total: int, dequantized: dict[str, list[str]], dtype: torch.dtype) -> str:
