@@ -9,6 +9,7 @@ import gguf
 import torch
 
 from paged_backend.worker.models import CHAT_TEMPLATE, SPECIAL_TOKENS, _bytes_to_unicode, tiny_model
+from tests._gguf_files import _finish
 
 LAYER_TENSORS = {  # GGUF name -> HF name, per layer
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -59,8 +60,5 @@ def tiny_llama_gguf(path: Path, seed: int = 0):
             writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", tensor.contiguous().numpy())
     writer.add_tensor("output_norm.weight", weights["model.norm.weight"].numpy())
     writer.add_tensor("output.weight", weights["lm_head.weight"].numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer, path)
     return model

@@ -32,13 +32,13 @@ def collective_share(model, prompts, outputs, make_engine, **engine_kwargs) -> t
 
 
 def compare_tensor_parallel(base, prompts, outputs, tp_size: int, run_engine, make_engine, **engine_kwargs) -> dict:
-    """Output tok/s at TP=1 and TP=`tp_size`, their ratio, and the collective share of TP=`tp_size`'s wall time."""
-    useful = sum(outputs)
+    """Output tok/s at TP=1 and TP=`tp_size`, their ratio, and the collective share of TP=`tp_size`'s wall time.
+    Each run's rate counts the tokens it produced (`outputs` are only caps when requests end at EOS)."""
     rows, results = [], {}
     for size in (1, tp_size):
         run = run_engine(copy.deepcopy(base), prompts, outputs, tensor_parallel_size=size, **engine_kwargs)
-        results[size] = useful / run.elapsed
-        rows.append([f"engine TP={size}", f"{run.elapsed:.2f}", f"{useful / run.elapsed:.1f}"])
+        results[size] = sum(map(len, run.tokens)) / run.elapsed
+        rows.append([f"engine TP={size}", f"{run.elapsed:.2f}", f"{results[size]:.1f}"])
     comm, wall = collective_share(copy.deepcopy(base), prompts, outputs, make_engine,
                                   tensor_parallel_size=tp_size, **engine_kwargs)  # fmt: skip
     print(markdown_table(["system", "seconds", "output tok/s"], rows))
