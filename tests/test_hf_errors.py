@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from _hf_models import prompts, tiny_model
 from transformers import AttentionInterface, BartConfig, LlamaConfig
 
 from paged_backend import InvalidRequest, OutOfBlocks, UnsupportedModel
-from paged_backend.core.kv_budget import kv_memory_bytes
+from paged_backend.core.kv_budget import available_memory, kv_memory_bytes
 from paged_backend.hf import PagedCache
 from paged_backend.hf.layer_handle import PagedLayerKV
 
@@ -68,6 +70,16 @@ def test_no_budget_takes_the_default_budget_of_kv_budget():
     assert cache.kv_cache.num_blocks == kv_memory_bytes(torch.device("cpu")) // cache.kv_cache.bytes_per_block
     tokens = model.generate(**prompts(padded=True), max_new_tokens=3, do_sample=False, past_key_values=cache)
     assert torch.equal(tokens, model.generate(**prompts(padded=True), max_new_tokens=3, do_sample=False))
+
+
+def test_the_cpu_budget_counts_the_page_cache_the_kernel_can_drop():
+    """Free pages shrink whenever files are read (into the page cache); the default pool must not shrink with
+    them, or two starts of the same face would size different pools."""
+    with open("/proc/meminfo") as meminfo:
+        fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in meminfo}
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert available_memory(torch.device("cpu")) >= free
+    assert abs(available_memory(torch.device("cpu")) - fields["MemAvailable"]) < 256 << 20
 
 
 def test_memory_budget_sizes_the_pool():

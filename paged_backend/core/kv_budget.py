@@ -88,10 +88,18 @@ def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_siz
 
 
 def available_memory(device: torch.device) -> int:
-    """Free bytes on `device` right now (GPU: cudaMemGetInfo; CPU: the OS's available pages)."""
+    """Free bytes on `device` right now (GPU: cudaMemGetInfo; CPU: the kernel's MemAvailable, which counts the
+    page cache it can drop; free pages alone shrink whenever files are read, and the pool would shrink with them)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # not Linux
+        pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
