@@ -24,7 +24,7 @@ import httpx
 from tests._server_helpers import API_KEY, server_fixture
 
 REPOSITORY = Path(__file__).resolve().parents[1]
-MAX_EXAMPLES = 25  # per operation and phase; the whole run stays around 30 s on a 2-core box
+MAX_EXAMPLES = 15  # per operation and phase; the whole run stays around 40 s on a 2-core box
 SCHEMATHESIS_CONFIG = """
 [[operations]]
 include-method = "POST"

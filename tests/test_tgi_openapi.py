@@ -54,7 +54,7 @@ def test_schemathesis_finds_no_disagreement_between_document_and_server(server, 
     config.write_text(schemathesis_config())
     command = [
         str(ST), "--config-file", str(config), "--no-color", "run", f"{server.url}/openapi.json",
-        "--checks", "all", "--max-examples", "8", "--max-time", "45", "--workers", "2", "--seed", "7",
+        "--checks", "all", "--max-examples", "8", "--max-time", "30", "--workers", "2", "--seed", "7",
         "--generation-database", "none", "--request-timeout", "30", "--max-response-time", "30",
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=200, cwd=tmp_path)
