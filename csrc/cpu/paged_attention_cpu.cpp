@@ -7,6 +7,11 @@
 // panels against four rows at a time (prefill); values are accumulated four rows at a time with the
 // accumulators in registers. Math is fp32.
 //
+// Batch-invariant mode (`invariant`): every task is one query token, so a row's scores, softmax sums and
+// value sums run the same code over the same keys in the same order whatever the query length, the chunking or
+// the other sequences (tiles share K/V loads, but the score path and the softmax's vector sums depend on the
+// tile). The score path then depends only on the GQA group, a constant of the model.
+//
 // Plain C ABI (no torch headers) so it builds in about a second; paged_backend/ops/cpu.py mirrors it.
 
 #include <algorithm>
@@ -39,6 +44,7 @@ struct PbCpuAttentionArgs {
   int32_t q_dtype, kv_dtype;  // PbCpuDtype (the query and output share one)
   int32_t sliding_window;     // 0: off
   int32_t num_threads;
+  int32_t invariant;  // 1: batch-invariant rows (one query token per task)
   float scale, softcap, k_scale, v_scale;  // softcap 0: off
 };
 
@@ -471,7 +477,7 @@ extern "C" int pb_cpu_paged_attention(const PbCpuAttentionArgs* args) {
   const PbCpuAttentionArgs& a = *args;
   if (a.q_dtype < PB_F32 || a.q_dtype > PB_BF16 || a.kv_dtype < PB_F32 || a.kv_dtype > PB_FP8_E5M2) return -1;
   if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 || a.head_dim <= 0 || a.block_size <= 0) return -2;
-  const int tile_tokens = std::max(1, kMaxRowsPerTask / a.num_q_heads);
+  const int tile_tokens = a.invariant ? 1 : std::max(1, kMaxRowsPerTask / a.num_q_heads);
 
   std::vector<Task> tasks;
   for (int b = 0; b < a.num_seqs; ++b) {

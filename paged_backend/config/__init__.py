@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -9,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from paged_backend.config.placement import parse_device_map, parse_max_memory
 from paged_backend.config.speculative import SpeculativeConfig, parse_speculative_config
 from paged_backend.core.kv_budget import GPU_MEMORY_UTILIZATION
+
+BATCH_INVARIANT_ENV = "PAGED_BACKEND_BATCH_INVARIANT"  # =1 turns batch_invariant on where no flag says otherwise
 
 
 class _Config(BaseModel):
@@ -90,6 +93,12 @@ class EngineConfig(_Config):
         True,
         description="CPU: run linear layers on oneDNN-prepacked weights (a model object passed in keeps its own "
         "weights, so its packed copies take as much memory again; a loaded model's are replaced)",
+    )
+    batch_invariant: bool = Field(
+        default_factory=lambda: os.environ.get(BATCH_INVARIANT_ENV) == "1",
+        description="CPU: a request's tokens and logprobs are bitwise the same alone or in any batch, chunking, "
+        "prefix-cache state or preemption (fixed-tile linear layers, one attention path per row; slower); default: "
+        f"{BATCH_INVARIANT_ENV}=1",
     )
     enable_lora: bool = False
     max_loras: int = Field(1, ge=1, description="most LoRA adapters in one step (device slots, evicted LRU)")

@@ -60,6 +60,10 @@ class EngineArgs(BaseModel):
         "vLLM's flag: no CUDA graphs or compiled steps (every step already runs eagerly)"
     )
     prepack_weights: bool | None = _option("CPU: linear layers on oneDNN-prepacked weights (default on)")
+    batch_invariant: bool | None = _option(
+        "CPU: bitwise the same tokens and logprobs for a request alone or in any batch (slower; default: "
+        "PAGED_BACKEND_BATCH_INVARIANT=1)"
+    )
     enable_lora: bool | None = _option("serve LoRA adapters (vLLM's flag)")
     max_loras: int | None = _option("most LoRA adapters in one batch")
     max_lora_rank: int | None = _option("largest LoRA rank accepted")

@@ -15,6 +15,7 @@ from paged_backend.core.kv_budget import KVShape
 from paged_backend.core.kv_cache import PagedKVCache
 from paged_backend.errors import InvalidRequest
 from paged_backend.lora import LoRAManager
+from paged_backend.worker.batch_invariant import refusal
 from paged_backend.worker.model_support import check_runs_paged
 from paged_backend.worker.model_worker import ModelWorker, plan_pool
 from paged_backend.worker.models import load_model
@@ -58,6 +59,8 @@ def assemble(
     check_runs_paged(model)
     device = input_device(model)  # accelerate-dispatched models: each layer's KV on its own device
     backend = None if config.attention_backend == "auto" else config.attention_backend
+    if config.batch_invariant and (reason := refusal(config, device)):
+        raise InvalidRequest(reason)
     cache = config.cache
     parallel = lora = None
     if config.parallel.world_size > 1:  # rank 0 of a TP x PP group: its shard, its per-rank pool, the workers
@@ -80,7 +83,7 @@ def assemble(
         # the caller passed in is left as it was, usable with plain generate() between and after steps; it also
         # keeps its dense weights (only a model loaded here gives them up for the prepacked ones).
         worker = ModelWorker(model, plan, device, backend=backend, pack=config.prepack_weights, release=loaded,
-                             calibrate=cache.calculate_kv_scales)  # fmt: skip
+                             calibrate=cache.calculate_kv_scales, batch_invariant=config.batch_invariant)  # fmt: skip
         kv_cache, runner = worker.kv_cache, worker.runner
         if config.enable_lora:
             lora = LoRAManager.for_engine(config, model)

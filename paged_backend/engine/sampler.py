@@ -137,32 +137,19 @@ class Sampler:
 
     @staticmethod
     def _probabilities(logits: torch.Tensor, params: list) -> torch.Tensor:
-        """Temperature, then top-k, top-p and min-p masks, applied row-wise in one sort."""
-        device, vocab = logits.device, logits.shape[-1]
+        """Temperature, then top-k, top-p, min-p and typical-p masks, applied row-wise in one sort. A row's
+        probabilities depend on its own parameters only: rows without masks never take the sort path (its cumsum
+        may drop a tail at top_p=1 and its softmax runs in sorted order), whatever the other rows ask for."""
         largest = torch.finfo(logits.dtype).max
         # A temperature past the dtype's range would be inf, and -inf / inf is NaN: keep it finite.
-        temperature = torch.tensor([p.temperature for p in params], device=device).clamp(max=largest)
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device).clamp(max=largest)
         # Extreme penalties can overflow to +inf; keep every row finite so softmax never yields NaN.
         logits = (logits / temperature[:, None]).clamp(max=largest / 2)
-        if all(p.top_k <= 0 and p.top_p == 1 and p.min_p == 0 and p.typical_p == 1 for p in params):
-            return torch.softmax(logits, dim=-1)
-        ordered, order = logits.sort(dim=-1, descending=True)
-        top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device)
-        rank = torch.arange(vocab, device=device)[None, :]
-        drop = rank >= top_k[:, None]
-        ordered = ordered.masked_fill(drop, float("-inf"))
-        probs = torch.softmax(ordered, dim=-1)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]  # keep the smallest set reaching top_p
-        min_p = torch.tensor([p.min_p for p in params], device=device)
-        drop |= probs < min_p[:, None] * probs[:, :1]
-        drop[:, 0] = False  # the most likely token always survives
-        ordered = ordered.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(ordered).scatter_(1, order, ordered)
-        typical_p = torch.tensor([p.typical_p for p in params], device=device)
-        if (typical_p < 1).any():
-            logits = _typical(logits, typical_p)
-        return torch.softmax(logits, dim=-1)
+        probs = torch.softmax(logits, dim=-1)
+        masked = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p != 1 or p.min_p != 0 or p.typical_p != 1]
+        if masked:
+            probs[masked] = _masked_probabilities(logits[masked], [params[i] for i in masked])
+        return probs
 
     @staticmethod
     def _logprobs(row: torch.Tensor, token: int, top: int) -> dict[int, float]:
@@ -179,6 +166,28 @@ def processes_logits(params: SamplingParams) -> bool:
         params.uses_penalties or params.logit_bias or params.allowed_token_ids is not None or params.bad_words
         or params.watermark
     )
+
+
+def _masked_probabilities(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """Softmax of tempered `logits` after their top-k, top-p, min-p and typical-p masks, row by row."""
+    device, vocab = logits.device, logits.shape[-1]
+    ordered, order = logits.sort(dim=-1, descending=True, stable=True)  # ties keep id order, as greedy's argmax
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device)
+    rank = torch.arange(vocab, device=device)[None, :]
+    drop = rank >= top_k[:, None]
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(ordered, dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]  # keep the smallest set reaching top_p
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False  # the most likely token always survives
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    logits = torch.empty_like(ordered).scatter_(1, order, ordered)
+    typical_p = torch.tensor([p.typical_p for p in params], device=device)
+    if (typical_p < 1).any():
+        logits = _typical(logits, typical_p)
+    return torch.softmax(logits, dim=-1)
 
 
 def _typical(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:

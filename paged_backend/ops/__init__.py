@@ -7,6 +7,9 @@ pick (cuda for pure decode, triton otherwise; cpu on CPU, torch where the CPU ke
 ``unavailable_reason() -> str | None``, ``paged_attention`` and ``reshape_and_cache``: each backend writes
 its kernels against the prepared arguments of :mod:`paged_backend.ops._contract` (``AttentionBatch``,
 ``CacheWrite``), which also give them this module's call form (without ``backend=``).
+
+Batch-invariant attention (``invariant=True``, or any call inside ``with batch_invariant():``) runs on the
+``cpu`` backend only; asking another backend for it raises `BackendUnavailable`.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ from types import ModuleType
 import torch
 
 from paged_backend.errors import BackendUnavailable
-from paged_backend.ops._contract import is_decode_batch
+from paged_backend.ops._contract import batch_invariant, batch_invariant_enabled, is_decode_batch
 from paged_backend.ops.triton import triton_interpreted
 
 BACKENDS = ("torch", "cpu", "triton", "cuda")
 ENV_VAR = "PAGED_BACKEND_ATTENTION"
 _MODULES = {"torch": "reference", "cpu": "cpu", "triton": "triton", "cuda": "cuda"}
+INVARIANT_BACKENDS = ("cpu",)  # the backends whose kernels honour `invariant` (see AttentionBatch)
 
 
 @cache
@@ -88,16 +92,29 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, k_sca
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, *,
                     sliding_window: int | None = None, softcap: float | None = None,
-                    k_scale: float = 1.0, v_scale: float = 1.0, backend: str | None = None) -> torch.Tensor:
-    """Varlen causal paged attention; `query [T, Hq, D]` -> `[T, Hq, D]`. The contract is `AttentionBatch`."""
+                    k_scale: float = 1.0, v_scale: float = 1.0, invariant: bool | None = None,
+                    backend: str | None = None) -> torch.Tensor:
+    """Varlen causal paged attention; `query [T, Hq, D]` -> `[T, Hq, D]`. The contract is `AttentionBatch`
+    (`invariant` None: whether the call is inside `batch_invariant()`)."""
     chosen = resolve_backend(backend, query.device, decode_only=is_decode_batch(query, seq_lens))
+    invariant = batch_invariant_enabled() if invariant is None else invariant
+    if invariant and chosen not in INVARIANT_BACKENDS:
+        raise BackendUnavailable(f"batch-invariant attention runs on the {' or '.join(INVARIANT_BACKENDS)} "
+                                 f"backend, not {chosen!r}" + _why_not_cpu(chosen, query.device))
     return _module(chosen).paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-        sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
+        sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale, invariant=invariant,
     )
 
 
+def _why_not_cpu(chosen: str, device: torch.device) -> str:
+    if device.type != "cpu":
+        return " (it is a CPU mode: run the model on CPU)"
+    reason = unavailable_reason("cpu")
+    return f" ({reason})" if reason else " (leave the attention backend on auto or cpu)"
+
+
 __all__ = [
-    "BACKENDS", "paged_attention", "reshape_and_cache", "resolve_backend", "triton_interpreted",
-    "unavailable_reason",
+    "BACKENDS", "INVARIANT_BACKENDS", "batch_invariant", "batch_invariant_enabled", "paged_attention",
+    "reshape_and_cache", "resolve_backend", "triton_interpreted", "unavailable_reason",
 ]

@@ -4,16 +4,39 @@
 :func:`paged_backend.ops.reshape_and_cache` (minus ``backend=``), with the shapes every kernel reads derived
 in one place. A backend writes its kernel against the object and `called_as` gives it the public call form,
 so ``reference.paged_attention(query, key_cache, ...)`` works the same in every backend module.
+
+Batch-invariant attention (`AttentionBatch.invariant`) is asked for per call, or for every call inside
+``with batch_invariant():`` (what the engine's batch-invariant mode wraps each forward in), so callers
+that build the arguments deep inside a model need no extra parameter.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
-from dataclasses import KW_ONLY, dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import KW_ONLY, dataclass, field
 
 import torch
+
+_BATCH_INVARIANT = ContextVar("paged_backend_batch_invariant", default=False)
+
+
+@contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """Attention calls inside default to `invariant=enabled` (this thread or task only)."""
+    token = _BATCH_INVARIANT.set(enabled)
+    try:
+        yield
+    finally:
+        _BATCH_INVARIANT.reset(token)
+
+
+def batch_invariant_enabled() -> bool:
+    """Whether attention calls here default to batch-invariant (inside `batch_invariant()`)."""
+    return _BATCH_INVARIANT.get()
 
 
 def is_decode_batch(query: torch.Tensor, seq_lens: torch.Tensor) -> bool:
@@ -33,7 +56,9 @@ class AttentionBatch:
     `query [T, Hq, D]` holds the new tokens of B sequences back to back: sequence b owns rows
     `query_start_loc[b]:query_start_loc[b + 1]`, attends causally over its `seq_lens[b]` tokens (the new
     ones last) stored in the blocks `block_tables[b]`. `softcap`/`sliding_window` None mean off; fp8 pools
-    hold keys divided by `k_scale` and values divided by `v_scale`.
+    hold keys divided by `k_scale` and values divided by `v_scale`. `invariant`: each output row is computed
+    in the same order whatever the other rows, the query length or the chunking (bitwise equal alone or in
+    a batch); default: inside `batch_invariant()` or not.
     """
 
     query: torch.Tensor
@@ -48,6 +73,7 @@ class AttentionBatch:
     softcap: float | None = None
     k_scale: float = 1.0
     v_scale: float = 1.0
+    invariant: bool = field(default_factory=batch_invariant_enabled)
 
     @property
     def group(self) -> int:

@@ -1,4 +1,5 @@
-"""Build csrc/cpu/ into libpaged_attention_cpu.so with the host C++ compiler (g++/clang++, OpenMP).
+"""Build csrc/cpu/ (paged attention and the fused decoder-layer ops) into libpaged_attention_cpu.so with the host
+C++ compiler (g++/clang++, OpenMP).
 
 A plain C ABI and no torch headers keep the build to about a second, so it happens on first use and is
 cached in the build cache under a hash of the source, the flags, the compiler and this CPU: the library is
@@ -33,25 +34,29 @@ def find_compiler() -> str | None:
     return None
 
 
-def source() -> Path:
-    path = csrc_dir() / "cpu" / "paged_attention_cpu.cpp"
-    if not path.exists():
-        raise CpuBuildError(f"{path} is missing; set PAGED_BACKEND_CSRC to the csrc/ directory")
-    return path
+SOURCES = ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp")
+
+
+def sources() -> list[Path]:
+    paths = [csrc_dir() / "cpu" / name for name in SOURCES]
+    for path in paths:
+        if not path.exists():
+            raise CpuBuildError(f"{path} is missing; set PAGED_BACKEND_CSRC to the csrc/ directory")
+    return paths
 
 
 def build_library(output: Path) -> Path:
     compiler = find_compiler()
     if compiler is None:
         raise CpuBuildError("no C++ compiler found (tried $CXX, g++, c++, clang++); install g++ or set CXX")
-    command = [compiler, *CXX_FLAGS, str(source()), "-o", str(output)]
+    command = [compiler, *CXX_FLAGS, *map(str, sources()), "-o", str(output)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise CpuBuildError(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")
     return output
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     try:  # -march=native code is only valid on CPUs with the same features
         return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
@@ -62,7 +67,7 @@ def cached_library() -> Path:
     """The library for this machine, built on first use."""
     compiler = find_compiler() or ""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout if compiler else ""
-    key = fingerprint([str(CXX_FLAGS), version, _cpu_signature(), source().read_bytes()])
+    key = fingerprint([str(CXX_FLAGS), version, cpu_signature(), *(path.read_bytes() for path in sources())])
     return build_once(cache_root() / "cpu" / key / LIBRARY_NAME, build_library)
 
 

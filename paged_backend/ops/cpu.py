@@ -15,7 +15,7 @@ import torch
 
 from paged_backend.errors import BackendUnavailable
 from paged_backend.ops._c_abi import F32, I32, I64, PAGED_KV_FIELDS, PTR, check_layouts, check_status, paged_kv_values
-from paged_backend.ops._contract import AttentionBatch, as_int32, called_as
+from paged_backend.ops._contract import AttentionBatch, as_int32, batch_invariant_enabled, called_as
 from paged_backend.ops._cpu_build import CpuBuildError, cached_library
 from paged_backend.ops.reference import reshape_and_cache
 
@@ -32,7 +32,7 @@ class AttentionArgs(ctypes.Structure):
         ("out", PTR), ("o_stride_token", I64), ("o_stride_head", I64),
         ("num_seqs", I32), ("num_q_heads", I32), ("num_kv_heads", I32), ("head_dim", I32),
         ("block_size", I32), ("q_dtype", I32), ("kv_dtype", I32), ("sliding_window", I32),
-        ("num_threads", I32), ("scale", F32), ("softcap", F32), ("k_scale", F32), ("v_scale", F32),
+        ("num_threads", I32), ("invariant", I32), ("scale", F32), ("softcap", F32), ("k_scale", F32), ("v_scale", F32),
     ]
 
 
@@ -77,11 +77,47 @@ def paged_attention(batch: AttentionBatch) -> torch.Tensor:
         out.data_ptr(), out.stride(0), out.stride(1),
         lens.shape[0], num_q_heads, num_kv_heads, head_dim, block_size,
         QUERY_DTYPES[query.dtype], KV_DTYPES[key_cache.dtype], batch.sliding_window or 0, torch.get_num_threads(),
-        batch.scale, batch.softcap or 0.0, batch.k_scale, batch.v_scale,
+        int(batch.invariant), batch.scale, batch.softcap or 0.0, batch.k_scale, batch.v_scale,
     )
     lib = _library()
     check_status(lib.pb_cpu_paged_attention(ctypes.byref(args)), lib.pb_cpu_error_string, "cpu paged attention")
     return out
 
 
-__all__ = ["paged_attention", "reshape_and_cache", "unavailable_reason"]
+
+
+
+class AttentionPlan:
+    """The kernel's arguments for every layer of one step: the step's block tables, lengths and query starts are
+    set once, and each layer only points the struct at its own query, pools and output (the fused forward's path,
+    which skips the per-call checks and conversions of `paged_attention`)."""
+
+    def __init__(self, block_tables, seq_lens, query_start_loc, *, num_q_heads: int, num_kv_heads: int,
+                 head_dim: int, block_size: int, dtype: torch.dtype, scale: float,
+                 sliding_window: int | None = None) -> None:  # fmt: skip
+        tables, lens, starts = as_int32(block_tables), as_int32(seq_lens), as_int32(query_start_loc)
+        self._keep = (tables, lens, starts)  # the struct points into them
+        self.args = AttentionArgs(
+            block_tables=tables.data_ptr(), table_stride=tables.stride(0), seq_lens=lens.data_ptr(),
+            query_start_loc=starts.data_ptr(), num_seqs=lens.shape[0], num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, q_dtype=QUERY_DTYPES[dtype],
+            kv_dtype=KV_DTYPES[dtype], sliding_window=sliding_window or 0, num_threads=torch.get_num_threads(),
+            invariant=int(batch_invariant_enabled()), scale=scale, softcap=0.0, k_scale=1.0, v_scale=1.0,
+        )  # fmt: skip
+        self.function = _library().pb_cpu_paged_attention
+
+    def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 sliding_window: int | None = None) -> torch.Tensor:  # fmt: skip
+        """Attention of one layer's `query [T, Hq, D]` (contiguous) over its pools: `[T, Hq, D]`."""
+        args, out = self.args, torch.empty_like(query)
+        args.query, args.q_stride_token, args.q_stride_head = query.data_ptr(), *query.stride()[:2]
+        args.out, args.o_stride_token, args.o_stride_head = out.data_ptr(), *out.stride()[:2]
+        args.key_cache, args.value_cache = key_cache.data_ptr(), value_cache.data_ptr()
+        args.k_stride_block, args.k_stride_slot, args.k_stride_head = key_cache.stride()[:3]
+        args.v_stride_block, args.v_stride_slot, args.v_stride_head = value_cache.stride()[:3]
+        args.sliding_window = sliding_window or 0
+        check_status(self.function(ctypes.byref(args)), _library().pb_cpu_error_string, "cpu paged attention")
+        return out
+
+
+__all__ = ["AttentionPlan", "paged_attention", "reshape_and_cache", "unavailable_reason"]

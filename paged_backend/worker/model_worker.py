@@ -6,7 +6,8 @@ build their worker here, in two steps:
 1. `plan_pool` decides what the pool looks like (this rank's KV shape, the KV dtype, layer groups, how many
    blocks the budget buys: `core.kv_budget`). It is a plain value, so ranks can agree on it before allocating
    (every rank takes the smallest block count) and the TGI shard can plan at start and allocate at warmup.
-2. `ModelWorker(model, plan, ...)` allocates the pool and the runner (and prepacks CPU linear layers).
+2. `ModelWorker(model, plan, ...)` allocates the pool and the runner (and prepacks CPU linear layers, or tiles
+   them in batch-invariant mode).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from paged_backend.core.kv_budget import KVShape, PoolSize, pool_size
 from paged_backend.core.kv_cache import PagedKVCache, check_kv_dtype_runs, resolve_kv_dtype
 from paged_backend.core.kv_groups import KVCacheGroup, kv_cache_groups, sliding_windows
 from paged_backend.core.kv_scales import start_calibration
+from paged_backend.worker.batch_invariant import BatchInvariantLinears
 from paged_backend.worker.offload import layer_devices
 from paged_backend.worker.packed_linear import pack_linears
 from paged_backend.worker.runner import ModelRunner
@@ -96,8 +98,10 @@ class ModelWorker:
     """A model, its KV pool and the runner that packs steps for it.
 
     `pack` prepacks CPU linear layers (`release`: the model is the worker's own, so it gives its dense weights
-    up); `calibrate` starts fp8 K/V scale calibration on the first step; `pool_cls`: a `StageKVCache` subclass
-    (the parallel driver's records the block operations it replays on the other ranks)."""
+    up); `calibrate` starts fp8 K/V scale calibration on the first step; `batch_invariant`: the runner's linear
+    layers, activations and attention compute each row the same way whatever the batch (`worker/batch_invariant.py`);
+    `pool_cls`: a `StageKVCache` subclass (the parallel driver's records the block operations it replays on the
+    other ranks)."""
 
     def __init__(
         self,
@@ -109,6 +113,7 @@ class ModelWorker:
         pack: bool = False,
         release: bool = False,
         calibrate: bool = False,
+        batch_invariant: bool = False,
         pool_cls: type[PagedKVCache] | None = None,
     ) -> None:
         self.model, self.plan = model, plan
@@ -125,5 +130,8 @@ class ModelWorker:
             )  # fmt: skip
         if calibrate:
             start_calibration(self.kv_cache)
-        packed = pack_linears(model, pack, release=release)
+        if batch_invariant:
+            packed = BatchInvariantLinears(model, pack=pack, release=release)
+        else:
+            packed = pack_linears(model, pack, release=release)
         self.runner = ModelRunner(model, self.kv_cache, backend, packed)

@@ -14,7 +14,7 @@ turns packing off).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
 
@@ -63,8 +63,9 @@ def packed_forward(module: nn.Linear):
 
 
 def _stamp(module: nn.Module) -> tuple:
-    """What a packed copy was made from: the weight and bias objects and their in-place version counters."""
-    weight, bias = module.weight, module.bias
+    """What a packed copy was made from: the weight and bias objects and their in-place version counters (read from
+    `_parameters` directly: this runs for every layer at every step)."""
+    weight, bias = module._parameters["weight"], module._parameters["bias"]
     return weight, bias, (weight._version, None if bias is None else bias._version)
 
 
@@ -101,6 +102,12 @@ class PackedLinears:
                 self.layers[module] = packed_forward(module), _stamp(module)
             else:  # quantized or hooked since: its own forward runs
                 del self.layers[module]
+
+    def forwards(self) -> dict[nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+        """Each packed layer's packed forward, repacked first where the layer changed: for a caller that calls them
+        itself (the fused forward) instead of swapping them in with `active()`. Hooks are the caller's to run."""
+        self._refresh()
+        return {module: forward for module, (forward, _) in self.layers.items()}
 
     @contextmanager
     def active(self) -> Iterator[None]:

@@ -25,6 +25,7 @@ from paged_backend.worker.attention import (
     paged_attention_enabled,
     register_paged_attention,
 )
+from paged_backend.worker.fused_forward import FusedForward, unfused_reason
 from paged_backend.worker.packed_linear import PackedLinears
 
 
@@ -73,6 +74,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.attention_backend = attention_backend
         self.device = kv_cache.device
+        # Llama-family models on CPU run on the fused kernels; the reason says why another model does not
+        self.unfused_reason = unfused_reason(model, kv_cache, attention_backend)
+        self.fused = FusedForward(model, kv_cache, packed) if self.unfused_reason is None else None
 
     def prepare(self, rows: list[SequenceRows]) -> tuple[torch.Tensor, torch.Tensor, PagedMetadata, list[int]]:
         """Flatten the step into input ids, positions, paged metadata and the packed rows whose logits are kept."""
@@ -126,6 +130,8 @@ class ModelRunner:
         if training:  # a caller's model in train mode gets it back after the forward
             self.model.eval()
         try:
+            if self.fused is not None:
+                return self.fused(ids, positions, metadata, rows)
             with paged_attention_enabled(self.model_configs), self._linears():
                 out = self.model(
                     input_ids=ids,

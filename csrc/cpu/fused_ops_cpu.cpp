@@ -1,0 +1,241 @@
+// Fused CPU kernels for the non-matmul part of a Llama-family decoder layer, so that one decode step costs
+// what its math costs: each fusion reads its inputs once and writes its outputs once, where torch runs three
+// to six ops with an intermediate tensor each and a dispatch each.
+//
+//   add_rms_norm:  residual += x (optional), out = weight * rms_normalize(residual)
+//   rotary_cache:  rotary on q (written to a [T, Hq, D] buffer) and on k, then k and v stored into the pool
+//   silu_mul:      out = silu(gate) * up
+//
+// Rounding follows transformers' modules step by step (fp32 statistics in RMSNorm, each bf16/fp16 op
+// rounded back to its dtype), so outputs agree with theirs up to summation order and fused multiply-adds.
+// Every row is computed on its own with the same code whatever the row count, so results do not depend on
+// the batch. Plain C ABI like paged_attention_cpu.cpp; paged_backend/ops/fused_cpu.py mirrors it.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include <omp.h>
+
+namespace {
+
+enum Dtype : int32_t { F32 = 0, F16 = 1, BF16 = 2 };
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const _Float16* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load(const uint16_t* p, int64_t i) {
+  uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(_Float16* p, int64_t i, float v) { p[i] = static_cast<_Float16>(v); }
+inline void store(uint16_t* p, int64_t i, float v) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    p[i] = static_cast<uint16_t>((bits >> 16) | 0x40u);  // NaN stays NaN
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  p[i] = static_cast<uint16_t>(bits >> 16);
+}
+
+// The value a float takes once stored in T and read back: one rounding, as a torch op in T does.
+template <typename T>
+inline float round_to(float v) {
+  T held[1];
+  store(held, 0, v);
+  return load(held, 0);
+}
+
+// Threads only when the work pays for waking them: a decode row is a few microseconds on one core.
+inline int threads_for(int64_t elements, int32_t num_threads) {
+  return elements >= (int64_t{1} << 16) ? num_threads : 1;
+}
+
+template <typename T>
+void add_rms_norm(const T* x, int64_t x_stride, T* residual, int64_t r_stride, const T* weight, T* out,
+                  int64_t o_stride, int32_t rows, int32_t hidden, float eps, int32_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(threads_for(int64_t{rows} * hidden, num_threads))
+  for (int32_t r = 0; r < rows; ++r) {
+    T* res = residual + r * r_stride;
+    if (x != nullptr) {
+      const T* in = x + r * x_stride;
+      for (int32_t i = 0; i < hidden; ++i) store(res, i, load(res, i) + load(in, i));
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)  // a fixed vector order per hidden size, the same for every row
+    for (int32_t i = 0; i < hidden; ++i) {
+      const float v = load(res, i);
+      sum += v * v;
+    }
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+    T* o = out + r * o_stride;
+    for (int32_t i = 0; i < hidden; ++i) store(o, i, load(weight, i) * round_to<T>(load(res, i) * inv));
+  }
+}
+
+template <typename T>
+inline void rotate(const T* x, const T* cos, const T* sin, int32_t half, T* y) {
+  // transformers: x * cos + rotate_half(x) * sin, each op rounded to T
+  for (int32_t i = 0; i < half; ++i) {
+    const float a = load(x, i), b = load(x, i + half);
+    store(y, i, round_to<T>(a * load(cos, i)) + round_to<T>(-b * load(sin, i)));
+    store(y, i + half, round_to<T>(b * load(cos, i + half)) + round_to<T>(a * load(sin, i + half)));
+  }
+}
+
+struct RotaryCacheArgs {
+  const void* query;  // [T, Hq * D] rows of q_proj's output
+  int64_t q_stride;
+  const void* key;  // [T, Hkv * D]
+  int64_t k_stride;
+  const void* value;
+  int64_t v_stride;
+  const void* cos;  // [T, D]
+  const void* sin;
+  void* query_out;  // [T, Hq, D] contiguous
+  void* key_cache;  // [N, block_size, Hkv, D]
+  void* value_cache;
+  int64_t k_stride_block, k_stride_slot, k_stride_head;
+  int64_t v_stride_block, v_stride_slot, v_stride_head;
+  const int64_t* slot_mapping;  // [T], -1: not stored
+  int32_t num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, num_threads;
+};
+
+template <typename T>
+void rotary_cache(const RotaryCacheArgs& a) {
+  const int32_t d = a.head_dim, half = d / 2;
+  const int64_t work = int64_t{a.num_tokens} * (a.num_q_heads + 2 * a.num_kv_heads) * d;
+#pragma omp parallel for schedule(static) num_threads(threads_for(work, a.num_threads))
+  for (int32_t t = 0; t < a.num_tokens; ++t) {
+    const T* cos = static_cast<const T*>(a.cos) + int64_t{t} * d;
+    const T* sin = static_cast<const T*>(a.sin) + int64_t{t} * d;
+    const T* q = static_cast<const T*>(a.query) + t * a.q_stride;
+    T* q_out = static_cast<T*>(a.query_out) + int64_t{t} * a.num_q_heads * d;
+    for (int32_t h = 0; h < a.num_q_heads; ++h) rotate(q + int64_t{h} * d, cos, sin, half, q_out + int64_t{h} * d);
+    const int64_t slot = a.slot_mapping[t];
+    if (slot < 0) continue;
+    const int64_t block = slot / a.block_size, offset = slot % a.block_size;
+    T* k_dst = static_cast<T*>(a.key_cache) + block * a.k_stride_block + offset * a.k_stride_slot;
+    T* v_dst = static_cast<T*>(a.value_cache) + block * a.v_stride_block + offset * a.v_stride_slot;
+    const T* k = static_cast<const T*>(a.key) + t * a.k_stride;
+    const T* v = static_cast<const T*>(a.value) + t * a.v_stride;
+    for (int32_t h = 0; h < a.num_kv_heads; ++h) {
+      rotate(k + int64_t{h} * d, cos, sin, half, k_dst + h * a.k_stride_head);
+      std::memcpy(v_dst + h * a.v_stride_head, v + int64_t{h} * d, sizeof(T) * d);
+    }
+  }
+}
+
+// exp over floats in plain arithmetic (range reduction to 2^n * e^r, then Cephes' polynomial, ~1 ulp) so the
+// loop vectorizes: std::exp stays a scalar libm call without -ffast-math, 10x slower on a prefill's rows.
+inline float vector_exp(float x) {
+  x = std::fmin(std::fmax(x, -87.0f), 88.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln2, ln2 split in two for precision
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+void silu_mul(const T* gate, int64_t g_stride, const T* up, int64_t u_stride, T* out, int64_t o_stride,
+              int32_t rows, int32_t width, int32_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(threads_for(int64_t{rows} * width, num_threads))
+  for (int32_t r = 0; r < rows; ++r) {
+    const T* g = gate + r * g_stride;
+    const T* u = up + r * u_stride;
+    T* o = out + r * o_stride;
+#pragma omp simd
+    for (int32_t i = 0; i < width; ++i) {
+      const float x = load(g, i);
+      store(o, i, round_to<T>(x / (1.0f + vector_exp(-x))) * load(u, i));
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+uint64_t pb_cpu_rotary_cache_args_size() { return sizeof(RotaryCacheArgs); }
+
+// Status codes: 0 ok, -1 unsupported dtype, -2 bad shape.
+int pb_cpu_add_rms_norm(const void* x, int64_t x_stride, void* residual, int64_t r_stride, const void* weight,
+                        void* out, int64_t o_stride, int32_t rows, int32_t hidden, int32_t dtype, float eps,
+                        int32_t num_threads) {
+  if (rows < 0 || hidden <= 0) return -2;
+  switch (dtype) {
+    case F32:
+      add_rms_norm(static_cast<const float*>(x), x_stride, static_cast<float*>(residual), r_stride,
+                   static_cast<const float*>(weight), static_cast<float*>(out), o_stride, rows, hidden, eps,
+                   num_threads);
+      return 0;
+    case F16:
+      add_rms_norm(static_cast<const _Float16*>(x), x_stride, static_cast<_Float16*>(residual), r_stride,
+                   static_cast<const _Float16*>(weight), static_cast<_Float16*>(out), o_stride, rows, hidden, eps,
+                   num_threads);
+      return 0;
+    case BF16:
+      add_rms_norm(static_cast<const uint16_t*>(x), x_stride, static_cast<uint16_t*>(residual), r_stride,
+                   static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out), o_stride, rows, hidden, eps,
+                   num_threads);
+      return 0;
+    default:
+      return -1;
+  }
+}
+
+int pb_cpu_rotary_cache(const RotaryCacheArgs* args, int32_t dtype) {
+  if (args->head_dim <= 0 || args->head_dim % 2 != 0 || args->block_size <= 0) return -2;
+  switch (dtype) {
+    case F32: rotary_cache<float>(*args); return 0;
+    case F16: rotary_cache<_Float16>(*args); return 0;
+    case BF16: rotary_cache<uint16_t>(*args); return 0;
+    default: return -1;
+  }
+}
+
+int pb_cpu_silu_mul(const void* gate, int64_t g_stride, const void* up, int64_t u_stride, void* out,
+                    int64_t o_stride, int32_t rows, int32_t width, int32_t dtype, int32_t num_threads) {
+  if (rows < 0 || width <= 0) return -2;
+  switch (dtype) {
+    case F32:
+      silu_mul(static_cast<const float*>(gate), g_stride, static_cast<const float*>(up), u_stride,
+               static_cast<float*>(out), o_stride, rows, width, num_threads);
+      return 0;
+    case F16:
+      silu_mul(static_cast<const _Float16*>(gate), g_stride, static_cast<const _Float16*>(up), u_stride,
+               static_cast<_Float16*>(out), o_stride, rows, width, num_threads);
+      return 0;
+    case BF16:
+      silu_mul(static_cast<const uint16_t*>(gate), g_stride, static_cast<const uint16_t*>(up), u_stride,
+               static_cast<uint16_t*>(out), o_stride, rows, width, num_threads);
+      return 0;
+    default:
+      return -1;
+  }
+}
+
+const char* pb_cpu_fused_error_string(int code) {
+  switch (code) {
+    case 0: return "ok";
+    case -1: return "unsupported dtype code (f32, f16 or bf16)";
+    case -2: return "bad shape (rows >= 0, hidden/width > 0, even head_dim, block_size > 0)";
+    default: return "unknown error";
+  }
+}
+
+}  // extern "C"

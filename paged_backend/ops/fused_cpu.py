@@ -1,0 +1,140 @@
+"""The fused decoder-layer kernels of csrc/cpu/fused_ops_cpu.cpp, and their torch oracles.
+
+`add_rms_norm`, `silu_mul` and `RotaryCache` are what `worker/fused_forward.py` calls between a layer's linear
+layers; each `*_reference` is the same step written with transformers' torch ops, which the tests hold the
+kernels to. The kernels take rows with a unit stride along the hidden dimension; they run on CPU tensors in
+float32, float16 or bfloat16.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+
+from paged_backend.ops._c_abi import I32, I64, PTR, check_layouts, check_status
+from paged_backend.ops.cpu import QUERY_DTYPES, _library
+
+FUSED_DTYPES = QUERY_DTYPES  # float32, float16, bfloat16
+
+
+class RotaryCacheArgs(ctypes.Structure):
+    """Mirror of RotaryCacheArgs in csrc/cpu/fused_ops_cpu.cpp."""
+
+    _fields_ = [
+        ("query", PTR), ("q_stride", I64), ("key", PTR), ("k_stride", I64), ("value", PTR), ("v_stride", I64),
+        ("cos", PTR), ("sin", PTR), ("query_out", PTR), ("key_cache", PTR), ("value_cache", PTR),
+        ("k_stride_block", I64), ("k_stride_slot", I64), ("k_stride_head", I64),
+        ("v_stride_block", I64), ("v_stride_slot", I64), ("v_stride_head", I64),
+        ("slot_mapping", PTR),
+        ("num_tokens", I32), ("num_q_heads", I32), ("num_kv_heads", I32), ("head_dim", I32),
+        ("block_size", I32), ("num_threads", I32),
+    ]  # fmt: skip
+
+
+@cache
+def _fused() -> ctypes.CDLL:
+    lib = _library()
+    lib.pb_cpu_add_rms_norm.argtypes = [PTR, I64, PTR, I64, PTR, PTR, I64, I32, I32, I32, ctypes.c_float, I32]
+    lib.pb_cpu_silu_mul.argtypes = [PTR, I64, PTR, I64, PTR, I64, I32, I32, I32, I32]
+    lib.pb_cpu_rotary_cache.argtypes = [ctypes.POINTER(RotaryCacheArgs), I32]
+    lib.pb_cpu_fused_error_string.argtypes = [ctypes.c_int]
+    lib.pb_cpu_fused_error_string.restype = ctypes.c_char_p
+    check_layouts(lib, {RotaryCacheArgs: "pb_cpu_rotary_cache_args_size"}, "csrc/cpu")
+    return lib
+
+
+def _check(status: int, what: str) -> None:
+    check_status(status, _fused().pb_cpu_fused_error_string, what)
+
+
+def add_rms_norm(
+    x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`residual += x` in place (skipped when `x` is None), then `weight * rms_normalize(residual)` `[T, H]`."""
+    rows, hidden = residual.shape
+    out = torch.empty_like(residual) if out is None else out
+    _check(
+        _fused().pb_cpu_add_rms_norm(
+            None if x is None else x.data_ptr(), 0 if x is None else x.stride(0),
+            residual.data_ptr(), residual.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
+            rows, hidden, QUERY_DTYPES[residual.dtype], eps, torch.get_num_threads(),
+        ),
+        "add_rms_norm",
+    )  # fmt: skip
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for `[T, I]` rows."""
+    rows, width = gate.shape
+    out = torch.empty(rows, width, dtype=gate.dtype)
+    _check(
+        _fused().pb_cpu_silu_mul(
+            gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(), out.stride(0),
+            rows, width, QUERY_DTYPES[gate.dtype], torch.get_num_threads(),
+        ),
+        "silu_mul",
+    )  # fmt: skip
+    return out
+
+
+class RotaryCache:
+    """Rotary on q and k, and the pool write of k and v, for every layer of one step.
+
+    The step's cos/sin `[T, D]`, slot mapping and shapes go into the kernel's argument struct once; each layer
+    then sets only its own tensors, which keeps the per-layer cost to the call itself."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
+        self._keep = (cos, sin, slot_mapping)  # the struct points into them
+        self.args = RotaryCacheArgs(
+            cos=cos.data_ptr(), sin=sin.data_ptr(), slot_mapping=slot_mapping.data_ptr(),
+            num_tokens=cos.shape[0], head_dim=cos.shape[1], block_size=block_size,
+            num_threads=torch.get_num_threads(),
+        )  # fmt: skip
+        self.dtype = QUERY_DTYPES[cos.dtype]
+
+    def __call__(self, query, key, value, key_cache, value_cache) -> torch.Tensor:
+        """Rotated `query [T, Hq, D]` (a new tensor) after storing rotated keys and the values in the pools."""
+        args, head_dim = self.args, self.args.head_dim
+        out = torch.empty(query.shape[0], query.shape[1] // head_dim, head_dim, dtype=query.dtype)
+        args.query, args.q_stride = query.data_ptr(), query.stride(0)
+        args.key, args.k_stride = key.data_ptr(), key.stride(0)
+        args.value, args.v_stride = value.data_ptr(), value.stride(0)
+        args.query_out, args.key_cache, args.value_cache = out.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr()
+        args.k_stride_block, args.k_stride_slot, args.k_stride_head = key_cache.stride()[:3]
+        args.v_stride_block, args.v_stride_slot, args.v_stride_head = value_cache.stride()[:3]
+        args.num_q_heads, args.num_kv_heads = out.shape[1], key.shape[1] // head_dim
+        _check(_fused().pb_cpu_rotary_cache(ctypes.byref(args), self.dtype), "rotary_cache")
+        return out
+
+
+# The torch oracles: transformers' Llama modules, op for op.
+
+
+def add_rms_norm_reference(x, residual, weight, eps) -> torch.Tensor:
+    if x is not None:
+        residual.copy_(residual + x)
+    hidden = residual.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hidden.to(residual.dtype)
+
+
+def silu_mul_reference(gate, up) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
+
+
+def rotary_cache_reference(query, key, value, cos, sin, key_cache, value_cache, slot_mapping) -> torch.Tensor:
+    def rotate(x):  # [T, H, D] with cos/sin [T, 1, D]
+        half = x.shape[-1] // 2
+        return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
+
+    head_dim = cos.shape[1]
+    q = rotate(query.reshape(query.shape[0], -1, head_dim))
+    k = rotate(key.reshape(key.shape[0], -1, head_dim))
+    v = value.reshape(value.shape[0], -1, head_dim)
+    stored = slot_mapping >= 0
+    for source, pool in ((k, key_cache), (v, value_cache)):
+        pool.view(-1, *pool.shape[2:])[slot_mapping[stored]] = source[stored]
+    return q

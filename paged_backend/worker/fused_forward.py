@@ -1,0 +1,159 @@
+"""A Llama-family decoder stack run on fused CPU kernels: the runner's forward wherever the model allows it.
+
+transformers' modeling code costs a few hundred microseconds of Python per layer and step (keyword plumbing, mask
+and attention-interface dispatch, a cache update, a dozen small ops for norms, rotary and activations). A deep,
+narrow model at one stream pays that thirty times per token, against ~1 ms of matmul per layer. This forward
+keeps the model's own linear modules (so prepacked weights, LoRA and tensor-parallel hooks and quantized layers
+all still apply) and does everything between them with `ops/fused_cpu.py`, with the step's attention and rotary
+arguments prepared once (`AttentionPlan`, `RotaryCache`):
+
+    residual = embed(ids); x = norm(residual)
+    per layer: q, k, v = linears(x); q = rotary_cache(q, k, v -> pool); o = o_proj(attention(q))
+               x = add_rms_norm(o, residual); x = down(silu_mul(gate(x), up(x))); x = add_rms_norm(x, residual)
+
+It takes the architectures whose layers are exactly that (`FAMILIES`) when nothing hooks the modules it bypasses;
+anything else, or `PAGED_BACKEND_FUSED_FORWARD=0`, runs transformers' forward over the paged bridge.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+from paged_backend.core.kv_cache import PagedKVCache
+from paged_backend.ops import resolve_backend
+from paged_backend.ops.cpu import AttentionPlan
+from paged_backend.ops.fused_cpu import FUSED_DTYPES, RotaryCache, add_rms_norm, silu_mul
+from paged_backend.worker.attention import PagedMetadata
+
+FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SWITCH = "PAGED_BACKEND_FUSED_FORWARD"
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+
+
+def unfused_reason(model: nn.Module, kv_cache: PagedKVCache, attention_backend: str | None) -> str | None:
+    """None when `FusedForward` runs this model over this pool, else why transformers' forward runs instead."""
+    if os.environ.get(SWITCH, "1") == "0":
+        return f"{SWITCH}=0"
+    if type(model).__name__ not in FAMILIES:
+        return f"{type(model).__name__} is not one of {', '.join(FAMILIES)}"
+    config, dtype = model.config, model.dtype
+    if kv_cache.device.type != "cpu" or model.device.type != "cpu":
+        return "the fused kernels run on CPU"
+    if dtype not in FUSED_DTYPES or kv_cache.dtype != dtype:
+        return f"model {dtype} with a {kv_cache.dtype} pool (the fused path stores the model's dtype)"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"activation {getattr(config, 'hidden_act', None)!r} (fused: silu)"
+    if resolve_backend(attention_backend, kv_cache.device) != "cpu":
+        return "an attention backend other than the cpu kernel was asked for"
+    base = model.model
+    layers = list(base.layers)
+    if len(layers) != config.num_hidden_layers or len(layers) != kv_cache.num_layers:
+        return "the model's layers do not match its pool (pipeline stages run transformers' forward)"
+    bypassed = [model, base, base.embed_tokens, base.norm, base.rotary_emb]
+    for layer in layers:
+        bypassed += [layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm]
+    if any(_hooked(module) for module in bypassed):
+        return "hooks on modules the fused forward bypasses (offloading, or a caller's own)"
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return "global module hooks are registered"
+    return None
+
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+
+
+class FusedForward:
+    """`forward(ids, positions, metadata, rows)` of `ModelRunner`, on the fused kernels (see the module doc).
+
+    `linears` is the runner's swap-in for the linear layers (`PackedLinears`, the batch-invariant tiles, or None).
+    Packed layers are called straight through their packed forwards when no layer has hooks; otherwise (LoRA, a
+    caller's hooks, batch-invariant tiles) each layer is called as a module inside `linears.active()`."""
+
+    def __init__(self, model: nn.Module, kv_cache: PagedKVCache, linears=None) -> None:
+        self.model, self.kv_cache, self.linears = model, kv_cache, linears
+        self.base = model.model
+        self.layers = list(self.base.layers)
+        self.modules = [tuple(layer.get_submodule(name) for name in LINEARS) for layer in self.layers]
+        self.lm_head = model.lm_head
+        attn = self.layers[0].self_attn
+        self.head_dim, self.scale = attn.head_dim, attn.scaling
+        config = model.config
+        # Mistral keeps its window on the config; Qwen2 per layer (None on full-attention layers)
+        self.windows = [
+            getattr(layer.self_attn, "sliding_window", getattr(config, "sliding_window", None)) for layer in self.layers
+        ]
+        # the norm before each layer's attention and MLP: (weight, eps); the last layer's MLP is followed by the final norm
+        self.norms = [
+            ((layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
+             (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon))
+            for layer in self.layers
+        ]  # fmt: skip
+        self.final_norm = (self.base.norm.weight, self.base.norm.variance_epsilon)
+
+    def _calls(self) -> tuple[list[tuple], object] | None:
+        """This step's callable for each layer's linear layers and for the LM head, or None when they must run as
+        modules inside `active()`."""
+        forwards = getattr(self.linears, "forwards", None)
+        if self.linears is not None and forwards is None:
+            return None  # a swap-in that only works through active()
+        head = self.lm_head
+        if (
+            head._forward_hooks
+            or head._forward_pre_hooks
+            or any(module._forward_hooks or module._forward_pre_hooks for layer in self.modules for module in layer)
+        ):
+            return None
+        packed = forwards() if forwards is not None else {}
+        layers = [tuple(packed.get(module) or module.forward for module in layer) for layer in self.modules]
+        return layers, packed.get(head) or head.forward
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, metadata: PagedMetadata, rows: list[int]):
+        """Float32 logits of the packed `rows` (the runner's `forward` contract)."""
+        calls = self._calls()
+        if calls is not None:
+            return self._run(*calls, ids, positions, metadata, rows)
+        with self.linears.active() if self.linears is not None else nullcontext():
+            return self._run(self.modules, self.lm_head, ids, positions, metadata, rows)
+
+    def _run(self, calls, lm_head, ids, positions, metadata: PagedMetadata, rows: list[int]) -> torch.Tensor:
+        base, cache, head_dim = self.base, self.kv_cache, self.head_dim
+        residual = base.embed_tokens(ids)  # [1, T, H]
+        cos, sin = (t[0].contiguous() for t in base.rotary_emb(residual, positions))
+        residual = residual[0]
+        group = metadata.for_layer(0)
+        rotary = RotaryCache(cos, sin, group.slot_mapping, cache.block_size)
+        plans = {}  # one attention plan per layer group
+        x = add_rms_norm(None, residual, *self.norms[0][0])
+        last = len(self.layers) - 1
+        for index, (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) in enumerate(calls):
+            q, k, v = q_proj(x), k_proj(x), v_proj(x)
+            layer_meta = metadata.for_layer(index)
+            if layer_meta is not group:  # sliding-window layers keep their own block tables and slots
+                group = layer_meta
+                rotary = RotaryCache(cos, sin, group.slot_mapping, cache.block_size)
+            key_cache, value_cache = cache.layer(index)
+            q = rotary(q, k, v, key_cache, value_cache)
+            plan = plans.get(id(group))
+            if plan is None:
+                plan = plans[id(group)] = AttentionPlan(
+                    group.block_tables, group.seq_lens, group.query_start_loc, num_q_heads=q.shape[1],
+                    num_kv_heads=k.shape[1] // head_dim, head_dim=head_dim, block_size=cache.block_size,
+                    dtype=q.dtype, scale=self.scale,
+                )  # fmt: skip
+            out = o_proj(plan(q, key_cache, value_cache, self.windows[index]).view(q.shape[0], -1))
+            x = add_rms_norm(out, residual, *self.norms[index][1])
+            out = down_proj(silu_mul(gate_proj(x), up_proj(x)))
+            if index < last:
+                x = add_rms_norm(out, residual, *self.norms[index + 1][0])
+        # only the kept rows need the last residual add, the final norm and the LM head
+        kept = torch.tensor(rows, dtype=torch.long)
+        x = add_rms_norm(out.index_select(0, kept), residual.index_select(0, kept), *self.final_norm)
+        return lm_head(x).float()

@@ -1,0 +1,72 @@
+"""Which models the fused CPU forward takes, and that it gives transformers' forward's tokens and logprobs.
+
+Greedy equality with HF generate on the fused path is also checked by every engine test on Llama, Qwen2 and
+Mistral (test_engine_greedy.py, test_sliding_window.py, ...), which now run it by default."""
+
+import pytest
+import torch
+from _engine_helpers import MAX_TOKENS, hf_greedy, make_llm_fixture, ragged_prompts, reference_model  # noqa: F401
+
+from paged_backend.engine import SamplingParams
+from paged_backend.worker.fused_forward import SWITCH
+from paged_backend.worker.models import tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
+
+
+def run(llm, prompts):
+    outputs = llm.generate(prompts, GREEDY)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    logprobs = [
+        [step[t] for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)] for o in outputs
+    ]
+    return tokens, torch.tensor(sum(logprobs, []))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_llama_family_runs_fused_and_equals_transformers_forward(arch, make_llm, monkeypatch):
+    prompts = ragged_prompts(12, longest=30)
+    fused = make_llm(arch, max_num_batched_tokens=32)  # chunked prefill beside decodes
+    assert fused.engine.runner.fused is not None, fused.engine.runner.unfused_reason
+    monkeypatch.setenv(SWITCH, "0")
+    plain = make_llm(arch, max_num_batched_tokens=32)
+    assert plain.engine.runner.fused is None and plain.engine.runner.unfused_reason == f"{SWITCH}=0"
+    fused_tokens, fused_logprobs = run(fused, prompts)
+    plain_tokens, plain_logprobs = run(plain, prompts)
+    assert fused_tokens == plain_tokens == [hf_greedy(arch, p) for p in prompts]
+    torch.testing.assert_close(fused_logprobs, plain_logprobs, rtol=1e-4, atol=1e-5)
+
+
+def test_bfloat16_fused_forward_equals_transformers_forward(make_llm, monkeypatch):
+    model = tiny_model("llama", seed=7, hidden_size=128, intermediate_size=256, dtype=torch.bfloat16)
+    prompts = ragged_prompts(8, seed=3, longest=24)
+    fused = make_llm(model=model)
+    assert fused.engine.runner.fused is not None
+    monkeypatch.setenv(SWITCH, "0")
+    fused_tokens, fused_logprobs = run(fused, prompts)
+    plain_tokens, plain_logprobs = run(make_llm(model=model), prompts)
+    # the kernels round every bf16 op as torch does; summation order can still move a logprob by a bf16 ulp
+    assert fused_tokens == plain_tokens
+    torch.testing.assert_close(fused_logprobs, plain_logprobs, rtol=0.05, atol=0.05)
+
+
+def test_a_hooked_layer_runs_transformers_forward_and_says_why(make_llm):
+    model = tiny_model("llama", seed=7)
+    seen = []
+    model.model.layers[1].mlp.register_forward_hook(lambda module, args, output: seen.append(output.shape))
+    llm = make_llm(model=model)
+    assert llm.engine.runner.fused is None and "hooks" in llm.engine.runner.unfused_reason
+    prompt = ragged_prompts(1, seed=5)[0]
+    assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == hf_greedy("llama", prompt)
+    assert seen  # the caller's hook ran, as it would under transformers
+
+
+def test_other_architectures_name_themselves_as_the_reason(make_llm):
+    llm = make_llm("qwen3", model=tiny_model("qwen3", seed=7))
+    assert llm.engine.runner.fused is None
+    assert "Qwen3ForCausalLM is not one of" in llm.engine.runner.unfused_reason
+
+
+def test_a_torch_attention_backend_keeps_the_oracle_path(make_llm):
+    llm = make_llm(attention_backend="torch")
+    assert llm.engine.runner.fused is None and "attention backend" in llm.engine.runner.unfused_reason

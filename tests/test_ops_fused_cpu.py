@@ -1,0 +1,94 @@
+"""The fused decoder-layer kernels (csrc/cpu/fused_ops_cpu.cpp) against their torch oracles, in every dtype, at
+decode and prefill row counts (the latter threaded), and row by row independent of the batch."""
+
+import pytest
+import torch
+
+from paged_backend.ops import fused_cpu
+from paged_backend.ops.fused_cpu import RotaryCache
+
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
+DTYPES = list(TOLERANCE)
+ROWS = [1, 5, 300]  # decode, a short chunk, a prefill chunk large enough to run threaded
+
+
+def close(actual, expected, dtype):
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+def randn(*shape, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("with_add", [False, True])
+def test_add_rms_norm_matches_the_oracle_and_updates_the_residual_in_place(dtype, rows, with_add):
+    hidden = 576
+    x = randn(rows, hidden, dtype=dtype, seed=1) if with_add else None
+    residual = randn(rows, hidden, dtype=dtype, seed=2) * 3
+    weight = randn(hidden, dtype=dtype, seed=3)
+    expected_residual = residual.clone()
+    expected = fused_cpu.add_rms_norm_reference(x, expected_residual, weight, 1e-5)
+    out = fused_cpu.add_rms_norm(x, residual, weight, 1e-5)
+    close(out, expected, dtype)
+    if with_add:  # the add is one rounding in the dtype, exactly as torch's
+        assert torch.equal(residual, expected_residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_mul_matches_the_oracle(dtype, rows):
+    gate, up = randn(rows, 1536, dtype=dtype, seed=4) * 4, randn(rows, 1536, dtype=dtype, seed=5)
+    close(fused_cpu.silu_mul(gate, up), fused_cpu.silu_mul_reference(gate, up), dtype)
+
+
+def test_silu_mul_saturates_without_overflow():
+    gate = torch.tensor([[-1e4, -90.0, -20.0, 0.0, 20.0, 90.0, 1e4, float("-inf")]])
+    out = fused_cpu.silu_mul(gate, torch.ones_like(gate))
+    torch.testing.assert_close(out[:, :-1], torch.nn.functional.silu(gate)[:, :-1], rtol=1e-6, atol=1e-30)
+
+
+def rotary_case(rows, dtype, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, num_blocks=40):
+    positions = torch.arange(rows) + 7
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.cat([positions[:, None].float() * inv_freq] * 2, dim=-1)
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    qkv = randn(rows, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=6)
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(7))[:rows]
+    slots[::4] = -1  # padding rows are not stored
+    pools = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype) for _ in range(4)]
+    return q, k, v, cos, sin, slots, pools
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_rotary_cache_rotates_q_and_k_and_stores_k_and_v_at_their_slots(dtype, rows):
+    # q, k and v are column slices of one fused qkv output: strided rows, as a fused projection would give
+    q, k, v, cos, sin, slots, (key_cache, value_cache, ref_keys, ref_values) = rotary_case(rows, dtype)
+    expected = fused_cpu.rotary_cache_reference(q, k, v, cos, sin, ref_keys, ref_values, slots)
+    out = RotaryCache(cos, sin, slots, block_size=16)(q, k, v, key_cache, value_cache)
+    close(out, expected, dtype)
+    close(key_cache, ref_keys, dtype)
+    assert torch.equal(value_cache, ref_values)  # values are copied, not computed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_kernel_gives_a_row_the_same_bits_alone_or_in_a_batch(dtype):
+    rows, hidden = 300, 576
+    x, residual = randn(rows, hidden, dtype=dtype, seed=8), randn(rows, hidden, dtype=dtype, seed=9)
+    weight = randn(hidden, dtype=dtype, seed=10)
+    batch_residual, one_residual = residual.clone(), residual[123:124].clone()
+    batch = fused_cpu.add_rms_norm(x, batch_residual, weight, 1e-6)
+    assert torch.equal(fused_cpu.add_rms_norm(x[123:124], one_residual, weight, 1e-6), batch[123:124])
+    gate, up = randn(rows, 1536, dtype=dtype, seed=11), randn(rows, 1536, dtype=dtype, seed=12)
+    assert torch.equal(fused_cpu.silu_mul(gate[42:43], up[42:43]), fused_cpu.silu_mul(gate, up)[42:43])
+    q, k, v, cos, sin, slots, (key_cache, value_cache, *_) = rotary_case(rows, dtype)
+    batch_q = RotaryCache(cos, sin, slots, 16)(q, k, v, key_cache, value_cache)
+    one_q = RotaryCache(cos[5:6].contiguous(), sin[5:6].contiguous(), slots[5:6].clone(), 16)(
+        q[5:6], k[5:6], v[5:6], key_cache, value_cache
+    )
+    assert torch.equal(one_q, batch_q[5:6])
