@@ -4,6 +4,8 @@ checks every case ends with (blocks all free, no child process left).
 Near-ties: a TP rank sums partial products in another order than one process does, so fp32 logits differ in
 the last bits. The seeds below were picked so that every greedy step of every prompt has a top-1/top-2 logit
 margin of at least 1e-3 (`reference` asserts at least 5e-4), three orders above that noise: no flip is possible.
+That argument is about float32, as is the HF reference, so the engines compared with it run with `dtype=DTYPE`
+(`--dtype auto` is bfloat16 on CPUs with AMX or AVX512-BF16).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from paged_backend.worker.models import byte_tokenizer, tiny_model
 
 # name -> (architecture, KV heads, seed); 4 query heads each, so TP=2 splits KV heads 2 -> 1 and replicates 1.
 MODELS = {"llama-gqa": ("llama", 2, 0), "llama-kv1": ("llama", 1, 2), "qwen2": ("qwen2", 2, 2)}
+DTYPE = "float32"  # the engines' dtype wherever they are compared with `reference` (HF, float32)
 MIN_MARGIN = 5e-4
 MAX_TOKENS = 12
 _rng = random.Random(0)

@@ -11,6 +11,9 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from paged_backend.worker.models import byte_tokenizer, tiny_model
 
+# The dtype of every engine compared with `reference_tokens` (peft on a float32 model): `--dtype auto` is bfloat16 on
+# CPUs with AMX or AVX512-BF16, whose greedy tokens may part from float32's.
+DTYPE = "float32"
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69], [80, 81, 82, 9, 8, 7]]
 ADAPTERS = {  # name: peft options; ranks 4 / 8 / 2, attention only / everything / MLP only with rsLoRA
     "attn4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),

@@ -146,12 +146,15 @@ ROUTER_ARGS = ["--max-batch-prefill-tokens", "512", "--waiting-served-ratio", "1
 
 
 @contextmanager
-def every_backend(shard_blocks: int, extra_args: list[str] = ()):
-    """`paged`, `reference` and `grpc` (our router driving our shard) servers, keyed by backend name."""
+def every_backend(shard_blocks: int, extra_args: list[str] = (), dtype: str | None = None):
+    """`paged`, `reference` and `grpc` (our router driving our shard) servers, keyed by backend name.
+
+    `dtype` (TGI's `--dtype`) goes to every engine, the shard's included; None leaves each on `--dtype auto`."""
     directory = tempfile.mkdtemp(prefix="tgi-", dir="/tmp")  # unix socket paths must stay short
     uds_path = f"{directory}/shard"
-    shard = Shard(uds_path, ["--num-blocks", str(shard_blocks), "--device", "cpu"])
-    in_process = [TgiServer("paged", extra_args), TgiServer("reference", extra_args)]
+    dtype_args = ["--dtype", dtype] if dtype else []
+    shard = Shard(uds_path, ["--num-blocks", str(shard_blocks), "--device", "cpu", *dtype_args])
+    in_process = [TgiServer("paged", [*extra_args, *dtype_args]), TgiServer("reference", [*extra_args, *dtype_args])]
     try:
         with running(shard, *in_process):
             # The router warms the shard up at start, so it starts once the shard's socket exists.

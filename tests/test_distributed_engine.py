@@ -23,6 +23,7 @@ from paged_backend.engine import LLM, SamplingParams
 from paged_backend.errors import InvalidRequest, UnsupportedModel
 from paged_backend.worker.models import tiny_model
 from tests._distributed_helpers import (
+    DTYPE,
     MODELS,
     OTHER_LAUNCHES,
     PROMPTS,
@@ -78,9 +79,9 @@ def start_torchrun_early(torchrun_nodes):
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"])
 def test_parallel_greedy_equals_one_process_and_hf(model_dirs, name, layout):
     expected = reference(name)
-    single = LLM(model_dirs[name], device="cpu", num_blocks=64, block_size=4)
+    single = LLM(model_dirs[name], device="cpu", dtype=DTYPE, num_blocks=64, block_size=4)
     assert generate(single) == expected
-    llm = LLM(model_dirs[name], device="cpu", num_blocks=64, block_size=4, **layout)
+    llm = LLM(model_dirs[name], device="cpu", dtype=DTYPE, num_blocks=64, block_size=4, **layout)
     assert generate(llm) == expected
     close_and_check(llm)
 
@@ -97,7 +98,8 @@ def test_speculation_gives_plain_tokens_on_every_layout(model_dirs, method, layo
     if method == "draft_model":
         arch, kv_heads, seed = MODELS["llama-gqa"]
         spec = {"model": truncated(tiny_model(arch, seed=seed, num_kv_heads=kv_heads), 1), "num_speculative_tokens": 3}
-    llm = LLM(model_dirs["llama-gqa"], device="cpu", num_blocks=64, block_size=4, speculative_config=spec, **layout)
+    options = dict(device="cpu", dtype=DTYPE, num_blocks=64, block_size=4)
+    llm = LLM(model_dirs["llama-gqa"], speculative_config=spec, **options, **layout)
     assert generate(llm) == reference("llama-gqa")
     stats = llm.engine.stats()
     assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted_tokens > 0
@@ -111,7 +113,7 @@ def test_tp_times_pp_with_forks_copies_and_swaps(model_dirs):
     """TP=2 x PP=2 (4 ranks) under pressure: n=2 siblings share blocks (copy-on-write copies), a small pool forces
     preemption by swapping; every rank replays the driver's block copies and swaps, so tokens still match."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
-    options = dict(device="cpu", num_blocks=20, block_size=4, swap_space=0.001, preemption_mode="swap")
+    options = dict(device="cpu", dtype=DTYPE, num_blocks=20, block_size=4, swap_space=0.001, preemption_mode="swap")
     expected = [
         [c.token_ids for c in out.outputs] for out in LLM(model_dirs["llama-gqa"], **options).generate(PROMPTS, params)
     ]

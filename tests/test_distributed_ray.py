@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from paged_backend.engine import LLM
-from tests._distributed_helpers import generate, reference, save_models
+from tests._distributed_helpers import DTYPE, generate, reference, save_models
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 
@@ -33,7 +33,7 @@ def ray_worker_processes() -> list[psutil.Process]:
 
 @pytest.mark.parametrize("name", ["llama-gqa", "llama-kv1", "qwen2"])
 def test_ray_tp2_greedy_equals_hf(ray_session, model_dirs, name):
-    llm = LLM(model_dirs[name], device="cpu", num_blocks=64, block_size=4, tensor_parallel_size=2,
+    llm = LLM(model_dirs[name], device="cpu", dtype=DTYPE, num_blocks=64, block_size=4, tensor_parallel_size=2,
               distributed_executor_backend="ray")  # fmt: skip
     assert len(ray_worker_processes()) == 1
     assert generate(llm) == reference(name)

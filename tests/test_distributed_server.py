@@ -11,14 +11,14 @@ import openai
 import psutil
 import pytest
 
-from tests._distributed_helpers import MAX_TOKENS, PROMPTS, engine_processes, reference, save_models
+from tests._distributed_helpers import DTYPE, MAX_TOKENS, PROMPTS, engine_processes, reference, save_models
 from tests._server_helpers import running_server
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model_dir = save_models(tmp_path_factory.mktemp("serve-tp-models"))["llama-gqa"]
-    flags = ("--model", model_dir, "--num-blocks", "512", "--block-size", "4", "-tp", "2")
+    flags = ("--model", model_dir, "--dtype", DTYPE, "--num-blocks", "512", "--block-size", "4", "-tp", "2")
     with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}), running_server(*flags) as running:
         yield running
 
@@ -32,7 +32,7 @@ def test_serve_other_models_and_pipeline_parallel_equal_hf(tmp_path_factory, nam
     """The other two models, one through pipeline stages; leaving `running_server` sends SIGTERM, which must stop
     the worker rank too."""
     model_dir = save_models(tmp_path_factory.mktemp(f"serve-{name}"))[name]
-    flags = ("--model", model_dir, "--num-blocks", "512", "--block-size", "4", *layout)
+    flags = ("--model", model_dir, "--dtype", DTYPE, "--num-blocks", "512", "--block-size", "4", *layout)
     with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}), running_server(*flags) as running:
         assert_greedy_equals_hf(running, name)
         [worker] = engine_processes(running.process.pid)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import typer
-from _lora_helpers import PROMPTS, expected_tokens, save_base_and_adapters
+from _lora_helpers import DTYPE, PROMPTS, expected_tokens, save_base_and_adapters
 from _server_helpers import running_server
 from typer.testing import CliRunner
 
@@ -215,6 +215,7 @@ def lora_server(tmp_path_factory):
     model_dir, saved = save_base_and_adapters("llama", tmp_path_factory.mktemp("parity"))
     adapters = {"a": saved["attn4"], "b": saved["all8"]}
     flags = [str(model_dir), "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--num-blocks", "64",
+             "--dtype", DTYPE,  # as peft's reference (--dtype auto may be bfloat16)
              "--lora-modules", f"a={adapters['a']}", f"b={adapters['b']}"]  # fmt: skip
     with running_server(*flags) as server:
         yield server, str(model_dir), expected_tokens("llama", adapters, MAX_TOKENS)

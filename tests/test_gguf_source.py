@@ -1,6 +1,9 @@
 """GGUF files as --model: exact weights and greedy tokens (a seeded tiny Llama written as llama.cpp writes it, and
 Q8_0 / F16 copies of the real model against HF generate), the conversion cache (hit, damaged entry rebuilt), and
-clear refusals for truncated, foreign, incomplete and unsupported files."""
+clear refusals for truncated, foreign, incomplete and unsupported files.
+
+Engines and loads compared with float32 values (the HF model, gguf's dequantization, HF generate) ask for
+`dtype="float32"`: `--dtype auto` is bfloat16 on CPUs with AMX or AVX512-BF16."""
 
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ def hf_greedy(model, prompt: list[int], new_tokens: int = 8) -> list[int]:
 
 def test_a_gguf_file_loads_the_exact_weights_and_tokenizer_it_holds(tiny):
     path, reference = tiny
-    model, tokenizer = load_model(str(path), device="cpu")
+    model, tokenizer = load_model(str(path), device="cpu", dtype="float32")
     loaded, expected = model.state_dict(), reference.state_dict()
     assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)
     text = "héllo <|eos|>"
@@ -53,7 +56,7 @@ def test_a_gguf_file_loads_the_exact_weights_and_tokenizer_it_holds(tiny):
 @pytest.mark.parametrize("as_directory", [False, True])
 def test_engine_on_a_gguf_file_equals_hf_generate(tiny, as_directory):
     path, reference = tiny
-    llm = LLM(str(path.parent if as_directory else path), device="cpu", num_blocks=32, block_size=4)
+    llm = LLM(str(path.parent if as_directory else path), device="cpu", dtype="float32", num_blocks=32, block_size=4)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(reference, p) for p in PROMPTS]
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks - 1
@@ -63,13 +66,14 @@ def test_engine_on_a_gguf_file_equals_hf_generate(tiny, as_directory):
 def test_other_tensor_types_load_gguf_s_own_dequantization_and_equal_hf_generate(tiny, tmp_path, qtype):
     path, reference = tiny
     copy = requantize(path, tmp_path / f"tiny-llama.{qtype}.gguf", getattr(gguf.GGMLQuantizationType, qtype))
-    llm = LLM(str(copy), device="cpu", num_blocks=32, block_size=4)
+    llm = LLM(str(copy), device="cpu", dtype="float32", num_blocks=32, block_size=4)
     [embedding] = [t for t in gguf.GGUFReader(copy).tensors if t.name == "token_embd.weight"]
     assert embedding.tensor_type.name == qtype
     values = torch.from_numpy(gguf.dequantize(embedding.data, embedding.tensor_type))
     assert torch.equal(llm.engine.model.get_input_embeddings().weight, values)
     assert not torch.equal(values, reference.get_input_embeddings().weight)  # requantized: not the F32 values
-    model, _ = load_model(str(gguf_source.cache_entry(copy)), device="cpu")  # HF on the converted weights
+    converted = gguf_source.cache_entry(copy)
+    model, _ = load_model(str(converted), device="cpu", dtype="float32")  # HF on the converted weights
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p) for p in PROMPTS]
 
@@ -95,7 +99,7 @@ def test_the_second_start_loads_from_the_cache_and_a_damaged_entry_is_rebuilt(ti
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte inside a tensor: safetensors itself would not notice
     weights.write_bytes(bytes(data))
-    model, _ = load_model(str(path), device="cpu")
+    model, _ = load_model(str(path), device="cpu", dtype="float32")
     assert "damaged; rebuilding" in capsys.readouterr().err
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values(),
                                                  strict=True))  # fmt: skip
@@ -145,7 +149,7 @@ def test_other_quant_types_of_the_real_model_load_their_own_values_and_equal_hf_
     path = requantize(default_model_file(), tmp_path / f"SmolLM2-135M-Instruct.{qtype}.gguf",
                       getattr(gguf.GGMLQuantizationType, qtype))  # fmt: skip
     try:
-        llm = LLM(str(tmp_path if as_directory else path), device="cpu", num_blocks=32)
+        llm = LLM(str(tmp_path if as_directory else path), device="cpu", dtype="float32", num_blocks=32)
         [embedding] = [t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight"]
         assert embedding.tensor_type.name == qtype  # the engine's embedding is this file's, dequantized by gguf
         values = gguf.dequantize(embedding.data, embedding.tensor_type)

@@ -1,7 +1,10 @@
 """AWQ (GEMM) and GPTQ (with and without act-order) int4 checkpoints on CPU, built here with the formats' own
 packing (tests/_int4_checkpoints.py): unpacked weights equal a dequantization written from the format definition,
 the paged engine's greedy tokens equal HF generate on the dequantized model, repacked layers stay 4-bit in memory,
-and GPU-only or malformed checkpoints are refused with a sentence."""
+and GPU-only or malformed checkpoints are refused with a sentence.
+
+The loads and engines compared with the float32 weights and HF generate ask for `dtype="float32"`: `--dtype auto`
+is bfloat16 on CPUs with AMX or AVX512-BF16."""
 
 from __future__ import annotations
 
@@ -103,7 +106,7 @@ def test_unpacked_weights_equal_the_format_definition(checkpoints, case):
 @pytest.mark.parametrize("case", CASES)
 def test_loaded_layers_compute_the_checkpoint_weights(checkpoints, case, capfd):
     path, reference = checkpoints[case]
-    model, _ = load_model(path, device="cpu")
+    model, _ = load_model(path, device="cpu", dtype="float32")
     startup = capfd.readouterr().err
     repacks = not CASES[case].get("desc_act")
     assert ("repacked to torchao's CPU int4 layout" in startup) == repacks
@@ -117,13 +120,13 @@ def test_loaded_layers_compute_the_checkpoint_weights(checkpoints, case, capfd):
 @pytest.mark.parametrize("case", CASES)
 def test_engine_matches_hf_generate_on_the_dequantized_model(checkpoints, case):
     path, reference = checkpoints[case]
-    llm = LLM(path, device="cpu", num_blocks=64, block_size=4)
+    llm = LLM(path, device="cpu", dtype="float32", num_blocks=64, block_size=4)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(path, reference)
 
 
 def test_repacked_weights_are_int4_in_memory(checkpoints):
-    model, _ = load_model(checkpoints["awq"][0], device="cpu")
+    model, _ = load_model(checkpoints["awq"][0], device="cpu", dtype="float32")
     module = model.model.layers[0].mlp.up_proj  # 128 -> 256, groups of 32
     weight = module.weight.data
     assert type(weight).__name__ == "Int4OpaqueTensor"

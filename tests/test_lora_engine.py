@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _lora_helpers import ADAPTERS, PROMPTS, adapter_builder
+from _lora_helpers import ADAPTERS, DTYPE, PROMPTS, adapter_builder
 
 from paged_backend.engine import LLM, SamplingParams
 from paged_backend.errors import BadLoRAAdapter, InvalidRequest
@@ -18,6 +18,7 @@ from paged_backend.worker.models import byte_tokenizer, tiny_model
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+LORA = dict(device="cpu", dtype=DTYPE, enable_lora=True, max_lora_rank=8)  # with peft's float32 reference
 
 
 @pytest.fixture(scope="module")
@@ -54,20 +55,20 @@ def _check(llm, loras, expected):
 def test_a_batch_mixing_three_adapters_and_the_base_equals_peft(built, arch):
     model_dir, loras, expected = built(arch)
     assert len({tuple(expected[name][0]) for name in expected}) == 4  # each adapter really changes the tokens
-    llm = LLM(str(model_dir), device="cpu", enable_lora=True, max_loras=3, max_lora_rank=8, num_blocks=96, block_size=4)
+    llm = LLM(str(model_dir), **LORA, max_loras=3, num_blocks=96, block_size=4)
     _check(llm, loras, expected)
 
 
 def test_eviction_under_max_loras_1_with_three_adapters_in_flight(llama):
     model_dir, loras, expected = llama
-    llm = LLM(str(model_dir), device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8, num_blocks=96, block_size=4)
+    llm = LLM(str(model_dir), **LORA, max_loras=1, num_blocks=96, block_size=4)
     _check(llm, loras, expected)
     assert len(llm.engine.lora.slots) == 1
 
 
 def test_the_prefix_cache_is_never_shared_across_adapters(llama):
     model_dir, loras, expected = llama
-    llm = LLM(str(model_dir), device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8, num_blocks=96, block_size=4)
+    llm = LLM(str(model_dir), **LORA, max_loras=2, num_blocks=96, block_size=4)
     manager = llm.engine.block_manager
     prompt = PROMPTS[0]  # 18 tokens: four full blocks of 4 could be reused
     reused = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _lora_helpers import PROMPTS, adapter_builder
+from _lora_helpers import DTYPE, PROMPTS, adapter_builder
 
 from paged_backend.engine import LLM, SamplingParams
 from tests._distributed_helpers import close_and_check
@@ -35,8 +35,8 @@ def built(tmp_path_factory):
 )
 def test_mixed_adapters_under_parallelism_equal_peft(built, arch, layout):
     model_dir, loras, expected = built(arch)
-    llm = LLM(str(model_dir), device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8, num_blocks=96,
-              block_size=4, **layout)  # fmt: skip
+    llm = LLM(str(model_dir), device="cpu", dtype=DTYPE, enable_lora=True, max_loras=2, max_lora_rank=8,
+              num_blocks=96, block_size=4, **layout)  # fmt: skip
     try:
         pairs = [(i, name) for i in range(len(PROMPTS)) for name in [None, *loras]]
         outputs = llm.generate([PROMPTS[i] for i, _ in pairs], SamplingParams(temperature=0, max_tokens=MAX_TOKENS),

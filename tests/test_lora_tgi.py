@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
-from _lora_helpers import reference_tokens, save_base_and_adapters
+from _lora_helpers import DTYPE, reference_tokens, save_base_and_adapters
 from huggingface_hub import InferenceClient
 from huggingface_hub.errors import ValidationError
 
@@ -25,7 +25,7 @@ def setup(request, tmp_path_factory):
     model_dir, adapters = save_base_and_adapters(arch, tmp_path_factory.mktemp(f"lora-tgi-{arch}"))
     flag = ",".join(f"{name}={path}" for name, path in adapters.items())
     sharded = ["--num-shard", "2", "--device", "cpu"] if shards else []
-    server = TgiServer("paged", ["--model-id", str(model_dir), "--lora-adapters", flag, *sharded])
+    server = TgiServer("paged", ["--model-id", str(model_dir), "--dtype", DTYPE, "--lora-adapters", flag, *sharded])
     with running(server):
         ranks = psutil.Process(server.process.pid).children(recursive=True)
         assert bool(shards) == any("python" in rank.name() for rank in ranks)  # the second shard is its own process

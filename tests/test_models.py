@@ -1,11 +1,23 @@
 """Model loading: the embedded default, tiny models for tests, and real loading from a local directory."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from paged_backend.engine import LLM, SamplingParams
 from paged_backend.errors import InvalidRequest
-from paged_backend.worker.models import ARCHITECTURES, byte_tokenizer, embedded_model, load_model, tiny_model
+from paged_backend.worker import models
+from paged_backend.worker.models import (
+    ARCHITECTURES,
+    byte_tokenizer,
+    cpu_auto_dtype,
+    embedded_model,
+    load_model,
+    resolve_dtype,
+    tiny_model,
+)
+from paged_backend.worker.packed_linear import dtype_packs
 
 
 def test_byte_tokenizer_round_trips_any_text_with_256_ids():
@@ -51,13 +63,14 @@ def test_load_from_local_directory_matches_the_saved_model(tmp_path):
     model, tokenizer = tiny_model("qwen2", seed=3), byte_tokenizer()
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    loaded, loaded_tokenizer = load_model(str(tmp_path), device="cpu")
+    loaded, loaded_tokenizer = load_model(str(tmp_path), device="cpu", dtype="float32")  # as saved (auto: maybe bf16)
     assert type(loaded).__name__ == "Qwen2ForCausalLM" and loaded.dtype == torch.float32
     for a, b in zip(model.state_dict().values(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert loaded_tokenizer.decode(loaded_tokenizer("héllo").input_ids) == "héllo"
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    from_path = LLM(str(tmp_path), device="cpu", num_blocks=32, block_size=4).generate(["abc"], greedy)[0]
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_blocks=32, block_size=4)  # the saved model's dtype
+    from_path = llm.generate(["abc"], greedy)[0]
     from_object = LLM(model, tokenizer=tokenizer, num_blocks=32, block_size=4).generate(["abc"], greedy)[0]
     assert from_path.outputs[0].token_ids == from_object.outputs[0].token_ids
 
@@ -69,6 +82,32 @@ def test_load_with_explicit_dtype(tmp_path):
     assert loaded.dtype == torch.bfloat16
     with pytest.raises(InvalidRequest, match="dtype"):
         load_model(str(tmp_path), dtype="int3", device="cpu")
+
+
+def test_dtype_auto_on_cpu_is_bfloat16_exactly_where_the_cores_compute_it(monkeypatch, capsys):
+    """`--dtype auto` on CPU: bfloat16 when /proc/cpuinfo lists amx_bf16 or avx512_bf16 and oneDNN packs bfloat16
+    here, float32 otherwise; the choice is stated on stderr. This machine first, then every case of the rule."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    flags = set(next((line for line in lines if line.startswith("flags")), "").split())
+    native = bool({"amx_bf16", "avx512_bf16"} & flags) and dtype_packs(torch.bfloat16)
+    expected = torch.bfloat16 if native else torch.float32
+    assert cpu_auto_dtype()[0] == expected
+    capsys.readouterr()
+    assert resolve_dtype("auto", torch.device("cpu")) == expected
+    assert f"paged-backend: --dtype auto: {str(expected).removeprefix('torch.')} (" in capsys.readouterr().err
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32 and capsys.readouterr().err == ""
+    for cpu_flags, packs, chosen in [
+        ("flags : fpu avx512f amx_bf16 amx_tile", True, torch.bfloat16),
+        ("flags : fpu avx512f avx512_bf16", True, torch.bfloat16),
+        ("flags : fpu avx512f avx512_bf16", False, torch.float32),  # oneDNN cannot pack it: emulated
+        ("flags : fpu avx2 avx512f avx512bw", True, torch.float32),  # no native bfloat16 arithmetic
+    ]:
+        monkeypatch.setattr(models, "cpu_signature", lambda cpu_flags=cpu_flags: cpu_flags)
+        monkeypatch.setattr(models, "dtype_packs", lambda dtype, packs=packs: packs and dtype == torch.bfloat16)
+        assert cpu_auto_dtype()[0] == chosen, (cpu_flags, packs)
+        assert resolve_dtype("auto", torch.device("cpu")) == chosen
+        assert f"--dtype auto: {str(chosen).removeprefix('torch.')} (" in capsys.readouterr().err
 
 
 def test_model_object_without_tokenizer_is_rejected():

@@ -1,4 +1,7 @@
-"""Models placed by accelerate (device maps, max_memory, disk offload) run paged, token-identical to HF generate."""
+"""Models placed by accelerate (device maps, max_memory, disk offload) run paged, token-identical to HF generate.
+
+The engines ask for `dtype="float32"`, the reference's (`--dtype auto` is bfloat16 on CPUs with AMX or AVX512-BF16,
+which would also halve the bytes the placement flags place)."""
 
 import json
 
@@ -22,6 +25,7 @@ DISK_MAP = {
     "model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "cpu",
     "model.layers.3": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu",
 }  # fmt: skip
+DTYPE = "float32"  # the HF reference's
 PROMPTS = [[253, 72, 101, 108, 108, 111], [253, 87, 111, 114, 108, 100, 33, 32, 40, 50]]
 NEW_TOKENS = 8
 
@@ -70,7 +74,7 @@ def test_paged_cache_on_a_disk_offloaded_model_matches_generate(model_dir, refer
 
 def test_engine_with_flags_offloads_to_disk_and_matches_generate(model_dir, reference):
     # The --device-map JSON exactly as the CLIs pass it.
-    config = engine_config(model=model_dir, device="cpu", device_map=json.dumps(DISK_MAP), num_blocks=64)
+    config = engine_config(model=model_dir, device="cpu", dtype=DTYPE, device_map=json.dumps(DISK_MAP), num_blocks=64)
     engine = Engine(config)
     assert engine.model.hf_device_map["model.layers.3"] == "disk"
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -87,7 +91,7 @@ def test_engine_with_flags_offloads_to_disk_and_matches_generate(model_dir, refe
 
 @pytest.mark.parametrize("placement", [{"cpu_offload_gb": 0.0002}, {"max_memory": "cpu=400KB"}])
 def test_cpu_offload_gb_and_max_memory_move_weights_to_disk(model_dir, reference, placement):
-    engine = Engine(engine_config(model=model_dir, device="cpu", num_blocks=32, **placement))
+    engine = Engine(engine_config(model=model_dir, device="cpu", dtype=DTYPE, num_blocks=32, **placement))
     assert "disk" in set(engine.model.hf_device_map.values())
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     engine.add_request("a", prompt_token_ids=PROMPTS[0], sampling_params=params)
@@ -118,7 +122,8 @@ def test_run_command_takes_the_placement_flags(model_dir, reference, tmp_path):
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": byte_tokenizer().decode(p)}) + "\n" for p in PROMPTS))
-    flags = ["--device", "cpu", "--num-blocks", "32", "--max-tokens", str(NEW_TOKENS), "--ignore-eos", "--no-progress"]
+    flags = ["--device", "cpu", "--dtype", DTYPE, "--num-blocks", "32", "--max-tokens", str(NEW_TOKENS), "--ignore-eos",
+             "--no-progress"]  # fmt: skip
     args = ["run", "--model", model_dir, "--input", str(prompts), "--device-map", json.dumps(DISK_MAP), *flags]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output

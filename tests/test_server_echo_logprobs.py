@@ -1,7 +1,8 @@
 """/v1/completions `echo` and vLLM's `prompt_logprobs`, checked against a full HF forward of the same model.
 
-The server runs the embedded tiny model (fp32 on CPU); the test builds the same model in-process and compares every
-prompt token's logprob, and the top alternatives, with `model(input_ids).logits.log_softmax(-1)` within 1e-4.
+The server runs the embedded tiny model in fp32 (`--dtype float32`: auto is bfloat16 on CPUs with AMX or
+AVX512-BF16); the test builds the same model in-process and compares every prompt token's logprob, and the top
+alternatives, with `model(input_ids).logits.log_softmax(-1)` within 1e-4.
 Requests go through the real `openai` client the way lm-evaluation-harness scores multiple-choice tasks: token-id
 prompts in a batch, `echo=True`, `logprobs=1`, `max_tokens` 0 or 1.
 """
@@ -23,7 +24,7 @@ PROMPTS = [SHARED + [10, 11, 12, 13], SHARED + [20, 21, 22]]
 TEXT_PROMPT = "Paged attention keeps the KV cache in blocks."
 
 
-server = server_fixture("--num-blocks", "256", "--max-model-len", "256")
+server = server_fixture("--dtype", "float32", "--num-blocks", "256", "--max-model-len", "256")
 
 
 client = client_fixture()

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from _lora_helpers import PROMPTS, expected_tokens, save_base_and_adapters
+from _lora_helpers import DTYPE, PROMPTS, expected_tokens, save_base_and_adapters
 from _server_helpers import running_server
 
 MAX_TOKENS = 8
@@ -38,7 +38,8 @@ def setup(tmp_path_factory):
         f"models:\n  - model: {dirs['llama']}\n    served_model_name: llama\n"
         f"  - model: {dirs['qwen']}\n    served_model_name: qwen\n    lora_modules:{qwen_modules}\n"
     )
-    flags = ["--config", str(config), "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+    # --dtype for both models: peft's reference is float32 (auto is bfloat16 on CPUs with AMX or AVX512-BF16)
+    flags = ["--config", str(config), "--dtype", DTYPE, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
              "--lora-modules", f"llama-attn4={adapters['llama-attn4']}",
              "--lora-modules", json.dumps({"name": "llama-all8", "path": str(adapters["llama-all8"])}),
              "--allow-runtime-lora-updating", "--num-blocks", "96", "--block-size", "4"]  # fmt: skip

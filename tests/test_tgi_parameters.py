@@ -60,7 +60,9 @@ CLOCK_TOOL = {"type": "function", "function": {"name": "get_time", "parameters":
 
 @pytest.fixture(scope="module")
 def servers():
-    with every_backend(SHARD_BLOCKS, LIMITS) as started:
+    # float32 on every backend (`--dtype auto` is bfloat16 on CPUs with AMX or AVX512-BF16): prompt logprobs are held
+    # to an HF float32 forward within 1e-4, and top_k=1 tokens to greedy ones, which exact bfloat16 logit ties split
+    with every_backend(SHARD_BLOCKS, LIMITS, dtype="float32") as started:
         yield started
         for backend in ("paged", "grpc"):  # every KV block is free again once the module's requests ended
             started[backend].wait_until_drained()

@@ -30,12 +30,14 @@ from transformers import (
 )
 
 from paged_backend.errors import InvalidRequest
+from paged_backend.ops._cpu_build import cpu_signature
 from paged_backend.worker import gguf_source
 from paged_backend.worker import quantization as quantization_module
 from paged_backend.worker.default_model import TINY_MODEL, default_model
 from paged_backend.worker.int4_checkpoint import load_int4_checkpoint
 from paged_backend.worker.int4_formats import Int4Scheme
 from paged_backend.worker.offload import dispatch_kwargs, uses_accelerate
+from paged_backend.worker.packed_linear import dtype_packs
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ARCHITECTURES = {
@@ -66,11 +68,24 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+def cpu_auto_dtype() -> tuple[torch.dtype, str]:
+    """What `--dtype auto` gives on this CPU, and why: bfloat16 where the cores compute it natively (AMX or
+    AVX512-BF16) and oneDNN packs it, as vLLM's CPU backend chooses; float32 elsewhere, where bfloat16 is emulated."""
+    flags = set(cpu_signature().split())
+    native = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16")) if flag in flags]
+    if native and dtype_packs(torch.bfloat16):
+        return torch.bfloat16, f"this CPU has {' and '.join(native)}; --dtype float32 for full precision"
+    return torch.float32, "this CPU has neither AMX nor AVX512-BF16, so bfloat16 would be emulated"
+
+
 def resolve_dtype(dtype: str, device: torch.device, config_dtype: torch.dtype | None = None) -> torch.dtype:
-    """'auto' -> float32 on CPU (half precision is slow there), the checkpoint's half dtype on GPU."""
+    """'auto' -> `cpu_auto_dtype()` on CPU, the checkpoint's half dtype on GPU. The CPU's choice is stated on
+    stderr, since it decides both speed and numerics."""
     if dtype == "auto":
         if device.type == "cpu":
-            return torch.float32
+            chosen, why = cpu_auto_dtype()
+            print(f"paged-backend: --dtype auto: {str(chosen).removeprefix('torch.')} ({why})", file=sys.stderr)
+            return chosen
         return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     if dtype not in DTYPES:
         raise InvalidRequest(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
