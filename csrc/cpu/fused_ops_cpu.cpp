@@ -17,6 +17,8 @@
 
 #include <omp.h>
 
+#include "vector_exp.h"
+
 namespace {
 
 enum Dtype : int32_t { F32 = 0, F16 = 1, BF16 = 2 };
@@ -131,25 +133,6 @@ void rotary_cache(const RotaryCacheArgs& a) {
   }
 }
 
-// exp over floats in plain arithmetic (range reduction to 2^n * e^r, then Cephes' polynomial, ~1 ulp) so the
-// loop vectorizes: std::exp stays a scalar libm call without -ffast-math, 10x slower on a prefill's rows.
-inline float vector_exp(float x) {
-  x = std::fmin(std::fmax(x, -87.0f), 88.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln2, ln2 split in two for precision
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 template <typename T>
 void silu_mul(const T* gate, int64_t g_stride, const T* up, int64_t u_stride, T* out, int64_t o_stride,
               int32_t rows, int32_t width, int32_t num_threads) {
@@ -161,7 +144,7 @@ void silu_mul(const T* gate, int64_t g_stride, const T* up, int64_t u_stride, T*
 #pragma omp simd
     for (int32_t i = 0; i < width; ++i) {
       const float x = load(g, i);
-      store(o, i, round_to<T>(x / (1.0f + vector_exp(-x))) * load(u, i));
+      store(o, i, round_to<T>(x / (1.0f + exp_in_range(std::fmin(std::fmax(-x, -87.0f), 88.0f)))) * load(u, i));
     }
   }
 }

@@ -23,6 +23,8 @@
 
 #include <omp.h>
 
+#include "vector_exp.h"
+
 extern "C" {
 
 enum PbCpuDtype : int32_t { PB_F32 = 0, PB_F16 = 1, PB_BF16 = 2, PB_FP8_E4M3 = 3, PB_FP8_E5M2 = 4 };
@@ -157,24 +159,7 @@ inline void store_row(const float* src, int32_t code, int n, void* dst) {
 }
 
 // e^x for x <= 0 (a score minus the running max), exactly 0 below -87 (so -inf, a masked key, gives 0).
-// glibc's vector expf is only declared under -ffast-math, which would also break the -inf masking, so
-// this is the Cephes polynomial: ~1 ulp, branch-free, and it vectorizes inside the softmax loop.
-inline float exp_nonpositive(float x) {
-  const float clamped = std::max(x, -87.0f);
-  const float n = std::nearbyint(clamped * 1.44269504088896341f);  // round(x / ln 2)
-  const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln 2, in two parts
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n; n >= -126 after the clamp
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.0f ? 0.0f : p * scale;
-}
+inline float exp_nonpositive(float x) { return x < -87.0f ? 0.0f : exp_in_range(std::max(x, -87.0f)); }
 
 inline size_t element_size(int32_t code) { return code == PB_F32 ? 4 : code >= PB_FP8_E4M3 ? 1 : 2; }
 

@@ -35,10 +35,12 @@ def find_compiler() -> str | None:
 
 
 SOURCES = ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp")
+HEADERS = ("vector_exp.h",)
 
 
-def sources() -> list[Path]:
-    paths = [csrc_dir() / "cpu" / name for name in SOURCES]
+def sources(headers: bool = False) -> list[Path]:
+    """The .cpp files to compile (and, with `headers`, the headers they include: the build key hashes both)."""
+    paths = [csrc_dir() / "cpu" / name for name in SOURCES + (HEADERS if headers else ())]
     for path in paths:
         if not path.exists():
             raise CpuBuildError(f"{path} is missing; set PAGED_BACKEND_CSRC to the csrc/ directory")
@@ -67,7 +69,7 @@ def cached_library() -> Path:
     """The library for this machine, built on first use."""
     compiler = find_compiler() or ""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout if compiler else ""
-    key = fingerprint([str(CXX_FLAGS), version, cpu_signature(), *(path.read_bytes() for path in sources())])
+    key = fingerprint([str(CXX_FLAGS), version, cpu_signature(), *(path.read_bytes() for path in sources(headers=True))])
     return build_once(cache_root() / "cpu" / key / LIBRARY_NAME, build_library)
 
 
