@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
 
 from paged_backend.config import CacheConfig, EngineConfig
 from paged_backend.engine import Engine, SamplingParams
-from paged_backend.engine.async_engine import AsyncEngine, EngineNotRunning, EngineStepFailed, RequestAborted
+from paged_backend.engine.async_engine import (
+    AsyncEngine,
+    EngineNotRunning,
+    EngineStepFailed,
+    EngineThread,
+    RequestAborted,
+)
 from paged_backend.errors import InvalidRequest, PromptTooLong
 from paged_backend.worker.default_model import TINY_MODEL
 
@@ -179,3 +186,33 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_keeps_serving(
 
     outputs = run_with(engine, scenario)
     assert outputs[-1].finished
+
+
+def test_an_engine_built_on_an_engine_thread_is_stepped_there_and_the_thread_outlives_one_loop():
+    # serve builds its engine on the thread that steps it (torch's OpenMP runs slower on any other thread)
+    engine_thread = EngineThread()
+    built_on = {}
+
+    def build():
+        built_on["thread"] = threading.get_ident()
+        return Engine(EngineConfig(model=TINY_MODEL, device="cpu", cache=CacheConfig(num_blocks=64)))
+
+    engine = engine_thread.submit(build).result()
+
+    async def main():
+        async_engine = AsyncEngine(engine, engine_thread)
+        await async_engine.start()
+        try:
+            tokens = [out async for out in async_engine.generate("r1", "Hello", GREEDY)][-1].outputs[0].token_ids
+            stepped_on = await async_engine.run_on_engine_thread(threading.get_ident)
+        finally:
+            await async_engine.shutdown(drain_timeout=5)
+        return tokens, stepped_on
+
+    tokens, stepped_on = asyncio.run(main())
+    assert stepped_on == built_on["thread"] == engine_thread.thread.ident and len(tokens) == 8
+    assert engine_thread.thread.is_alive()  # the caller's thread is not closed by shutdown
+    assert engine_thread.submit(lambda: engine.has_unfinished_requests()).result() is False
+    engine_thread.close()
+    engine_thread.thread.join(5)
+    assert not engine_thread.thread.is_alive()

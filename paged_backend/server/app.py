@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from paged_backend import __version__
-from paged_backend.engine.async_engine import AsyncEngine
+from paged_backend.engine.async_engine import AsyncEngine, EngineThread
 from paged_backend.observability.metrics import ServerMetrics
 from paged_backend.observability.tracing import RequestTracer, TraceHeaders, otlp_tracer
 from paged_backend.server import chat, completions, debug_routes, lora_routes, system_routes, utility_routes
@@ -30,10 +30,15 @@ if TYPE_CHECKING:
     from paged_backend.engine import Engine
 
 
-def build_app(engine: Engine, settings: ServerSettings, tracer: RequestTracer | None = None) -> FastAPI:
+def build_app(
+    engine: Engine,
+    settings: ServerSettings,
+    tracer: RequestTracer | None = None,
+    engine_thread: EngineThread | None = None,
+) -> FastAPI:
     """An app serving `engine`; the engine loop starts and drains with the app's lifespan. Request spans go to
-    `tracer`, or to settings.otlp_traces_endpoint."""
-    async_engine = AsyncEngine(engine)
+    `tracer`, or to settings.otlp_traces_endpoint. `engine_thread`: the thread that built the engine, to step it."""
+    async_engine = AsyncEngine(engine, engine_thread)
     model_name = settings.served_model_name or served_name(engine.config.model)
     if tracer is None and settings.otlp_traces_endpoint:
         tracer = otlp_tracer(settings.otlp_traces_endpoint, "paged-backend")

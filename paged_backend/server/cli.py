@@ -91,6 +91,7 @@ def serve(
     import uvicorn
 
     from paged_backend.engine import Engine
+    from paged_backend.engine.async_engine import EngineThread
     from paged_backend.server.app import build_app
     from paged_backend.server.draining_server import DrainingServer
     from paged_backend.server.multi_model import build_engines, build_multi_model_app, model_specs
@@ -102,11 +103,12 @@ def serve(
     models = [model_tag] if model_tag is not None else model or []  # vLLM's rule: the positional model wins
     names = served_model_name or []
     engine.model = models[0] if len(models) == 1 else None
-    single = engines = None
+    single = engines = engine_thread = None
     try:
         models_file = config if config is not None and "models" in read_document(config) else None
         if models_file is None and len(models) <= 1 and len(names) <= 1:
-            single = Engine(engine.to_engine_config())
+            engine_thread = EngineThread()  # built where it will step: see EngineThread
+            single = engine_thread.submit(lambda: Engine(engine.to_engine_config())).result()
         else:  # several models: one engine and KV pool each, sharing one budget
             base = engine.to_engine_config()
             engines = build_engines(base, model_specs(base, models, names, models_file))
@@ -124,7 +126,7 @@ def serve(
     )  # fmt: skip
     try:
         if engines is None:
-            app = build_app(single, settings)
+            app = build_app(single, settings, engine_thread=engine_thread)
             draining = app.state.server.async_engine
         else:
             app = draining = build_multi_model_app(engines, settings)

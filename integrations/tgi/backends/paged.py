@@ -6,7 +6,13 @@ import itertools
 from collections.abc import AsyncIterator
 
 from paged_backend.engine import Engine
-from paged_backend.engine.async_engine import AsyncEngine, EngineNotRunning, EngineStepFailed, RequestAborted
+from paged_backend.engine.async_engine import (
+    AsyncEngine,
+    EngineNotRunning,
+    EngineStepFailed,
+    EngineThread,
+    RequestAborted,
+)
 from paged_backend.engine.output_processor import top_logprobs
 from paged_backend.errors import InvalidRequest, PromptTooLong
 from paged_backend.tgi.backends.base import BackendEvent, BackendLoad, GeneratedToken, PrefillTokens
@@ -22,8 +28,8 @@ class PagedBackend:
     supports_prefill_logprobs = True  # SamplingParams.prompt_logprobs
     supports_grammar = True
 
-    def __init__(self, engine: Engine) -> None:
-        self.async_engine = AsyncEngine(engine)
+    def __init__(self, engine: Engine, engine_thread: EngineThread | None = None) -> None:
+        self.async_engine = AsyncEngine(engine, engine_thread)
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self._request_ids = itertools.count()

@@ -114,9 +114,11 @@ def build_backend(args: argparse.Namespace, shards=None):
     """The backend object the HTTP face drives (`shards`: the shard processes this launcher started, grpc)."""
     if args.backend == "paged":
         from paged_backend.engine import Engine
+        from paged_backend.engine.async_engine import EngineThread
         from paged_backend.tgi.backends.paged import PagedBackend
 
-        return PagedBackend(Engine(engine_config(args)))
+        engine_thread = EngineThread()  # built where it will step, as serve's
+        return PagedBackend(engine_thread.submit(lambda: Engine(engine_config(args))).result(), engine_thread)
     if args.backend == "reference":
         from paged_backend.tgi.backends.reference import ReferenceBackend
         from paged_backend.worker.models import load_model
