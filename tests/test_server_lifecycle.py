@@ -35,11 +35,12 @@ def read_stream(url: str, body: dict, first_chunk: threading.Event, result: dict
 
 
 def test_sigterm_drains_short_streams_cuts_endless_ones_and_exits_cleanly():
-    flags = ("--num-blocks", "256", "--max-model-len", "2048", "--drain-timeout", "5", "--log-level", "info")
+    # "endless" must outlast the drain however fast decoding gets: 30000 tokens are ~30 s at 1 ms a token
+    flags = ("--num-blocks", "2200", "--max-model-len", "32768", "--drain-timeout", "5", "--log-level", "info")
     with running_server(*flags) as server:
         short = {"prompt": "Short", "max_tokens": 24, "stream": True, "ignore_eos": True,
                  "stream_options": {"include_usage": True}}  # fmt: skip
-        endless = {**short, "prompt": "Endless", "max_tokens": 2000}
+        endless = {**short, "prompt": "Endless", "max_tokens": 30000}
         bodies = [short, short, short, endless]
         results = [{} for _ in bodies]
         started = [threading.Event() for _ in bodies]
