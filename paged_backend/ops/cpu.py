@@ -14,7 +14,7 @@ from functools import cache
 import torch
 
 from paged_backend.errors import BackendUnavailable
-from paged_backend.ops._c_abi import F32, I32, I64, PAGED_KV_FIELDS, PTR, check_layouts, check_status, paged_kv_values
+from paged_backend.ops._c_abi import F32, I32, I64, PAGED_KV_FIELDS, PTR, check_layouts, check_status
 from paged_backend.ops._contract import AttentionBatch, as_int32, batch_invariant_enabled, called_as
 from paged_backend.ops._cpu_build import CpuBuildError, cached_library
 from paged_backend.ops.reference import reshape_and_cache
@@ -67,49 +67,41 @@ def paged_attention(batch: AttentionBatch) -> torch.Tensor:
                                  f"{list(KV_DTYPES)}, got {query.dtype} and {key_cache.dtype}/{value_cache.dtype}")
     if query.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise BackendUnavailable("the cpu backend needs a unit stride along head_dim; pass contiguous rows")
-    num_tokens, num_q_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    tables, lens, starts = as_int32(batch.block_tables), as_int32(batch.seq_lens), as_int32(batch.query_start_loc)
-    out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=query.dtype)
-    args = AttentionArgs(
-        query.data_ptr(), query.stride(0), query.stride(1),
-        *paged_kv_values(key_cache, value_cache, tables, lens), starts.data_ptr(),
-        out.data_ptr(), out.stride(0), out.stride(1),
-        lens.shape[0], num_q_heads, num_kv_heads, head_dim, block_size,
-        QUERY_DTYPES[query.dtype], KV_DTYPES[key_cache.dtype], batch.sliding_window or 0, torch.get_num_threads(),
-        int(batch.invariant), batch.scale, batch.softcap or 0.0, batch.k_scale, batch.v_scale,
-    )
-    lib = _library()
-    check_status(lib.pb_cpu_paged_attention(ctypes.byref(args)), lib.pb_cpu_error_string, "cpu paged attention")
-    return out
-
-
-
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    plan = AttentionPlan(
+        batch.block_tables, batch.seq_lens, batch.query_start_loc, num_q_heads=query.shape[1],
+        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=query.dtype,
+        kv_dtype=key_cache.dtype, scale=batch.scale, softcap=batch.softcap, k_scale=batch.k_scale,
+        v_scale=batch.v_scale, invariant=batch.invariant,
+    )  # fmt: skip
+    return plan(query, key_cache, value_cache, batch.sliding_window)
 
 
 class AttentionPlan:
     """The kernel's arguments for every layer of one step: the step's block tables, lengths and query starts are
-    set once, and each layer only points the struct at its own query, pools and output (the fused forward's path,
-    which skips the per-call checks and conversions of `paged_attention`)."""
+    set once, and each call only points the struct at its own query, pools and output. `paged_attention` builds
+    one per call after its checks; the fused forward builds one per step and calls it for every layer."""
 
     def __init__(self, block_tables, seq_lens, query_start_loc, *, num_q_heads: int, num_kv_heads: int,
                  head_dim: int, block_size: int, dtype: torch.dtype, scale: float,
-                 sliding_window: int | None = None) -> None:  # fmt: skip
+                 kv_dtype: torch.dtype | None = None, softcap: float | None = None, k_scale: float = 1.0,
+                 v_scale: float = 1.0, invariant: bool | None = None) -> None:  # fmt: skip
         tables, lens, starts = as_int32(block_tables), as_int32(seq_lens), as_int32(query_start_loc)
         self._keep = (tables, lens, starts)  # the struct points into them
+        invariant = batch_invariant_enabled() if invariant is None else invariant
         self.args = AttentionArgs(
             block_tables=tables.data_ptr(), table_stride=tables.stride(0), seq_lens=lens.data_ptr(),
             query_start_loc=starts.data_ptr(), num_seqs=lens.shape[0], num_q_heads=num_q_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, q_dtype=QUERY_DTYPES[dtype],
-            kv_dtype=KV_DTYPES[dtype], sliding_window=sliding_window or 0, num_threads=torch.get_num_threads(),
-            invariant=int(batch_invariant_enabled()), scale=scale, softcap=0.0, k_scale=1.0, v_scale=1.0,
+            kv_dtype=KV_DTYPES[kv_dtype or dtype], num_threads=torch.get_num_threads(), invariant=int(invariant),
+            scale=scale, softcap=softcap or 0.0, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
         self.function = _library().pb_cpu_paged_attention
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  sliding_window: int | None = None) -> torch.Tensor:  # fmt: skip
-        """Attention of one layer's `query [T, Hq, D]` (contiguous) over its pools: `[T, Hq, D]`."""
-        args, out = self.args, torch.empty_like(query)
+        """Attention of one layer's `query [T, Hq, D]` (unit stride along D) over its pools: `[T, Hq, D]`."""
+        args, out = self.args, query.new_empty(query.shape)
         args.query, args.q_stride_token, args.q_stride_head = query.data_ptr(), *query.stride()[:2]
         args.out, args.o_stride_token, args.o_stride_head = out.data_ptr(), *out.stride()[:2]
         args.key_cache, args.value_cache = key_cache.data_ptr(), value_cache.data_ptr()
