@@ -128,26 +128,24 @@ class FusedForward:
         residual = base.embed_tokens(ids)  # [1, T, H]
         cos, sin = (t[0].contiguous() for t in base.rotary_emb(residual, positions))
         residual = residual[0]
-        group = metadata.for_layer(0)
-        rotary = RotaryCache(cos, sin, group.slot_mapping, cache.block_size)
-        plans = {}  # one attention plan per layer group
+        steps = {}  # per layer group (sliding-window layers keep their own tables and slots): rotary, attention
         x = add_rms_norm(None, residual, *self.norms[0][0])
         last = len(self.layers) - 1
         for index, (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) in enumerate(calls):
             q, k, v = q_proj(x), k_proj(x), v_proj(x)
-            layer_meta = metadata.for_layer(index)
-            if layer_meta is not group:  # sliding-window layers keep their own block tables and slots
-                group = layer_meta
-                rotary = RotaryCache(cos, sin, group.slot_mapping, cache.block_size)
+            group = metadata.for_layer(index)
+            if id(group) not in steps:
+                steps[id(group)] = (
+                    RotaryCache(cos, sin, group.slot_mapping, cache.block_size),
+                    AttentionPlan(
+                        group.block_tables, group.seq_lens, group.query_start_loc, num_q_heads=q.shape[1] // head_dim,
+                        num_kv_heads=k.shape[1] // head_dim, head_dim=head_dim, block_size=cache.block_size,
+                        dtype=q.dtype, scale=self.scale,
+                    ),
+                )  # fmt: skip
+            rotary, plan = steps[id(group)]
             key_cache, value_cache = cache.layer(index)
             q = rotary(q, k, v, key_cache, value_cache)
-            plan = plans.get(id(group))
-            if plan is None:
-                plan = plans[id(group)] = AttentionPlan(
-                    group.block_tables, group.seq_lens, group.query_start_loc, num_q_heads=q.shape[1],
-                    num_kv_heads=k.shape[1] // head_dim, head_dim=head_dim, block_size=cache.block_size,
-                    dtype=q.dtype, scale=self.scale,
-                )  # fmt: skip
             out = o_proj(plan(q, key_cache, value_cache, self.windows[index]).view(q.shape[0], -1))
             x = add_rms_norm(out, residual, *self.norms[index][1])
             out = down_proj(silu_mul(gate_proj(x), up_proj(x)))
