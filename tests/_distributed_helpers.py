@@ -91,12 +91,16 @@ def engine_processes(root: int | None = None) -> list[psutil.Process]:
     """Processes the engines of `root` (default: this test process) started: its descendants outside
     `OTHER_LAUNCHES`, less multiprocessing's helpers."""
     root = root or os.getpid()
-    return [
-        child
-        for child in psutil.Process(root).children(recursive=True)
-        if not ({child.pid} | {parent.pid for parent in child.parents()}) & OTHER_LAUNCHES
-        and not is_multiprocessing_helper(child, root)
-    ]
+    found = []
+    for child in psutil.Process(root).children(recursive=True):
+        try:  # a short-lived process may exit between the listing and these reads: it is no engine worker
+            if not ({child.pid} | {parent.pid for parent in child.parents()}) & OTHER_LAUNCHES and not (
+                is_multiprocessing_helper(child, root)
+            ):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
 
 
 def assert_no_children(timeout: float = 10.0) -> None:
