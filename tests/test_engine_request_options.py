@@ -181,3 +181,14 @@ def test_a_malformed_prompt_dict_names_the_keys_to_use(make_llm, prompt, message
     with pytest.raises(InvalidRequest, match=message):
         llm.generate([prompt], SamplingParams(max_tokens=2))
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks - 1
+
+
+def test_num_cached_tokens_counts_the_prefix_cache_hit_of_the_first_admission(make_llm):
+    llm = make_llm(enable_prefix_caching=True)
+    params = SamplingParams(temperature=0, max_tokens=2)
+    cold = llm.generate([PROMPT], params)[0]
+    warm = llm.generate([PROMPT], params)[0]
+    assert cold.num_cached_tokens == 0
+    # 28 tokens = 7 full blocks of 4; the last block is recomputed so the step has a token to sample from
+    assert warm.num_cached_tokens == 24
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids

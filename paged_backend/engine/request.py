@@ -168,6 +168,7 @@ class RequestOutput:
     metrics: RequestMetrics
     # vLLM's shape: None for the first prompt token, then {token id: logprob} with the prompt token and its top-k.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (vLLM's field)
 
 
 _sequence_ids = itertools.count()
@@ -257,6 +258,7 @@ class Request:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     lora_adapter: LoRAAdapter | None = None  # the loaded adapter this request runs with; None = base model
     stop_rules: StopRules | None = None  # set by the engine's input processor
+    num_cached_tokens: int | None = None  # prefix-cache hit at first admission; None until admitted
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:
@@ -288,4 +290,5 @@ class Request:
             finished=self.finished,
             metrics=self.metrics,
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            num_cached_tokens=self.num_cached_tokens or 0,
         )

@@ -202,5 +202,7 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             seq.num_computed_tokens = manager.allocate(seq.seq_id, seq.token_ids, extra_keys, lookup=lookup, chunk=chunk)
+            if seq.request.num_cached_tokens is None:  # the first admission's prefix hit is what the client saved
+                seq.request.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             seq.status = SequenceStatus.RUNNING
             budget -= self._reserve_and_schedule(seq, self._chunk(seq, budget), out)

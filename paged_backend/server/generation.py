@@ -62,6 +62,7 @@ class _ChoiceProgress:
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (Responses and Messages report them)
 
     def as_dict(self) -> dict:
         total = self.prompt_tokens + self.completion_tokens
@@ -150,6 +151,7 @@ class Generation:
         usage = Usage()
         for output in self._final.values():
             usage.prompt_tokens += len(output.prompt_token_ids)
+            usage.cached_tokens += output.num_cached_tokens
             usage.completion_tokens += sum(len(completion.token_ids) for completion in output.outputs)
         return usage
 
