@@ -83,42 +83,59 @@ class PagedKVCache:
             for slot, layer in enumerate(group.layers):
                 self.layer_group[layer], layer_slot[layer] = g, slot
         self.num_slots = max(len(group.layers) for group in self.groups)
-        devices = [torch.device(d) for d in layer_devices or [self.device] * num_layers]
-        slots_on: dict[torch.device, list[int]] = {}  # the slots each device holds, in first-use order
-        for layer, layer_device in enumerate(devices):
-            slots = slots_on.setdefault(layer_device, [])
+        self.layer_devices = [torch.device(d) for d in layer_devices or [self.device] * num_layers]
+        self.layer_slot = layer_slot
+        # The slots each device holds, in first-use order: one tensor [slots, 2, num_blocks, ...] per device.
+        self.slots_on: dict[torch.device, list[int]] = {}
+        for layer, layer_device in enumerate(self.layer_devices):
+            slots = self.slots_on.setdefault(layer_device, [])
             if layer_slot[layer] not in slots:
                 slots.append(layer_slot[layer])
-        block = (block_size, num_kv_heads, head_dim)
-        # One tensor [slots on the device, 2, num_blocks, ...] per device; `kv` / `cpu_kv` when there is one.
-        self.kvs = [
-            torch.zeros((len(slots), 2, num_blocks, *block), dtype=dtype, device=d) for d, slots in slots_on.items()
-        ]
-        pools = dict(zip(slots_on, self.kvs, strict=True))
-        self.key_caches, self.value_caches = [], []
-        for layer, layer_device in enumerate(devices):
-            kv = pools[layer_device][slots_on[layer_device].index(layer_slot[layer])]
-            self.key_caches.append(kv[0])
-            self.value_caches.append(kv[1])
         # Per-layer dequantization scales; only meaningful for fp8 pools.
         self.k_scales = [1.0] * num_layers
         self.v_scales = [1.0] * num_layers
         self.scales_pending: set[int] = set()  # layers whose scales come from their next write (kv_scales.py)
+        self.allocate()
+
+    def allocate(self) -> None:
+        """(Re)allocate the zeroed pool tensors and the per-layer views into them (`kvs`; `kv` / `cpu_kv` when
+        there is one device)."""
+        block = (self.block_size, self.num_kv_heads, self.head_dim)
+        self.kvs = [torch.zeros((len(slots), 2, self.num_blocks, *block), dtype=self.dtype, device=d)
+                    for d, slots in self.slots_on.items()]  # fmt: skip
+        pools = dict(zip(self.slots_on, self.kvs, strict=True))
+        self.key_caches, self.value_caches = [], []
+        for layer, layer_device in enumerate(self.layer_devices):
+            kv = pools[layer_device][self.slots_on[layer_device].index(self.layer_slot[layer])]
+            self.key_caches.append(kv[0])
+            self.value_caches.append(kv[1])
         self.cpu_kvs = []
-        if num_cpu_blocks:
+        if self.num_cpu_blocks:
             pin = any(kv.device.type == "cuda" for kv in self.kvs)
-            self.cpu_kvs = [torch.zeros((kv.shape[0], 2, num_cpu_blocks, *block), dtype=dtype, pin_memory=pin)
-                            for kv in self.kvs]  # fmt: skip
+            self.cpu_kvs = [torch.zeros((kv.shape[0], 2, self.num_cpu_blocks, *block), dtype=self.dtype,
+                                        pin_memory=pin) for kv in self.kvs]  # fmt: skip
         self.kv = self.kvs[0] if len(self.kvs) == 1 else None
         self.cpu_kv = self.cpu_kvs[0] if len(self.cpu_kvs) == 1 else None
 
+    def release(self) -> None:
+        """Drop every pool tensor (device and CPU swap space) so their memory goes back (sleep mode); the pool's
+        contents are gone and `allocate()` brings zeroed tensors of the same layout back."""
+        self.kvs, self.cpu_kvs, self.key_caches, self.value_caches = [], [], [], []
+        self.kv = self.cpu_kv = None
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.kvs)
+
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block id takes across every device's slots, K and V."""
-        return sum(kv[:, :, 0].numel() * kv.element_size() for kv in self.kvs)
+        """Bytes one block id takes across every device's slots, K and V (allocated or not)."""
+        slots = sum(len(slots) for slots in self.slots_on.values())
+        return slots * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def total_bytes(self) -> int:
+        """Bytes the device pool holds now (0 while released)."""
         return sum(kv.numel() * kv.element_size() for kv in self.kvs)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:

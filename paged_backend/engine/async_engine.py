@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from paged_backend.engine.request import RequestOutput
+from paged_backend.engine.sleep import EngineSleep
 from paged_backend.errors import InvalidRequest, PagedBackendError
 
 if TYPE_CHECKING:
@@ -29,10 +30,20 @@ if TYPE_CHECKING:
     from paged_backend.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
+SLEEP_RETRY_AFTER = 10  # seconds: the Retry-After of a request refused while the engine sleeps
 
 
 class EngineNotRunning(PagedBackendError):
     """The engine loop is not accepting requests (not started yet, or shutting down); retry elsewhere."""
+
+
+class EngineAsleep(EngineNotRunning):
+    """The engine is asleep (sleep mode); `retry_after` is the seconds a client should wait before trying again."""
+
+    def __init__(self, level: int, retry_after: int = SLEEP_RETRY_AFTER) -> None:
+        self.retry_after = retry_after
+        super().__init__(f"the engine is asleep (level {level}) and serves nothing until POST /wake_up; "
+                         f"retry in {retry_after} s or elsewhere")  # fmt: skip
 
 
 class RequestAborted(PagedBackendError):
@@ -94,6 +105,7 @@ class AsyncEngine:
         self._running: concurrent.futures.Future | None = None  # the loop, on the engine thread
         self._accepting = False
         self._idle = asyncio.Event()
+        self._sleep = EngineSleep(engine)  # changed on the engine thread only, read anywhere
         self.on_fatal: Callable[[BaseException], None] | None = None  # told, from the engine thread, of a dead engine
 
     async def start(self) -> None:
@@ -131,6 +143,8 @@ class AsyncEngine:
         """
         if not self._accepting:
             raise EngineNotRunning("the engine is not accepting requests (starting or shutting down); retry later")
+        if self._sleep.level:
+            raise EngineAsleep(self._sleep.level)
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already running; use a unique id")
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -162,6 +176,20 @@ class AsyncEngine:
     async def run_on_engine_thread(self, function: Callable[[], Any]) -> Any:
         """Run `function` between two engine steps (it may change the engine) and return its result."""
         return await self._call_on_engine_thread(function)
+
+    async def sleep(self, level: int) -> None:
+        """Sleep at `level` between two steps (`engine.sleep.EngineSleep.sleep`): 1 frees the KV pool, 2 the weights
+        too. Raises EngineBusy, freeing nothing, while requests run; requests that arrive asleep get EngineAsleep."""
+        await self._call_on_engine_thread(lambda: self._sleep.sleep(level))
+
+    async def wake_up(self) -> None:
+        """Bring back what the sleep freed (level 2 reloads the weights from the engine config's model)."""
+        await self._call_on_engine_thread(self._sleep.wake_up)
+
+    @property
+    def sleep_level(self) -> int:
+        """0 while awake, else the level the engine sleeps at."""
+        return self._sleep.level
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent); its blocks are freed at the next turn of the engine thread."""
@@ -243,6 +271,8 @@ class AsyncEngine:
                 return True
 
     def _add(self, request_id: str, args: tuple, kwargs: dict) -> None:
+        if self._sleep.level:  # it passed generate()'s check while a sleep was queued ahead of it
+            raise EngineAsleep(self._sleep.level)
         self.engine.add_request(request_id, *args, **kwargs)
         self._live_request_ids.add(request_id)
 

@@ -88,10 +88,15 @@ class StageKVCache(PagedKVCache):
     """The pool of one pipeline stage: only its layers, addressed by their global layer index."""
 
     def __init__(self, layers: range, *args, **kwargs) -> None:
+        self.first_layer = layers.start
         super().__init__(len(layers), *args, **kwargs)
         pad = [None] * layers.start  # indices of earlier stages' layers: never read by this stage
-        self.key_caches, self.value_caches = pad + self.key_caches, pad + self.value_caches
         self.k_scales, self.v_scales = pad + self.k_scales, pad + self.v_scales
+
+    def allocate(self) -> None:
+        super().allocate()
+        pad = [None] * self.first_layer
+        self.key_caches, self.value_caches = pad + self.key_caches, pad + self.value_caches
 
 
 class ModelWorker:
@@ -130,8 +135,20 @@ class ModelWorker:
             )  # fmt: skip
         if calibrate:
             start_calibration(self.kv_cache)
-        if batch_invariant:
-            packed = BatchInvariantLinears(model, pack=pack, release=release)
-        else:
-            packed = pack_linears(model, pack, release=release)
-        self.runner = ModelRunner(model, self.kv_cache, backend, packed)
+        self.runner = model_runner(model, self.kv_cache, backend, pack=pack, release=release,
+                                   batch_invariant=batch_invariant)  # fmt: skip
+
+
+def model_runner(
+    model: nn.Module, kv_cache: PagedKVCache, backend: str | None, *, pack: bool, release: bool, batch_invariant: bool
+) -> ModelRunner:
+    """The runner of `model` over `kv_cache`, its linear layers packed (or tiled in batch-invariant mode); with
+    `release` the model is the runner's own (`owns_model`): it gives its dense weights up, and sleep mode may drop
+    and reload it."""
+    if batch_invariant:
+        packed = BatchInvariantLinears(model, pack=pack, release=release)
+    else:
+        packed = pack_linears(model, pack, release=release)
+    runner = ModelRunner(model, kv_cache, backend, packed)
+    runner.owns_model = release
+    return runner

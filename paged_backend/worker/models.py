@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -38,6 +39,9 @@ from paged_backend.worker.int4_checkpoint import load_int4_checkpoint
 from paged_backend.worker.int4_formats import Int4Scheme
 from paged_backend.worker.offload import dispatch_kwargs, uses_accelerate
 from paged_backend.worker.packed_linear import dtype_packs
+
+if TYPE_CHECKING:
+    from paged_backend.config import EngineConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ARCHITECTURES = {
@@ -250,6 +254,17 @@ def load_model(
             f"--cpu-offload-gb, and give --offload-folder for checkpoints that are not safetensors"
         ) from exc
     return (loaded if dispatched else loaded.to(target)).eval(), tok
+
+
+def load_configured(config: EngineConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """`load_model` of an engine config's model, with its dtype, placement and quantization: what an engine loads
+    (`engine.assembly`), and what it loads again on waking from level-2 sleep (`engine.sleep`)."""
+    return load_model(
+        config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=config.device,
+        device_map=config.device_map, max_memory=config.max_memory, cpu_offload_gb=config.cpu_offload_gb,
+        offload_folder=config.offload_folder, quantization=config.quantization,
+        quantization_param=config.quantization_param,
+    )  # fmt: skip
 
 
 def load_tokenizer(model: str | None, tokenizer: str | None = None) -> PreTrainedTokenizerBase:

@@ -72,6 +72,7 @@ class ModelRunner:
         self.packed = packed  # prepacked CPU linear layers, swapped in for each forward like attention
         self.model_configs = model_configs(model)  # switched to paged attention for each forward only
         self.kv_cache = kv_cache
+        self.owns_model = False  # the model was loaded for this runner alone (set by `model_worker.model_runner`)
         self.attention_backend = attention_backend
         self.device = kv_cache.device
         # Llama-family models on CPU run on the fused kernels; the reason says why another model does not
