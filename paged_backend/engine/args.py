@@ -90,7 +90,12 @@ class EngineArgs(BaseModel):
     max_num_batched_tokens: int | None = _option("most tokens in one step")
     max_model_len: int | None = _option("longest prompt + output")
     enable_chunked_prefill: bool | None = _option("split long prompts over several steps")
-    policy: str | None = _option("fcfs | priority (run: the JSONL 'priority' field)")
+    policy: str | None = _option(
+        "fcfs | priority: smaller 'priority' first, and a waiting request preempts running lower-priority ones "
+        "(run: the JSONL 'priority' field)",
+        "--scheduling-policy",
+        "--policy",
+    )
     preemption_mode: str | None = _option("recompute | swap; default: swap when there is swap space")
     disable_hybrid_kv_cache_manager: bool | None = _option(
         "one block table for every layer: sliding-window layers keep all their blocks"

@@ -19,7 +19,7 @@ from paged_backend.engine.detokenizer import eos_token_ids
 from paged_backend.engine.input_processor import InputProcessor
 from paged_backend.engine.output_processor import OutputProcessor
 from paged_backend.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
-from paged_backend.engine.request import Request, RequestOutput, SamplingParams, Sequence
+from paged_backend.engine.request import Request, RequestClass, RequestOutput, SamplingParams, Sequence
 from paged_backend.engine.sampler import Sampler
 from paged_backend.engine.scheduler import Scheduler
 from paged_backend.engine.stats import EngineCounters, EngineStats
@@ -88,16 +88,18 @@ class Engine:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        request_class: RequestClass = "interactive",
     ) -> None:
         """Queue a request. Bad input raises `InvalidRequest` / `PromptTooLong` at once and queues nothing.
 
         `prompt` is text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}. `lora_request` runs the
-        request with that adapter (loaded here, before anything is queued)."""
+        request with that adapter (loaded here, before anything is queued). `priority` (smaller first) orders the
+        "priority" policy; `request_class="batch"` runs only on capacity interactive requests leave over."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use; give each request a unique id")
         request = self.input_processor.process(
             request_id, prompt, sampling_params, prompt_token_ids=prompt_token_ids, priority=priority,
-            lora_request=lora_request,
+            lora_request=lora_request, request_class=request_class,
         )  # fmt: skip
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])

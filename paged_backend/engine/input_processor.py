@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 
 from paged_backend.config import EngineConfig
-from paged_backend.engine.request import Request, SamplingParams, Sequence
+from paged_backend.engine.request import REQUEST_CLASSES, Request, RequestClass, SamplingParams, Sequence
 from paged_backend.engine.sampler import Sampler
 from paged_backend.engine.stopping import StopRules
 from paged_backend.errors import InvalidRequest, PromptTooLong
@@ -79,9 +79,12 @@ class InputProcessor:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        request_class: RequestClass = "interactive",
     ) -> Request:
         """A request with its first sequence (siblings are forked once the prompt is in the pool)."""
         params = params or SamplingParams()
+        if request_class not in REQUEST_CLASSES:
+            raise InvalidRequest(f"request_class must be one of {', '.join(REQUEST_CLASSES)}, got {request_class!r}")
         if params.num_sequences > self.max_num_seqs:
             raise InvalidRequest(f"n={params.num_sequences} (best_of included) exceeds max_num_seqs="
                                  f"{self.max_num_seqs}; lower n / best_of or raise max_num_seqs")  # fmt: skip
@@ -100,7 +103,7 @@ class InputProcessor:
                 f"pool, or (without chunked prefill) max_num_batched_tokens"
             )
         adapter = self._lora_adapter(lora_request)
-        request = Request(request_id, prompt, prompt_token_ids, params, priority, next(self._arrivals))
+        request = Request(request_id, prompt, prompt_token_ids, params, priority, next(self._arrivals), request_class)
         request.lora_adapter = adapter
         request.bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
         request.stop_rules = StopRules.of(params, self.eos_token_ids, self.max_model_len)

@@ -150,7 +150,11 @@ def engine_config(**kwargs) -> EngineConfig:
 
     >>> engine_config(block_size=8, max_num_seqs=4).scheduler.max_num_seqs
     4
+    >>> engine_config(scheduling_policy="priority").scheduler.policy  # vLLM's keyword for the policy
+    'priority'
     """
+    if "scheduling_policy" in kwargs:
+        kwargs["policy"] = kwargs.pop("scheduling_policy")
     groups = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
     nested = {name: cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in cls.model_fields})
               for name, cls in groups.items()}

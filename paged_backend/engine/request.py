@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 
@@ -16,6 +17,10 @@ from paged_backend.lora.adapter import LoRAAdapter
 from paged_backend.structured.params import StructuredOutputsParams
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample as argmax (as vLLM does)
+
+# Class of service: "batch" runs only on capacity interactive work leaves over and is preempted first.
+RequestClass = Literal["interactive", "batch"]
+REQUEST_CLASSES: tuple[str, ...] = get_args(RequestClass)
 
 
 @dataclass
@@ -250,6 +255,7 @@ class Request:
     params: SamplingParams
     priority: int = 0
     arrival_order: int = 0
+    request_class: RequestClass = "interactive"
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # the n - 1 siblings exist once the prompt is prefilled

@@ -4,17 +4,21 @@ Running sequences go first, decodes before prefill chunks so a long prompt never
 sequences are admitted only when their whole prompt fits above the watermark (windowed layer groups: its first
 chunk, as they hold a bounded share) and nobody was preempted this step, which keeps admission from thrashing
 against preemption.
+
+Order is `key`: interactive before "batch" requests, then (the "priority" policy) smaller priority, then arrival.
+A waiting head that outranks running sequences (a better class; under "priority", a better key) preempts them,
+worst first, when that and only that lets it in; one that would not fit anyway preempts nobody.
 """
 
 from __future__ import annotations
 
 from bisect import insort
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from paged_backend.config import SchedulerConfig
-from paged_backend.core.block_manager import BlockManager
+from paged_backend.core.block_manager import NULL_BLOCK, BlockManager
 from paged_backend.engine.request import Sequence, SequenceStatus
 from paged_backend.worker.runner import SequenceRows
 
@@ -71,11 +75,18 @@ class Scheduler:
         self.num_split_prefills = 0  # prefill chunks that stopped before the end of their prompt
         self.admits_adapter = admits_adapter  # LoRAManager.admits with adapters on: caps adapters running at once
 
-    def key(self, seq: Sequence) -> tuple[int, int, int]:
-        """Smaller = served first, preempted last."""
+    def key(self, seq: Sequence) -> tuple[bool, int, int, int]:
+        """Smaller = served first, preempted last. Batch requests rank below every interactive one, in both policies."""
         request = seq.request
         priority = request.priority if self.config.policy == "priority" else 0
-        return priority, request.arrival_order, seq.index
+        return request.request_class == "batch", priority, request.arrival_order, seq.index
+
+    def outranks(self, seq: Sequence, other: Sequence) -> bool:
+        """Whether `seq` may take `other`'s place: a better class, or under "priority" a strictly better key (fcfs
+        never preempts its own class for a later request)."""
+        if self.config.policy == "priority":
+            return self.key(seq) < self.key(other)
+        return self.key(seq)[0] < self.key(other)[0]
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -99,6 +110,7 @@ class Scheduler:
     # ------------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._make_room_for_waiting(out)
         budget = self.config.max_num_batched_tokens
         ordered = sorted(self.running, key=self.key)
         queue = deque([s for s in ordered if s.num_tokens - s.num_computed_tokens == 1])
@@ -163,10 +175,54 @@ class Scheduler:
         seq.num_computed_tokens = 0
         self.add(seq)
 
+    def _make_room_for_waiting(self, out: SchedulerOutput) -> None:
+        """Preempt the running sequences the waiting head outranks, worst first, as many as it needs to fit."""
+        if not self.waiting:
+            return
+        head = self.waiting[0]
+        victims = sorted((seq for seq in self.running if self.outranks(head, seq)), key=self.key, reverse=True)
+        for victim in victims[: self._victims_needed(head, victims)]:
+            self.running.remove(victim)
+            self._preempt(victim, out)
+
+    def _victims_needed(self, head: Sequence, victims: list[Sequence]) -> int:
+        """How many of `victims` (worst first) must go for `head` to have its blocks and seats while the others grow
+        this step; 0 when it fits already, or would not fit even with every victim gone (that would only thrash)."""
+        manager = self.block_manager
+        width = 1 if head.request.forked else head.request.params.num_sequences
+        seats = self.config.max_num_seqs - len(self.running)
+        need, hit_ids = self._blocks_to_admit(head)
+        growth = {seq.seq_id: manager.blocks_to_append(seq.seq_id, len(self._pending(seq))) for seq in self.running}
+        free = manager.num_free_blocks - manager.watermark_blocks - sum(growth.values())
+        holders: Counter[int] = Counter()  # block id -> how many of its holders are victims so far
+        for count, victim in enumerate(victims):
+            if need <= free and width <= seats:
+                return count
+            seats += 1
+            free += growth[victim.seq_id]
+            for block_id in {block for table in manager.block_tables(victim.seq_id) for block in table} - {NULL_BLOCK}:
+                holders[block_id] += 1
+                # Freed once its last holder goes; a freed hit of the head's costs it a block again, so it nets out.
+                if holders[block_id] == manager.blocks[block_id].ref_count and block_id not in hit_ids:
+                    free += 1
+        return len(victims) if need <= free and width <= seats else 0
+
+    def _blocks_to_admit(self, seq: Sequence) -> tuple[int, set[int]]:
+        """Blocks admitting `seq` takes from the free pool, and the ids of its prefix-cache hits."""
+        # The two private calls are `can_allocate`'s own arithmetic, which the block manager keeps to itself.
+        manager = self.block_manager
+        request = seq.request
+        hits, _ = manager._find_cached_prefix(seq.token_ids, request.prefix_cache_key, request.reads_prefix_cache)
+        chunk = min(self.config.max_num_batched_tokens, self.max_chunk)
+        hit_ids = {block.block_id for group in hits for block in group if block is not None}
+        return manager._blocks_to_take(len(seq.token_ids), hits, chunk), hit_ids
+
     def _swap_in(self, budget: int, out: SchedulerOutput) -> int:
         manager = self.block_manager
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
+            if self.waiting and self.outranks(self.waiting[0], seq):
+                break  # the room is the waiting head's (it may have just preempted `seq` for it)
             num_new = self._chunk(seq, budget)
             grow = manager.blocks_to_append(seq.seq_id, len(self._pending(seq)), seq.num_computed_tokens + num_new)
             # Its CPU copies are its own, so no copy-on-write follows: it needs its blocks plus the step's growth.
@@ -185,6 +241,8 @@ class Scheduler:
         manager = self.block_manager
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if self.swapped and self.outranks(self.swapped[0], seq):
+                break  # a better sequence is still waiting to swap back in
             # A fresh request reserves room for all its n samples, which fork right after the prefill.
             width = 1 if seq.request.forked else seq.request.params.num_sequences
             if len(self.running) + width > self.config.max_num_seqs:
@@ -201,7 +259,9 @@ class Scheduler:
             if not manager.can_allocate(seq.token_ids, extra_keys, lookup=lookup, chunk=chunk):
                 break
             self.waiting.pop(0)
-            seq.num_computed_tokens = manager.allocate(seq.seq_id, seq.token_ids, extra_keys, lookup=lookup, chunk=chunk)
+            seq.num_computed_tokens = manager.allocate(
+                seq.seq_id, seq.token_ids, extra_keys, lookup=lookup, chunk=chunk
+            )
             if seq.request.num_cached_tokens is None:  # the first admission's prefix hit is what the client saved
                 seq.request.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             seq.status = SequenceStatus.RUNNING

@@ -14,6 +14,7 @@ from paged_backend.engine.async_engine import AsyncEngine
 from paged_backend.engine.request import CompletionOutput, RequestOutput, SamplingParams
 from paged_backend.errors import InvalidRequest, PromptTooLong
 from paged_backend.observability.metrics import ServerMetrics
+from paged_backend.server.request_class import REQUEST_CLASS
 
 
 def output_budget(requested: int | None, prompt_lengths: list[int], max_model_len: int, default: int | None) -> int:
@@ -96,8 +97,11 @@ class Generation:
     async def start(
         self, prompts: list[str | list[int]], params: SamplingParams, priority: int = 0, lora_request=None
     ) -> None:
-        """Add every prompt and wait for its first output, so bad input fails before any response byte."""
+        """Add every prompt and wait for its first output, so bad input fails before any response byte.
+
+        The requests run in the class of service the caller set (`REQUEST_CLASS`: the batch API's are "batch")."""
         self._n = params.n
+        request_class = REQUEST_CLASS.get()
         for index, prompt in enumerate(prompts):
             text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
             stream = self.async_engine.generate(
@@ -107,6 +111,7 @@ class Generation:
                 prompt_token_ids=token_ids,
                 priority=priority,
                 lora_request=lora_request,
+                request_class=request_class,
             )
             self._streams.append(self.metrics.track(stream, params))
         firsts = [asyncio.ensure_future(anext(stream)) for stream in self._streams]
