@@ -20,6 +20,7 @@ from paged_backend.observability.lora_metrics import lora_requests_info
 from paged_backend.observability.tracing import RequestTiming, RequestTracer
 
 PREFIX = "paged_backend:"
+SLEEP_STATES = ("awake", "level_1", "level_2")  # by sleep level
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 
 
@@ -49,6 +50,13 @@ class EngineStatsCollector(Collector):
         }
         for name, (documentation, value) in counters.items():
             yield CounterMetricFamily(f"{PREFIX}{name}", documentation, value)
+        sleep = GaugeMetricFamily(
+            f"{PREFIX}engine_sleep_state", "Sleep mode: 1 on the engine's state (awake, level_1: KV cache freed, "
+            "level_2: weights freed too), 0 on the others.", labels=["sleep_state"],
+        )  # fmt: skip
+        for level, state in enumerate(SLEEP_STATES):
+            sleep.add_metric([state], float(level == self.async_engine.sleep_level))
+        yield sleep
         manager = self.async_engine.engine.block_manager
         pool = GaugeMetricFamily(
             f"{PREFIX}cache_config_info", "The KV pool's configuration (vLLM's cache_config_info): value 1, labels.",

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from paged_backend.engine.async_engine import SLEEP_RETRY_AFTER
 from paged_backend.server.lora_routes import adapter_cards
 from paged_backend.server.state import ServerState, server_state
 
@@ -16,13 +17,18 @@ router = APIRouter()
 STARTED = int(time.time())
 
 
-@router.get("/health", responses={503: {"description": "Draining: the server is shutting down"}})
+@router.get("/health", responses={503: {"description": "Draining (shutting down), or asleep (sleep mode)"}})
 async def health(server: ServerState = Depends(server_state)) -> JSONResponse:
-    """200 while requests are accepted, 503 while draining; the body carries the engine's counters."""
+    """200 while requests are accepted; 503 while draining, or asleep (with Retry-After), so a load balancer skips
+    the server. The body carries the engine's counters."""
     async_engine = server.async_engine
-    body = {"status": "ok" if async_engine.accepting else "draining", "requests_in_flight": async_engine.num_in_flight,
-            "engine": asdict(async_engine.stats())}  # fmt: skip
-    return JSONResponse(body, status_code=200 if async_engine.accepting else 503)
+    status = "draining" if not async_engine.accepting else "sleeping" if async_engine.sleep_level else "ok"
+    body = {"status": status, "requests_in_flight": async_engine.num_in_flight, "engine": asdict(async_engine.stats())}
+    headers = None
+    if status == "sleeping":
+        body["sleep_level"] = async_engine.sleep_level
+        headers = {"Retry-After": str(SLEEP_RETRY_AFTER)}
+    return JSONResponse(body, status_code=200 if status == "ok" else 503, headers=headers)
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
