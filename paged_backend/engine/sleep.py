@@ -98,6 +98,7 @@ class EngineSleep:
         started = time.perf_counter()
         if self.level == 2:
             self._load_weights()
+            _give_memory_back(self.engine.kv_cache.device)  # loading's transient copies (a GGUF's dequantization)
         for pool in self._pools():
             pool.allocate()
         self.level = 0
