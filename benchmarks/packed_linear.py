@@ -1,10 +1,13 @@
-"""Dense `F.linear` (MKL) against the engine's prepacked oneDNN layers, at the throughput model's shapes.
+"""Dense `F.linear` (MKL) against the two prepacked forms the engine has: oneDNN's reordered weight and the panel
+kernel (`ops/panel_linear.py`, what `packed_forward` runs where csrc/cpu builds).
 
-For each weight of the full benchmark model (q/k/v/o 768x768, gate/up 2048x768, down 768x2048, LM head 32000x768)
-and the row counts a packed step has (a few decodes up to a prefill chunk), prints GFLOP/s of both and the
-packed / dense speed ratio, in float32 and bfloat16. The packed side is `packed_forward`, what the runner swaps in.
+For each weight of a model and the row counts a packed step has (a few decodes up to a prefill chunk), prints
+GFLOP/s of all three and the panel / oneDNN speed ratio, in float32 and bfloat16. `--shapes smollm2` takes the
+real model's layers (q 576x576, k/v 192x576, gate/up 1536x576, down 576x1536, the tied LM head 49152x576), where a
+decode step is a stream over the weights; `throughput` (the default) the throughput benchmark's model.
 
     OMP_NUM_THREADS=1 python benchmarks/packed_linear.py
+    python benchmarks/packed_linear.py --shapes smollm2 --threads 2 --rows 1,2,4,16,64,256
 """
 
 from __future__ import annotations
@@ -15,14 +18,20 @@ import torch
 from fused_linear import best_seconds  # this script's directory is on sys.path when it runs
 from torch import nn
 
-from paged_backend.worker.packed_linear import packed_forward
+from paged_backend.ops.panel_linear import PanelWeight
+from paged_backend.worker.packed_linear import dtype_packs
 
-SHAPES = {"q/k/v/o": (768, 768), "gate/up": (2048, 768), "down": (768, 2048), "lm_head": (32000, 768)}
+SHAPES = {
+    "throughput": {"q/k/v/o": (768, 768), "gate/up": (2048, 768), "down": (768, 2048), "lm_head": (32000, 768)},
+    "smollm2": {"q/o": (576, 576), "k/v": (192, 576), "gate/up": (1536, 576), "down": (576, 1536),
+                "lm_head": (49152, 576)},
+}  # fmt: skip
 
 
 @torch.no_grad()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="throughput")
     parser.add_argument("--rows", default="1,2,4,8,16,64,256")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--threads", type=int, default=1)
@@ -32,19 +41,30 @@ def main() -> None:
     torch.manual_seed(0)
     rows = [int(r) for r in args.rows.split(",")]
     for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
-        print(f"\n{dtype}, {args.threads} thread(s), best of {args.repeats}: dense / packed GFLOP/s (packed speed-up)")
+        onednn = dtype_packs(dtype)
+        print(f"\n{dtype}, {args.threads} thread(s), best of {args.repeats}: GFLOP/s of dense / oneDNN / panel "
+              f"(panel speed-up over oneDNN){'' if onednn else '; oneDNN does not pack this dtype here'}")  # fmt: skip
         print("| weight | " + " | ".join(f"{r} rows" for r in rows) + " |")
         print("|---|" + "---|" * len(rows))
-        for name, (out_features, in_features) in SHAPES.items():
+        for name, (out_features, in_features) in SHAPES[args.shapes].items():
             layer = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
-            packed = packed_forward(layer)
+            reordered = torch.ops.mkldnn._reorder_linear_weight(layer.weight) if onednn else None
+            panel = PanelWeight(layer.weight)
             cells = []
             for count in rows:
                 x = torch.randn(count, in_features, dtype=dtype)
                 flops = 2 * count * in_features * out_features
                 dense = best_seconds(lambda: layer(x), args.repeats)  # noqa: B023
-                fast = best_seconds(lambda: packed(x), args.repeats)  # noqa: B023
-                cells.append(f"{flops / dense / 1e9:.0f} / {flops / fast / 1e9:.0f} ({dense / fast:.2f}x)")
+                ours = best_seconds(lambda: panel(x), args.repeats)  # noqa: B023
+                if reordered is None:
+                    cells.append(f"{flops / dense / 1e9:.0f} / - / {flops / ours / 1e9:.0f}")
+                    continue
+                packed = best_seconds(
+                    lambda: torch.ops.mkldnn._linear_pointwise(x, reordered, None, "none", [], ""),  # noqa: B023
+                    args.repeats,
+                )
+                cells.append(f"{flops / dense / 1e9:.0f} / {flops / packed / 1e9:.0f} / {flops / ours / 1e9:.0f} "
+                             f"({packed / ours:.2f}x)")  # fmt: skip
             print(f"| {name} {out_features}x{in_features} | " + " | ".join(cells) + " |")
 
 

@@ -1,5 +1,6 @@
-"""Prepacked (oneDNN) CPU linear layers: the same products as `F.linear`, swapped in for the engine's forwards only,
-a caller's model left as it was, and a loaded model's dense weights given up for the packed ones."""
+"""Prepacked CPU linear layers (panels, or oneDNN without the csrc/cpu library): the same products as `F.linear`,
+swapped in for the engine's forwards only, a caller's model left as it was, a loaded model's dense weights given up
+for the packed ones, and sibling layers stacked into one call."""
 
 from __future__ import annotations
 
@@ -9,10 +10,17 @@ from _engine_helpers import ragged_prompts
 from torch import nn
 
 from paged_backend.engine import LLM, SamplingParams
+from paged_backend.ops.panel_linear import PANEL_DTYPES
 from paged_backend.worker.models import byte_tokenizer, tiny_model
-from paged_backend.worker.packed_linear import PackedLinears, dtype_packs, packable
+from paged_backend.worker.packed_linear import PackedLinears, dtype_packs, packable, panels_build
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def packs(dtype: torch.dtype) -> bool:
+    """The panel kernel packs float32 and bfloat16 wherever it builds; oneDNN, bfloat16 only on AVX512-BF16-class
+    CPUs."""
+    return dtype in PANEL_DTYPES if panels_build() else dtype_packs(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -20,15 +28,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 def test_a_packed_layer_computes_what_the_dense_one_does(dtype, bias):
     layer = nn.Linear(96, 160, bias=bias, dtype=dtype)
     packed = PackedLinears(layer)
-    # bfloat16 packs only on CPUs with AVX512-BF16-class features; elsewhere the layer stays dense
-    assert len(packed) == (1 if dtype_packs(dtype) else 0)
+    assert len(packed) == (1 if packs(dtype) else 0)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     inputs = [torch.randn(1, 96), torch.randn(7, 96), torch.randn(1, 5, 96), torch.randn(6, 192)[:, ::2]]
     with torch.no_grad():
         for x in (x.to(dtype) for x in inputs):
             dense = layer(x)
             with packed.active():
-                assert ("forward" in layer.__dict__) == dtype_packs(dtype)
+                assert ("forward" in layer.__dict__) == packs(dtype)
                 torch.testing.assert_close(layer(x), dense, **tolerance)
             assert "forward" not in layer.__dict__  # back to nn.Linear's own forward
             torch.testing.assert_close(layer(x), dense, rtol=0, atol=0)
@@ -41,8 +48,8 @@ class OwnForward(nn.Linear):
 
 def test_only_plain_cpu_linears_in_float32_or_bfloat16_pack():
     assert packable(nn.Linear(8, 8))
-    assert dtype_packs(torch.float32)
-    assert packable(nn.Linear(8, 8, dtype=torch.bfloat16)) == dtype_packs(torch.bfloat16)
+    assert packs(torch.float32)
+    assert packable(nn.Linear(8, 8, dtype=torch.bfloat16)) == packs(torch.bfloat16)
     assert not packable(nn.Linear(8, 8, dtype=torch.float16))
     assert not packable(OwnForward(8, 8))
     hooked = nn.Linear(8, 8)
@@ -104,3 +111,36 @@ def test_weights_the_caller_changes_between_calls_are_packed_again():
     flipped = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     reference = LLM(model, tokenizer=byte_tokenizer(), num_blocks=64, prepack_weights=False).generate(prompts, GREEDY)
     assert flipped == [o.outputs[0].token_ids for o in reference]
+
+
+@pytest.mark.skipif(not panels_build(), reason="stacking needs the panel kernel (the csrc/cpu library)")
+@pytest.mark.parametrize("bias", [False, True])
+def test_sibling_layers_stack_into_one_call_until_one_is_packed_again(bias):
+    siblings = nn.ModuleList([nn.Linear(64, n, bias=bias) for n in (64, 32, 32)])  # q, k, v
+    packed = PackedLinears(siblings)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        dense = torch.cat([layer(x) for layer in siblings], dim=-1)
+        forwards = packed.forwards()
+        stacked = packed.stacked(tuple(siblings))
+        torch.testing.assert_close(stacked(x), dense, rtol=1e-5, atol=1e-5)
+        assert packed.stacked(tuple(siblings)) is stacked  # built once
+        for layer in siblings:  # each layer alone still answers from its slice of the stack
+            torch.testing.assert_close(forwards[layer](x), layer(x), rtol=1e-5, atol=1e-5)
+        siblings[1].weight.mul_(2)  # an in-place change: packed again, and stacked again
+        packed.forwards()
+        restacked = packed.stacked(tuple(siblings))
+        assert restacked is not stacked
+        torch.testing.assert_close(restacked(x)[:, 64:96], siblings[1](x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not panels_build(), reason="stacking needs the panel kernel (the csrc/cpu library)")
+def test_layers_that_cannot_stack_say_so():
+    partial = nn.ModuleList([nn.Linear(16, 40), nn.Linear(16, 32)])  # the first ends in a partial panel
+    packed = PackedLinears(partial)
+    packed.forwards()
+    assert packed.stacked(tuple(partial)) is None
+    unpacked = nn.ModuleList([nn.Linear(16, 32), nn.Linear(16, 32, dtype=torch.float16)])
+    packed = PackedLinears(unpacked)
+    packed.forwards()
+    assert packed.stacked(tuple(unpacked)) is None

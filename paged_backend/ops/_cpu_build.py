@@ -34,7 +34,7 @@ def find_compiler() -> str | None:
     return None
 
 
-SOURCES = ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp")
+SOURCES = ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "panel_linear_cpu.cpp")
 HEADERS = ("vector_exp.h",)
 
 

@@ -8,8 +8,8 @@ all still apply) and does everything between them with `ops/fused_cpu.py`, with 
 arguments prepared once (`AttentionPlan`, `RotaryCache`):
 
     residual = embed(ids); x = norm(residual)
-    per layer: q, k, v = linears(x); q = rotary_cache(q, k, v -> pool); o = o_proj(attention(q))
-               x = add_rms_norm(o, residual); x = down(silu_mul(gate(x), up(x))); x = add_rms_norm(x, residual)
+    per layer: q, k, v = qkv(x); q = rotary_cache(q, k, v -> pool); o = o_proj(attention(q))
+               x = add_rms_norm(o, residual); x = down(silu_mul(*gate_up(x))); x = add_rms_norm(x, residual)
 
 It takes the architectures whose layers are exactly that (`FAMILIES`) when nothing hooks the modules it bypasses;
 anything else, or `PAGED_BACKEND_FUSED_FORWARD=0`, runs transformers' forward over the paged bridge.
@@ -74,8 +74,9 @@ class FusedForward:
     """`forward(ids, positions, metadata, rows)` of `ModelRunner`, on the fused kernels (see the module doc).
 
     `linears` is the runner's swap-in for the linear layers (`PackedLinears`, the batch-invariant tiles, or None).
-    Packed layers are called straight through their packed forwards when no layer has hooks; otherwise (LoRA, a
-    caller's hooks, batch-invariant tiles) each layer is called as a module inside `linears.active()`."""
+    Packed layers are called straight through their packed forwards when no layer has hooks, q/k/v and gate/up as
+    one stacked call each where their panels stack; otherwise (LoRA, a caller's hooks, batch-invariant tiles) each
+    layer is called as a module inside `linears.active()`."""
 
     def __init__(self, model: nn.Module, kv_cache: PagedKVCache, linears=None) -> None:
         self.model, self.kv_cache, self.linears = model, kv_cache, linears
@@ -97,6 +98,9 @@ class FusedForward:
             for layer in self.layers
         ]  # fmt: skip
         self.final_norm = (self.base.norm.weight, self.base.norm.variance_epsilon)
+        q, k, v, _, gate, up, _ = self.modules[0]
+        self.qkv_sizes = [q.out_features, k.out_features, v.out_features]
+        self.gate_up_sizes = [gate.out_features, up.out_features]
 
     def _calls(self) -> tuple[list[tuple], object] | None:
         """This step's callable for each layer's linear layers and for the LM head, or None when they must run as
@@ -112,7 +116,14 @@ class FusedForward:
         ):
             return None
         packed = forwards() if forwards is not None else {}
-        layers = [tuple(packed.get(module) or module.forward for module in layer) for layer in self.modules]
+        stacked = getattr(self.linears, "stacked", None)
+        layers = []
+        for modules in self.modules:
+            q, k, v, o, gate, up, down = (packed.get(module) or module.forward for module in modules)
+            qkv = stacked(modules[:3]) if stacked is not None else None
+            gate_up = stacked(modules[4:6]) if stacked is not None else None
+            layers.append((_split(qkv, self.qkv_sizes) if qkv is not None else _each(q, k, v), o,
+                           _split(gate_up, self.gate_up_sizes) if gate_up is not None else _each(gate, up), down))  # fmt: skip
         return layers, packed.get(head) or head.forward
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, metadata: PagedMetadata, rows: list[int]):
@@ -120,8 +131,9 @@ class FusedForward:
         calls = self._calls()
         if calls is not None:
             return self._run(*calls, ids, positions, metadata, rows)
+        modules = [(_each(q, k, v), o, _each(gate, up), down) for q, k, v, o, gate, up, down in self.modules]
         with self.linears.active() if self.linears is not None else nullcontext():
-            return self._run(self.modules, self.lm_head, ids, positions, metadata, rows)
+            return self._run(modules, self.lm_head, ids, positions, metadata, rows)
 
     def _run(self, calls, lm_head, ids, positions, metadata: PagedMetadata, rows: list[int]) -> torch.Tensor:
         base, cache, head_dim = self.base, self.kv_cache, self.head_dim
@@ -131,8 +143,8 @@ class FusedForward:
         steps = {}  # per layer group (sliding-window layers keep their own tables and slots): rotary, attention
         x = add_rms_norm(None, residual, *self.norms[0][0])
         last = len(self.layers) - 1
-        for index, (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) in enumerate(calls):
-            q, k, v = q_proj(x), k_proj(x), v_proj(x)
+        for index, (qkv_proj, o_proj, gate_up_proj, down_proj) in enumerate(calls):
+            q, k, v = qkv_proj(x)
             group = metadata.for_layer(index)
             if id(group) not in steps:
                 steps[id(group)] = (
@@ -148,10 +160,20 @@ class FusedForward:
             q = rotary(q, k, v, key_cache, value_cache)
             out = o_proj(plan(q, key_cache, value_cache, self.windows[index]).view(q.shape[0], -1))
             x = add_rms_norm(out, residual, *self.norms[index][1])
-            out = down_proj(silu_mul(gate_proj(x), up_proj(x)))
+            out = down_proj(silu_mul(*gate_up_proj(x)))
             if index < last:
                 x = add_rms_norm(out, residual, *self.norms[index + 1][0])
         # only the kept rows need the last residual add, the final norm and the LM head
         kept = torch.tensor(rows, dtype=torch.long)
         x = add_rms_norm(out.index_select(0, kept), residual.index_select(0, kept), *self.final_norm)
         return lm_head(x).float()
+
+
+def _each(*projections):
+    """Layers that read one input, called one by one: their outputs as a tuple."""
+    return lambda x: tuple(projection(x) for projection in projections)
+
+
+def _split(stacked, sizes: list[int]):
+    """A stacked call (`PackedLinears.stacked`) whose output is cut back into its layers' (views, row-strided)."""
+    return lambda x: stacked(x).split(sizes, dim=-1)

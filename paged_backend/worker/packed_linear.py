@@ -1,15 +1,16 @@
-"""CPU linear layers on oneDNN weights reordered once into its blocked layout ("prepacked").
+"""CPU linear layers on weights packed once into a layout made for the step's shapes ("prepacked").
 
-A decode step multiplies a few rows by every weight matrix. On CPU, MKL's sgemm (`F.linear`) runs those small
-shapes at a fraction of the core's peak: 20-60 GFLOP/s at 2-16 rows against ~100 at 256 rows, on one thread here.
-oneDNN with a prepacked weight reaches 60-100 GFLOP/s at the same 2-16 rows and ~2x at two threads
-(`benchmarks/packed_linear.py` measures both). vLLM's CPU backend packs its weights the same way.
+A decode step multiplies a few rows by every weight matrix: a stream over the weights. MKL's sgemm (`F.linear`)
+runs those small shapes at a fraction of the core's peak. The packed forward runs them on the panel kernel
+(`ops/panel_linear.py`: weights in 16-column panels, streamed at the memory bandwidth, ~1.6x oneDNN's prepacked
+sgemm at one row and on par with it at prefill sizes), or, where the csrc/cpu library cannot be built, on
+oneDNN's reordered weight (vLLM's CPU backend packs with oneDNN). `benchmarks/packed_linear.py` measures all three.
 
 The runner swaps each packed layer's `forward` in for its own forwards only (`PackedLinears.active`), as it switches
 attention: a caller's model object is the same between steps. A model the engine loaded itself gives up its dense
 weights once packed (`release=True`): the packed copy replaces them, so packing costs no memory there. A caller's
 object keeps its weights, and the packed copies take as much memory again (`EngineConfig.prepack_weights=False`
-turns packing off).
+turns packing off). Layers that read the same input (q, k and v) can be stacked into one call (`stacked`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ from functools import cache
 import torch
 from torch import nn
 
+from paged_backend.ops.cpu import unavailable_reason
+from paged_backend.ops.panel_linear import PANEL_DTYPES, PanelWeight
+
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@cache
+def panels_build() -> bool:
+    """Whether the panel kernel is here (the csrc/cpu library builds on this machine)."""
+    return unavailable_reason() is None
 
 
 @cache  # a property of this torch build and this CPU
@@ -48,13 +58,25 @@ def packable(module: nn.Module) -> bool:
     if "forward" in module.__dict__:
         return False
     weight = module.weight
-    return type(weight.data) is torch.Tensor and weight.device.type == "cpu" and dtype_packs(weight.dtype)
+    if type(weight.data) is not torch.Tensor or weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    return weight.dtype in PANEL_DTYPES if panels_build() else dtype_packs(weight.dtype)
 
 
 @torch.no_grad()
 def packed_forward(module: nn.Linear):
-    """A forward for `module` on a oneDNN-reordered copy of its current weight (and its bias as it is)."""
-    packed, bias = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach()), module.bias
+    """A forward for `module` on a packed copy of its current weight (and its bias as it is): panels, or oneDNN's
+    reordered weight where the panel kernel cannot be built. A panel forward carries its `PanelWeight` as `panel`."""
+    bias = module.bias
+    if panels_build():
+        panel = PanelWeight(module.weight.detach())
+
+        def panel_forward(x: torch.Tensor) -> torch.Tensor:
+            return panel(x, bias)
+
+        panel_forward.panel = panel
+        return panel_forward
+    packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -82,6 +104,7 @@ class PackedLinears:
 
     def __init__(self, model: nn.Module, release: bool = False) -> None:
         self.layers: dict[nn.Module, tuple] = {}  # module -> (packed forward, stamp of what it was packed from)
+        self._stacks: dict[tuple, tuple] = {}  # modules -> (their packed forwards when stacked, stacked forward)
         shared = _shared_weights(model)
         for module in model.modules():
             if not packable(module) or module in self.layers:
@@ -108,6 +131,33 @@ class PackedLinears:
         itself (the fused forward) instead of swapping them in with `active()`. Hooks are the caller's to run."""
         self._refresh()
         return {module: forward for module, (forward, _) in self.layers.items()}
+
+    def stacked(self, modules: tuple[nn.Module, ...]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """One forward for layers that read the same input (a layer's q, k and v; gate and up): their outputs side
+        by side from one call over their stacked panels (`PanelWeight.stack`, no extra memory), biases included.
+        None when they are not all panel-packed or cannot stack. Valid until one of them is packed again, after which
+        the next call stacks anew; call it after `forwards()`, which repacks what changed."""
+        forwards = tuple(self.layers[module][0] if module in self.layers else None for module in modules)
+        if any(getattr(forward, "panel", None) is None for forward in forwards):
+            return None
+        cached = self._stacks.get(modules)
+        if cached is not None and cached[0] == forwards:
+            return cached[1]
+        group = PanelWeight.stack([forward.panel for forward in forwards])
+        if group is None:
+            self._stacks[modules] = forwards, None
+            return None
+        biases = [module.bias for module in modules]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b.detach() if b is not None else torch.zeros(m.out_features, dtype=group.dtype)
+                              for b, m in zip(biases, modules, strict=True)])  # fmt: skip
+
+        def stacked_forward(x: torch.Tensor) -> torch.Tensor:
+            return group(x, bias)
+
+        self._stacks[modules] = forwards, stacked_forward
+        return stacked_forward
 
     @contextmanager
     def active(self) -> Iterator[None]:

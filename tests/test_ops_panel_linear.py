@@ -1,0 +1,129 @@
+"""The panel linear kernel (csrc/cpu/panel_linear_cpu.cpp) against torch's linear layer: float32 and bfloat16,
+decode and prefill row counts, shapes that leave partial panels and an odd K, bias, strided rows, row-by-row
+independence of the batch, views into a grouped packing, and clear errors for what it does not take."""
+
+import ctypes
+import platform
+import subprocess
+
+import pytest
+import torch
+
+from paged_backend.ops import _cpu_build
+from paged_backend.ops.panel_linear import PanelWeight, panel_linear_reference
+
+# bfloat16: both sides accumulate in float32 and round once; the order of the sums differs
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2)}
+DTYPES = list(TOLERANCE)
+SHAPES = [(576, 576), (200, 77), (49, 1536), (3, 5)]  # (N, K): whole panels, partial panels, a tiny layer
+ROWS = [1, 2, 3, 7, 64]  # the streaming tiles (1-2 rows), the row tiles of 6 and their remainders, prefill
+
+
+def randn(*shape, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=generator) * 0.1).to(dtype)
+
+
+def close(actual, expected, dtype):
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_panel_linear_matches_torch_linear(dtype, shape, rows):
+    n, k = shape
+    weight, bias = randn(n, k, dtype=dtype, seed=1), randn(n, dtype=dtype, seed=2)
+    x = randn(rows, k, dtype=dtype, seed=3)
+    packed = PanelWeight(weight)
+    close(packed(x), panel_linear_reference(x.float(), weight.float()), dtype)
+    close(packed(x, bias), panel_linear_reference(x.float(), weight.float(), bias.float()), dtype)
+
+
+def test_float32_is_exact_to_the_sum_order_and_keeps_leading_dimensions():
+    weight, x = randn(96, 40, dtype=torch.float32, seed=4), randn(2, 3, 40, dtype=torch.float32, seed=5)
+    out = PanelWeight(weight)(x)
+    assert out.shape == (2, 3, 96)
+    expected = (x.double() @ weight.double().T).float()
+    torch.testing.assert_close(out, expected, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_are_bitwise_independent_of_the_batch(dtype):
+    weight = randn(960, 576, dtype=dtype, seed=6)
+    x = randn(13, 576, dtype=dtype, seed=7)
+    packed = PanelWeight(weight)
+    batch = packed(x)
+    for start, stop in [(0, 1), (1, 3), (5, 11), (0, 13)]:
+        assert torch.equal(packed(x[start:stop]), batch[start:stop])
+
+
+def test_strided_rows_give_the_same_answer_as_contiguous_ones():
+    weight = randn(64, 48, dtype=torch.float32, seed=8)
+    wide = randn(4, 100, dtype=torch.float32, seed=9)
+    x = wide[:, 10:58]  # rows with a stride of 100
+    packed = PanelWeight(weight)
+    assert torch.equal(packed(x), packed(x.contiguous()))
+
+
+def test_wrong_dtype_device_or_width_is_a_clear_error():
+    with pytest.raises(ValueError, match="float32/bfloat16"):
+        PanelWeight(torch.zeros(4, 4, dtype=torch.float16))
+    packed = PanelWeight(torch.zeros(32, 8))
+    with pytest.raises(ValueError, match="input"):
+        packed(torch.zeros(1, 9))
+    with pytest.raises(ValueError, match="input"):
+        packed(torch.zeros(1, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_stacked_group_equals_its_parts_and_shares_their_memory(dtype):
+    weights = [randn(n, 64, dtype=dtype, seed=10 + n) for n in (96, 32, 40)]  # the last ends in a partial panel
+    parts = [PanelWeight(weight) for weight in weights]
+    x = randn(3, 64, dtype=dtype, seed=11)
+    alone = [part(x) for part in parts]
+    group = PanelWeight.stack(parts)
+    assert group is not None and group.out_features == 168
+    assert torch.equal(group(x), torch.cat(alone, dim=-1))
+    for part, expected in zip(parts, alone, strict=True):
+        assert torch.equal(part(x), expected)  # each part now reads its slice of the group's panels
+        assert part.packed.untyped_storage().data_ptr() == group.packed.untyped_storage().data_ptr()
+
+
+def test_parts_that_cannot_stack_are_left_alone():
+    partial_first = [PanelWeight(torch.zeros(40, 8)), PanelWeight(torch.zeros(32, 8))]
+    assert PanelWeight.stack(partial_first) is None
+    widths = [PanelWeight(torch.zeros(32, 8)), PanelWeight(torch.zeros(32, 16))]
+    assert PanelWeight.stack(widths) is None
+
+
+def test_bfloat16_without_avx512_bf16_computes_the_same_products(tmp_path):
+    """CPUs without AVX512-BF16 (most CI machines) run the bfloat16 pairs as float32 multiply-adds: build that path
+    explicitly and hold it to torch too."""
+    compiler = _cpu_build.find_compiler()
+    if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs a C++ compiler for x86-64 (the plain path is built with -mavx2)")
+    library = tmp_path / "panel_plain.so"
+    source = _cpu_build.csrc_dir() / "cpu" / "panel_linear_cpu.cpp"
+    flags = [flag for flag in _cpu_build.CXX_FLAGS if flag != "-march=native"]
+    subprocess.run([compiler, *flags, "-mavx2", "-mfma", str(source), "-o", str(library)], check=True)
+    lib = ctypes.CDLL(str(library))
+    lib.pb_cpu_panel_packed_elements.restype = ctypes.c_int64
+    n, k, rows = 40, 77, 5
+    weight, x = randn(n, k, dtype=torch.bfloat16, seed=12), randn(rows, k, dtype=torch.bfloat16, seed=13)
+    packed = torch.empty(
+        lib.pb_cpu_panel_packed_elements(ctypes.c_int64(n), ctypes.c_int64(k), 2), dtype=torch.bfloat16
+    )
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    i64 = ctypes.c_int64
+    assert (
+        lib.pb_cpu_panel_pack(ctypes.c_void_p(weight.data_ptr()), i64(n), i64(k), 2, ctypes.c_void_p(packed.data_ptr()))
+        == 0
+    )
+    status = lib.pb_cpu_panel_linear(
+        ctypes.c_void_p(x.data_ptr()), i64(k), ctypes.c_void_p(packed.data_ptr()), None,
+        ctypes.c_void_p(out.data_ptr()), i64(n), i64(rows), i64(n), i64(k), 2, 1,
+    )  # fmt: skip
+    assert status == 0
+    close(out, panel_linear_reference(x.float(), weight.float()), torch.bfloat16)
