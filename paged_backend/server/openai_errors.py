@@ -1,4 +1,9 @@
-"""OpenAI-style error bodies and the exception handlers that turn every failure into one (4xx for bad input)."""
+"""Error bodies and the exception handlers that turn every failure into one (4xx for bad input).
+
+Failures come in OpenAI's shape, except under /v1/messages, where Anthropic's clients expect Anthropic's
+(`{"type": "error", "error": {"type", "message"}}`). An error that says when to come back (an integer
+`retry_after`, in seconds) gets a `Retry-After` header.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,14 @@ from paged_backend.server.disconnect import ClientDisconnected
 from paged_backend.server.schemas import UNKNOWN_FIELDS_ERROR
 
 logger = logging.getLogger(__name__)
+
+ANTHROPIC_PREFIX = "/v1/messages"  # Anthropic's Messages API: its routes answer in Anthropic's error shape
+# HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+    529: "overloaded_error",
+}  # fmt: skip
 
 
 class ModelNotFound(Exception):
@@ -36,6 +49,24 @@ def error_response(
 def error_bytes(message: str, type_: str, code: str | None = None) -> bytes:
     """The same body, pre-serialized for the raw ASGI guard that answers before FastAPI runs."""
     return json.dumps(error_body(message, type_, None, code)).encode()
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(f"{ANTHROPIC_PREFIX}/")
+
+
+def anthropic_error_body(message: str, status_code: int) -> dict:
+    """Anthropic's error object for a failure answered with `status_code`."""
+    type_ = ANTHROPIC_ERROR_TYPES.get(status_code, "api_error" if status_code >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": type_, "message": message}}
+
+
+def retry_after_headers(error: BaseException) -> dict[str, str]:
+    """`Retry-After` for an error that carries an integer `retry_after` (seconds), e.g. an engine asleep."""
+    seconds = getattr(error, "retry_after", None)
+    if isinstance(seconds, int) and not isinstance(seconds, bool):
+        return {"Retry-After": str(max(seconds, 0))}
+    return {}
 
 
 def engine_error(error: Exception) -> tuple[int, dict]:
@@ -127,31 +158,38 @@ def _dotted(path: tuple) -> str:
     return ".".join(str(part) for part in path)
 
 
+def _respond(request: Request, status_code: int, body: dict, headers: dict[str, str] | None = None) -> JSONResponse:
+    """`body` (OpenAI's shape) as sent, or in Anthropic's shape on Anthropic's routes."""
+    if is_anthropic_path(request.url.path):
+        body = anthropic_error_body(body["error"]["message"], status_code)
+    return JSONResponse(body, status_code=status_code, headers=headers)
+
+
 async def _validation_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = list(exc.errors())
     message, param = describe_validation_error(errors) if errors else ("the request is invalid", None)
-    return error_response(400, message, "invalid_request_error", param)
+    return _respond(request, 400, error_body(message, "invalid_request_error", param))
 
 
 async def _http_handler(request: Request, exc: HTTPException) -> JSONResponse:
+    headers = {**(exc.headers or {}), **retry_after_headers(exc)}
     if exc.status_code == 404:
         message = f"no route {request.method} {request.url.path}; see GET /openapi.json"
-        return error_response(404, message, "invalid_request_error", None, "not_found")
-    if exc.status_code == 405:
+        return _respond(request, 404, error_body(message, "invalid_request_error", None, "not_found"), headers)
+    if exc.status_code == 405:  # Starlette's `Allow` header names the methods the path does take (RFC 9110)
         message = f"method {request.method} is not allowed on {request.url.path}"
-        response = error_response(405, message, "invalid_request_error", None, "method_not_allowed")
-        response.headers.update(exc.headers or {})  # Starlette's `Allow`: the methods the path does take (RFC 9110)
-        return response
-    return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+        return _respond(request, 405, error_body(message, "invalid_request_error", None, "method_not_allowed"), headers)
+    return _respond(request, exc.status_code, error_body(str(exc.detail), "invalid_request_error"), headers)
 
 
 async def _engine_handler(request: Request, exc: Exception) -> JSONResponse:
     status_code, body = engine_error(exc)
-    return JSONResponse(body, status_code=status_code)
+    return _respond(request, status_code, body, retry_after_headers(exc))
 
 
 async def _model_not_found_handler(request: Request, exc: ModelNotFound) -> JSONResponse:
-    return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
+    body = error_body(str(exc), "invalid_request_error", "model", "model_not_found")
+    return _respond(request, 404, body, retry_after_headers(exc))
 
 
 async def _disconnected_handler(request: Request, exc: ClientDisconnected) -> Response:
@@ -160,7 +198,7 @@ async def _disconnected_handler(request: Request, exc: ClientDisconnected) -> Re
 
 async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(500, "internal server error", "internal_error")
+    return _respond(request, 500, error_body("internal server error", "internal_error"), retry_after_headers(exc))
 
 
 def install_error_handlers(app: FastAPI) -> None:
