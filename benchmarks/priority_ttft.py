@@ -1,0 +1,145 @@
+"""Time to first token of a high-priority request, on an idle server and beside many low-priority streams.
+
+    python benchmarks/priority_ttft.py                          # the tiny model, 64 streams, priority then fcfs
+    python benchmarks/priority_ttft.py --model HuggingFaceTB/SmolLM2-135M-Instruct --streams 16 --samples 5
+
+For each policy a real `serve --scheduling-policy POLICY --max-num-seqs STREAMS` starts; its seats are exactly the
+low streams', so a newcomer needs one of theirs. First `--samples` high-priority requests (priority 0, streamed,
+4 tokens) run one at a time on the idle server; then STREAMS clients each stream low-priority completions
+(priority 10, EOS ignored) back to back, and the same high-priority requests are timed again, a random pause apart
+so they land at any point of a step. Under "priority" the newcomer preempts a low stream; under fcfs it waits for
+one to end. Printed: TTFT p50 / p90 per policy and load, the loaded p50 over the idle p50, the low streams' output
+tokens per second while sampling, and the server's preemptions. The acceptance bound is 2x of idle under priority.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+import httpx
+import openai
+
+from paged_backend.bench.report import markdown_table
+from paged_backend.bench.serve import server
+from paged_backend.worker.default_model import TINY_MODEL
+
+HIGH_PROMPT = "Answer at once: what is the capital of France?"
+LOW_PROMPT = "Write a long story about a lighthouse keeper and the sea."
+
+
+@dataclass
+class Row:
+    policy: str
+    load: str
+    ttfts: list[float]
+    low_tokens_per_s: float | None = None
+    preemptions: float | None = None
+
+    @property
+    def p50(self) -> float:
+        return statistics.median(self.ttfts)
+
+    @property
+    def p90(self) -> float:
+        return statistics.quantiles(self.ttfts, n=10, method="inclusive")[-1] if len(self.ttfts) > 1 else self.ttfts[0]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=TINY_MODEL, help="the served model (default: the seeded tiny model)")
+    parser.add_argument("--policies", default="priority,fcfs", help="comma-separated scheduling policies to compare")
+    parser.add_argument("--streams", type=int, default=64, help="low-priority streams running (and --max-num-seqs)")
+    parser.add_argument("--samples", type=int, default=10, help="high-priority requests timed per row")
+    parser.add_argument("--low-max-tokens", type=int, default=256, help="tokens per low-priority completion")
+    parser.add_argument("--server-args", default="", help="more serve flags, e.g. '--device cpu --dtype float32'")
+    return parser
+
+
+async def time_to_first_token(client: openai.AsyncOpenAI, model: str) -> float:
+    """Seconds from sending a priority-0 streamed completion to its first token."""
+    started = time.perf_counter()
+    stream = await client.completions.create(
+        model=model, prompt=HIGH_PROMPT, max_tokens=4, stream=True, temperature=0,
+        extra_body={"priority": 0, "ignore_eos": True},
+    )  # fmt: skip
+    first = None
+    async for chunk in stream:
+        if first is None and chunk.choices:
+            first = time.perf_counter() - started
+    return first
+
+
+async def low_stream(client: openai.AsyncOpenAI, model: str, max_tokens: int, started: asyncio.Event, counts: list):
+    """Back-to-back low-priority completions until cancelled; counts output chunks (one per token)."""
+    first_length = random.randint(1, max_tokens)  # staggered, so the streams do not all end in the same step
+    while True:
+        stream = await client.completions.create(
+            model=model, prompt=LOW_PROMPT, max_tokens=first_length, stream=True, temperature=0,
+            extra_body={"priority": 10, "ignore_eos": True},
+        )  # fmt: skip
+        async with stream:
+            async for _chunk in stream:
+                counts[0] += 1
+                started.set()
+        first_length = max_tokens
+
+
+def preemptions(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("paged_backend:num_preemptions_total "):
+            return float(line.split()[-1])
+    return float("nan")
+
+
+async def measure(url: str, args: argparse.Namespace, policy: str) -> list[Row]:
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=args.streams + 8), timeout=600)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", http_client=http, max_retries=0)
+    await time_to_first_token(client, args.model)  # warm-up
+    idle = [await time_to_first_token(client, args.model) for _ in range(args.samples)]
+    events = [asyncio.Event() for _ in range(args.streams)]
+    counts = [0]
+    lows = [asyncio.create_task(low_stream(client, args.model, args.low_max_tokens, event, counts)) for event in events]
+    await asyncio.gather(*(event.wait() for event in events))
+    await asyncio.sleep(1.0)  # every stream decoding
+    before, tokens_before, clock = preemptions(url), counts[0], time.perf_counter()
+    loaded = []
+    for _ in range(args.samples):
+        await asyncio.sleep(random.uniform(0.05, 0.3))
+        loaded.append(await time_to_first_token(client, args.model))
+    rate = (counts[0] - tokens_before) / (time.perf_counter() - clock)
+    preempted = preemptions(url) - before
+    for task in lows:
+        task.cancel()
+    await asyncio.gather(*lows, return_exceptions=True)
+    await http.aclose()
+    return [Row(policy, "idle", idle), Row(policy, f"{args.streams} low streams", loaded, rate, preempted)]
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    args = build_parser().parse_args(argv)
+    rows: list[Row] = []
+    for policy in args.policies.split(","):
+        flags = f"--model {args.model} --scheduling-policy {policy} --max-num-seqs {args.streams} {args.server_args}"
+        with server(argparse.Namespace(base_url=None, server_args=flags)) as url:
+            print(f"{policy}: serve {flags}", flush=True)
+            rows += asyncio.run(measure(url, args, policy))
+    table = []
+    for row in rows:
+        idle = next(r for r in rows if r.policy == row.policy and r.load == "idle")
+        table.append([
+            row.policy, row.load, f"{row.p50 * 1e3:.1f}", f"{row.p90 * 1e3:.1f}", f"{row.p50 / idle.p50:.2f}x",
+            "" if row.low_tokens_per_s is None else f"{row.low_tokens_per_s:.0f}",
+            "" if row.preemptions is None else f"{row.preemptions:.0f}",
+        ])  # fmt: skip
+    header = ["policy", "server", "TTFT p50 (ms)", "TTFT p90 (ms)", "p50 / idle p50", "low tok/s", "preemptions"]
+    print(markdown_table(header, table))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
