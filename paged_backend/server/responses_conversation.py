@@ -3,7 +3,8 @@
 Items map onto chat messages one to one: a message item is a message of its role, consecutive function_call items
 are one assistant turn's `tool_calls` (joined to the assistant message right before them, as chat writes a turn
 that says something and calls tools), and a function_call_output is a `tool` message answering its call_id.
-`instructions` come first as a system message.
+`instructions` come first as a system message. A turn whose tool_choice forces a call leaves `text.format` for
+the turns that answer in text (as OpenAI does; an agent sends both on every turn).
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
     if body.parallel_tool_calls is not None:
         fields["parallel_tool_calls"] = body.parallel_tool_calls
     text_format = body.text.format if body.text is not None else None
-    if text_format is not None:
+    # A forced call is not text: OpenAI applies text.format to the turns that answer in text, so it waits.
+    forced = body.tool_choice is not None and body.tool_choice not in ("auto", "none")
+    if text_format is not None and not forced:
         if text_format.type == "json_schema" and text_format.json_schema is None:
             raise InvalidRequest('text.format {"type": "json_schema"} needs "schema": {...} (and a "name")')
         fields["response_format"] = text_format.for_chat()
