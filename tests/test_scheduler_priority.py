@@ -168,6 +168,18 @@ def test_batch_requests_are_preempted_first_when_interactive_work_needs_room(mak
     scenario.check_exact_and_leak_free(make_llm)
 
 
+def test_an_interactive_newcomer_never_waits_on_a_batch_prompt_being_prefilled(make_llm):
+    scenario = Scenario(make_llm(max_num_batched_tokens=16, policy="fcfs").engine)
+    scenario.add("batch", [1] * 64, SHORT, request_class="batch")  # four 16-token chunks alone
+    scenario.run(until_step=1)
+    scenario.add("chat", [2] * 8, SHORT)
+    scenario.run(until_step=2)
+    assert scenario.first_token_step["chat"] == 1  # its whole prompt ran in the step it arrived
+    assert scenario.engine.requests["batch"].seqs[0].num_computed_tokens == 24  # the batch chunk took what was left
+    scenario.run()
+    scenario.check_exact_and_leak_free(make_llm)
+
+
 def test_an_unknown_request_class_is_refused_with_the_choices(make_llm):
     engine = make_llm().engine
     with pytest.raises(InvalidRequest, match="interactive, batch"):

@@ -117,9 +117,10 @@ class Scheduler:
         queue.extend(s for s in ordered if s.num_tokens - s.num_computed_tokens != 1)
         self.running = []
         preempted = False
+        head = self.waiting[0] if self.waiting else None
         while queue:
             seq = queue.popleft()
-            num_new = self._chunk(seq, budget)
+            num_new = self._chunk(seq, budget - self._held_for(head, seq, budget))
             if num_new == 0:
                 self.running.append(seq)  # stays running; no budget left this step
                 continue
@@ -137,6 +138,13 @@ class Scheduler:
             budget = self._swap_in(budget, out)
             self._admit(budget, out)
         return out
+
+    def _held_for(self, head: Sequence | None, seq: Sequence, budget: int) -> int:
+        """Tokens of the step a prompt chunk of `seq` leaves to the waiting `head` when `head` outranks it, so an
+        interactive (or, under "priority", a better) newcomer never waits on a worse prompt's prefill."""
+        if head is None or seq.num_tokens - seq.num_computed_tokens == 1 or not self.outranks(head, seq):
+            return 0
+        return self._chunk(head, budget)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens `seq` computes this step: all it has left, or a budget-sized chunk of its prefill."""
