@@ -13,6 +13,12 @@ import openai
 import psutil
 import pytest
 
+from paged_backend.config import CacheConfig, EngineConfig
+from paged_backend.config.speculative import SpeculativeConfig
+from paged_backend.engine import Engine, SamplingParams
+from paged_backend.engine.sleep import EngineSleep
+from paged_backend.errors import InvalidRequest
+from paged_backend.worker.models import embedded_model
 from tests._server_helpers import API_KEY, MODEL, running_server, server_fixture
 
 POOL_BYTES = 256 << 20
@@ -26,10 +32,11 @@ def client(server):
 
 
 @pytest.fixture(autouse=True)
-def awake_afterwards(server):
-    """Every test starts and ends with the server awake, whatever it asserted."""
+def awake_afterwards(request):
+    """Every test on the module's server leaves it awake, whatever it asserted."""
     yield
-    server.post("/wake_up")
+    if "server" in request.fixturenames:
+        request.getfixturevalue("server").post("/wake_up")
 
 
 def greedy_tokens(client: openai.OpenAI, max_tokens: int = 24) -> list[str]:
@@ -108,7 +115,7 @@ def test_asleep_generation_gets_503_with_retry_after_health_says_sleeping_metric
 
 
 def test_sleep_while_a_request_runs_answers_409_and_the_request_still_finishes(server, client):
-    stream = client.completions.create(model=MODEL, prompt="Long", max_tokens=300, temperature=0, stream=True,
+    stream = client.completions.create(model=MODEL, prompt="Long", max_tokens=120, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})  # fmt: skip
     chunks = [next(stream)]
     response = sleep(server, 1)
@@ -147,3 +154,30 @@ def test_the_routes_are_404_without_the_flag():
             response = httpx.request(method, f"{plain.url}{path}", headers={"Authorization": f"Bearer {API_KEY}"})
             assert response.status_code == 404 and "--enable-sleep-mode" in response.json()["error"]["message"]
         assert plain.health()["status"] == "ok"
+
+
+def test_in_process_a_draft_models_pool_sleeps_too_and_a_handed_model_cannot_sleep_at_level_2():
+    config = EngineConfig(model=MODEL, device="cpu", cache=CacheConfig(num_blocks=128),
+                          speculative_config=SpeculativeConfig(model=MODEL, num_speculative_tokens=3))  # fmt: skip
+    engine = Engine(config)
+    sleep_state = EngineSleep(engine)
+
+    def tokens(request_id: str) -> list[int]:
+        engine.add_request(request_id, PROMPT, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+        return outputs[0].outputs[0].token_ids
+
+    before = tokens("a")
+    sleep_state.sleep(2)
+    assert engine.kv_cache.total_bytes == engine.speculator.draft.kv_cache.total_bytes == 0
+    sleep_state.wake_up()
+    assert tokens("b") == before and engine.speculator.num_accepted_tokens > 0
+
+    model, tokenizer = embedded_model()
+    handed = EngineSleep(Engine(EngineConfig(device="cpu", cache=CacheConfig(num_blocks=16)), model=model,
+                                tokenizer=tokenizer))  # fmt: skip
+    with pytest.raises(InvalidRequest, match="handed"):
+        handed.sleep(2)
+    handed.sleep(1)  # its pool is the engine's own
+    assert handed.level == 1

@@ -180,11 +180,17 @@ class AsyncEngine:
     async def sleep(self, level: int) -> None:
         """Sleep at `level` between two steps (`engine.sleep.EngineSleep.sleep`): 1 frees the KV pool, 2 the weights
         too. Raises EngineBusy, freeing nothing, while requests run; requests that arrive asleep get EngineAsleep."""
+        self._check_running()
         await self._call_on_engine_thread(lambda: self._sleep.sleep(level))
 
     async def wake_up(self) -> None:
         """Bring back what the sleep freed (level 2 reloads the weights from the engine config's model)."""
+        self._check_running()
         await self._call_on_engine_thread(self._sleep.wake_up)
+
+    def _check_running(self) -> None:
+        if not self._accepting:  # a stopped loop would never run the command
+            raise EngineNotRunning("the engine is not running (starting or shutting down); retry later")
 
     @property
     def sleep_level(self) -> int:
