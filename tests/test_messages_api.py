@@ -64,15 +64,15 @@ def assert_same_as_chat(message, completion: dict) -> None:
 
 
 def test_create_equals_chat_completions_token_for_token(client, server):
+    blocks = [{"type": "text", "text": "abc"}, {"type": "text", "text": "def ghi"}]
     turns = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi!"},
-             {"role": "user", "content": [{"type": "text", "text": "abc"}, {"type": "text", "text": "def ghi"}]}]  # fmt: skip
+             {"role": "user", "content": blocks}]  # fmt: skip
     message = client.messages.create(model=MODEL, system=SYSTEM, messages=turns, max_tokens=24, extra_body=GREEDY)
     assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
     assert message.model == MODEL and text_of(message)
     assert message.usage.cache_creation_input_tokens == 0
-    chat_turns = [*turns[:2], {"role": "user", "content": [{"type": "text", "text": "abc"},
-                                                           {"type": "text", "text": "def ghi"}]}]  # fmt: skip
-    assert_same_as_chat(message, chat(server, [{"role": "system", "content": SYSTEM}, *chat_turns], 24))
+    chat_turns = [{"role": "system", "content": SYSTEM}, *turns[:2], {"role": "user", "content": blocks}]
+    assert_same_as_chat(message, chat(server, chat_turns, 24))
 
 
 def test_stream_events_come_in_order_and_join_to_the_final_message(client, server):
@@ -140,6 +140,11 @@ def test_count_tokens_counts_what_a_create_sends(client):
     message = client.messages.create(**arguments, max_tokens=4, tool_choice={"type": "none"}, extra_body=GREEDY)
     usage = message.usage
     assert counted == usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens > 0
+    split = [{"role": "user", "content": "count"}, {"role": "user", "content": [{"type": "text", "text": "me"}]}]
+    joined = [{"role": "user", "content": [{"type": "text", "text": "count"}, {"type": "text", "text": "me"}]}]
+    assert client.messages.count_tokens(model=MODEL, messages=split) == client.messages.count_tokens(
+        model=MODEL, messages=joined
+    )  # consecutive turns of one role are one turn
 
 
 def test_a_repeated_long_prompt_reads_the_prefix_cache(client):
@@ -176,13 +181,16 @@ def assert_anthropic_error(error: anthropic.APIStatusError, type_: str, *words: 
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 4},
          ["'image'", "messages.0.content"]),
         ({"messages": [{"role": "user", "content": "hi"}]}, ["'max_tokens' is required"]),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}], "max_tokens": 4},
+         ["'messages.0.content.0.text", "required"]),
         ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x"}]}],
           "max_tokens": 4}, ["toolu_x", "answers no tool_use"]),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tools": TOOLS},
          ["--enable-auto-tool-choice"]),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, ["max_tokens=5000"]),
     ],
-    ids=["wrong-role-order", "unknown-block", "no-max-tokens", "unanswered-result", "auto-tools", "past-context"],
+    ids=["wrong-role-order", "unknown-block", "no-max-tokens", "block-without-text", "unanswered-result", "auto-tools",
+         "past-context"],
 )  # fmt: skip
 def test_bad_input_gets_a_bad_request_in_anthropic_shape(client, server, body, words):
     with pytest.raises(anthropic.BadRequestError) as caught:

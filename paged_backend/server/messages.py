@@ -93,16 +93,21 @@ class _Message:
                 piece = StreamDelta(content=delta.text) if reader is None else reader.feed(delta.text)
                 if delta.finish_reason is not None and reader is not None:
                     piece += reader.finish()
-                for event in blocks.events(piece):
-                    yield event
+                events = blocks.events(piece)
                 if delta.finish_reason is not None:
-                    for event in blocks.close():
-                        yield event
-                    stop_reason, stop_sequence = self._stop(delta.finish_reason, reader is not None and reader.called)
-                    usage = anthropic_usage(self.generation.usage())
-                    yield {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                           "usage": usage}  # fmt: skip
-                    yield {"type": "message_stop"}
+                    called = reader is not None and reader.called
+                    events += [
+                        *blocks.close(),
+                        self._message_delta(delta.finish_reason, called),
+                        {"type": "message_stop"},
+                    ]
+                for event in events:
+                    yield event
+
+    def _message_delta(self, finish_reason: str, called: bool) -> dict:
+        stop_reason, stop_sequence = self._stop(finish_reason, called)
+        return {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                "usage": anthropic_usage(self.generation.usage())}  # fmt: skip
 
     def _stop(self, finish_reason: str | None, called: bool) -> tuple[str, str | None]:
         """Anthropic's stop_reason and stop_sequence for the engine's finish."""

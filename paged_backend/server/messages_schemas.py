@@ -2,7 +2,8 @@
 
 Content is a string or a list of blocks: `text`, `tool_use` (an assistant's call) and `tool_result` (the user's
 answer to one). Other block types (images, documents, thinking) are refused with a 400 that names them. Turns
-start with the user; consecutive turns of one role are combined into one, as Anthropic combines them.
+start with the user; consecutive turns of one role are combined into one, as Anthropic combines them. Blocks may
+carry `cache_control` (accepted and ignored: the prefix cache needs no markers).
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ class MessageCountTokensRequest(_Request):
     system: SystemPrompt | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    cache_control: dict[str, Any] | None = None  # accepted: the prefix cache serves repeated prefixes unasked
 
     @field_validator("messages")
     @classmethod

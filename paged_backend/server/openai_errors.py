@@ -88,7 +88,8 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
     """A sentence naming the offending field, and that field's dotted path (OpenAI's `param`).
 
     A value that fits none of a union's forms yields one error per form, their locations sharing the field's
-    path and then naming the form; those are reported once, at the field.
+    path and then naming the form; those are reported once, at the field. When the value has the outer type of
+    exactly one form (a list where a string or a list is accepted), that form's own error is the one reported.
     """
     first = errors[0]
     kind = first.get("type", "")
@@ -109,6 +110,13 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
     common = _common_prefix(siblings)
     forms_differ = len(siblings) > 1 and len(common) < len(location) and isinstance(location[len(common)], str)
     if forms_differ:  # one value, several union forms (list indices are items, not forms)
+        depth = len(common)
+        entered = {path[depth] for path in siblings if len(path) > depth + 1}
+        if len(entered) == 1:
+            form = common + (entered.pop(),)
+            return describe_validation_error(
+                [_without_step(e, depth) for e in errors if _field_path(e)[: depth + 1] == form]
+            )
         forms = ", ".join(dict.fromkeys(
             str(path[len(common)]).replace("constrained-", "") for path in siblings if len(path) > len(common)
         ))  # fmt: skip
@@ -119,6 +127,13 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
     if kind == "missing":
         return f"'{param}' is required", param
     return f"invalid value for '{param}': {first.get('msg')}", param
+
+
+def _without_step(error: dict, depth: int) -> dict:
+    """`error` with the step at `depth` of its field path (a union form's name) left out of its location."""
+    location = list(error.get("loc", ()))
+    del location[len(location) - len(_field_path(error)) + depth]
+    return {**error, "loc": tuple(location)}
 
 
 def _is_union_member(path: tuple) -> bool:
