@@ -189,6 +189,8 @@ class Scheduler:
             return
         head = self.waiting[0]
         victims = sorted((seq for seq in self.running if self.outranks(head, seq)), key=self.key, reverse=True)
+        if not victims:
+            return
         for victim in victims[: self._victims_needed(head, victims)]:
             self.running.remove(victim)
             self._preempt(victim, out)
