@@ -1,5 +1,5 @@
-"""`paged-backend` command line: `version` and `run` here; `serve`, `launch`, `dashboards` and `bench` register from
-their own modules."""
+"""`paged-backend` command line: `version` and `run` here; `serve`, `run-batch`, `launch`, `dashboards` and `bench`
+register from their own modules."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ app = typer.Typer(
 # Modules that add their own subcommands through `register(app)`; one whose extra is not installed is skipped.
 COMMAND_MODULES = (
     "paged_backend.server.cli",
+    "paged_backend.server.run_batch",
     "paged_backend.tgi.launcher.cli",
     "paged_backend.observability.dashboards.cli",
     "paged_backend.bench.cli",

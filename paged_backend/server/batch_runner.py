@@ -3,7 +3,8 @@
 Each line goes through the app's own route in process in the "batch" class of service, which the scheduler runs
 only on capacity live traffic leaves over. Results are stored as lines finish; on start-up the runner resumes
 the batches a stop interrupted, running only their unfinished lines. A line the server does not take now
-(asleep, draining: 503) is retried, never recorded, so a restart midway redoes nothing and loses nothing.
+(asleep: 503) is retried, never recorded; when a shutdown starts draining the engine, the running lines are aborted
+rather than waited for. So a restart midway redoes nothing and loses nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from paged_backend.server.file_store import FileNotFound, FileStore, files_dir
 
 logger = logging.getLogger(__name__)
 BATCH_CONCURRENCY = 32  # lines of a batch in the engine at once: enough to batch, few enough to leave room
+POLL = 0.1  # seconds between looks at a running batch's status and at the engine's
 
 
 def file_store_of(app: FastAPI) -> FileStore:
@@ -37,18 +39,26 @@ def batch_store_of(app: FastAPI) -> BatchStore:
 class BatchRunner:
     def __init__(self, app: FastAPI) -> None:
         self.store, self.files = batch_store_of(app), file_store_of(app)
+        self.async_engine = app.state.server.async_engine
         self.client = InProcessClient(app, app.state.server.settings.api_key, request_class="batch")
-        self._task: asyncio.Task | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run_forever())
+        self._watcher = asyncio.create_task(self._stop_when_draining())
 
     async def stop(self) -> None:
-        """Stop at once; lines still running are dropped, not recorded, and run again after the next start."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        """Stop at once; lines still running are aborted, not recorded, and run again after the next start."""
+        for task in (self._watcher, self._task):
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         await self.client.aclose()
+
+    async def _stop_when_draining(self) -> None:
+        """A shutdown drains the engine before the app stops: abort the batch lines then, so they do not hold up
+        the drain (they resume on the next start)."""
+        while self.async_engine.accepting:
+            await asyncio.sleep(POLL)
+        self._task.cancel()
 
     async def _run_forever(self) -> None:
         while True:
@@ -79,6 +89,7 @@ class BatchRunner:
 
     async def _run_lines(self, record: BatchRecord, lines: list[BatchLine]) -> None:
         slots = asyncio.Semaphore(BATCH_CONCURRENCY)
+        running: set[asyncio.Task] = set()
 
         async def run_line(line: BatchLine) -> None:
             try:
@@ -86,12 +97,18 @@ class BatchRunner:
             finally:
                 slots.release()
 
-        async with asyncio.TaskGroup() as lines_running:
-            for line in lines:
-                await slots.acquire()
-                if record.status != "in_progress":  # cancelled: the lines already running finish
-                    break
-                lines_running.create_task(run_line(line))
+        watcher = asyncio.create_task(_abort_when_cancelled(record, running))
+        try:
+            async with asyncio.TaskGroup() as lines_running:
+                for line in lines:
+                    await slots.acquire()
+                    if record.status != "in_progress":
+                        break
+                    task = lines_running.create_task(run_line(line))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+        finally:
+            watcher.cancel()
 
     def _finalize(self, record: BatchRecord, lines: list[BatchLine]) -> None:
         """Outputs in input order: 2xx answers to the output file, the rest to the error file."""
@@ -120,3 +137,11 @@ class BatchRunner:
         record.errors = [{"code": code, "message": message, "param": None, "line": None}]
         record.set_status("failed")
         self.store.save(record)
+
+
+async def _abort_when_cancelled(record: BatchRecord, running: set[asyncio.Task]) -> None:
+    """Once the batch is being cancelled, abort its running lines (they are not recorded)."""
+    while record.status == "in_progress":
+        await asyncio.sleep(POLL)
+    for task in list(running):
+        task.cancel()

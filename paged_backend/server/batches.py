@@ -76,7 +76,7 @@ async def retrieve_batch(batch_id: str, request: Request) -> JSONResponse:
 
 @router.post("/v1/batches/{batch_id}/cancel", responses={**FINISHED, **NOT_FOUND})
 async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
-    """Stop starting lines; those running finish, then the batch is "cancelled" with the outputs it has."""
+    """Stop the batch: lines still running are aborted, and it ends "cancelled" with the outputs it has."""
     store = batch_store_of(request.app)
     try:
         record = store.get(batch_id)

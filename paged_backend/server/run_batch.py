@@ -82,7 +82,7 @@ async def _run_lines(app, lines: list[BatchLine], concurrency: int, progress: bo
     finally:
         bar.close()
         await client.aclose()
-        await async_engine.shutdown(drain_timeout=0)
+        await async_engine.shutdown(drain_timeout=5)  # every line has finished: nothing to wait for
 
 
 def register(app: typer.Typer) -> None:

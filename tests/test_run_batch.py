@@ -1,0 +1,80 @@
+"""`paged-backend run-batch -i requests.jsonl -o results.jsonl`, the real command: its output equals the online
+answers of a real server line by line (chat, completions, responses), and malformed lines become error lines."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests._server_helpers import MODEL, server_fixture
+from tests.test_batches_api import EXACT, chat_line, comparable, completion_line, jsonl, online_answer
+
+server = server_fixture(*EXACT)
+
+
+def responses_line(custom_id: str, text: str, max_output_tokens: int = 8) -> dict:
+    body = {"model": MODEL, "input": text, "max_output_tokens": max_output_tokens, "temperature": 0, "store": False}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/responses", "body": body}
+
+
+def comparable_response(body: dict) -> dict:
+    """A /v1/responses answer without its ids and creation time (the output items carry ids of their own)."""
+    output = [{key: value for key, value in item.items() if key != "id"} for item in body.get("output", [])]
+    return {**comparable(body), "output": output}
+
+
+LINES = [
+    chat_line("chat-0", "What does a paged cache do?"),
+    completion_line("text-0", "The scheduler picks", max_tokens=10),
+    responses_line("resp-0", "Say something about blocks."),
+    chat_line("chat-1", "And continuous batching?", max_tokens=12),
+    completion_line("text-1", "Prefix caching means", max_tokens=5),
+    responses_line("resp-1", "One more, please.", max_output_tokens=6),
+    chat_line("too-long", "x", max_tokens=100_000),  # the route's own 400
+    "{broken",
+    {**chat_line("wrong-url", "x"), "url": "/v1/embeddings"},
+]
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory) -> tuple[list[dict], str]:
+    directory = tmp_path_factory.mktemp("run_batch")
+    requests, results = directory / "requests.jsonl", directory / "results.jsonl"
+    requests.write_bytes(jsonl(LINES))
+    command = [str(Path(sys.executable).with_name("paged-backend")), "run-batch", "-i", str(requests),
+               "-o", str(results), "--model", MODEL, "--device", "cpu", *EXACT]  # fmt: skip
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stderr
+    return [json.loads(line) for line in results.read_text().splitlines()], finished.stderr
+
+
+def test_output_lines_equal_the_online_answers(server, outputs):
+    lines, _ = outputs
+    sent = [line for line in LINES if isinstance(line, dict) and line["url"] != "/v1/embeddings"]
+    answered = {output["custom_id"]: output for output in lines}
+    for line in sent:
+        status, online = online_answer(server, line)
+        response = answered[line["custom_id"]]["response"]
+        assert response["status_code"] == status
+        if line["url"] == "/v1/responses":
+            assert status == 200 and online["object"] == "response"
+            assert response["body"]["output"] and comparable_response(response["body"]) == comparable_response(online)
+        elif status == 200:
+            assert comparable(response["body"]) == comparable(online)
+        else:
+            assert response["body"] == online  # the same 400, message and all
+
+
+def test_output_keeps_the_input_order_with_error_lines_for_malformed_lines(outputs):
+    lines, stderr = outputs
+    assert [output["custom_id"] for output in lines] == [line["custom_id"] if isinstance(line, dict) else None
+                                                         for line in LINES]  # fmt: skip
+    broken, wrong_url = lines[-2:]
+    assert broken["response"] is None and "line 8 is not valid JSON" in broken["error"]["message"]
+    assert wrong_url["response"] is None and "unknown url '/v1/embeddings'" in wrong_url["error"]["message"]
+    assert all(output["id"].startswith("batch_req_") for output in lines)
+    assert "run-batch" in stderr and "9 lines" in stderr and "6 answered, 3 failed" in stderr
