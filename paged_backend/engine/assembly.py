@@ -18,7 +18,7 @@ from paged_backend.lora import LoRAManager
 from paged_backend.worker.batch_invariant import refusal
 from paged_backend.worker.model_support import check_runs_paged
 from paged_backend.worker.model_worker import ModelWorker, plan_pool
-from paged_backend.worker.models import load_model
+from paged_backend.worker.models import load_configured
 from paged_backend.worker.offload import input_device
 from paged_backend.worker.runner import ModelRunner
 
@@ -46,12 +46,7 @@ def assemble(
     """Load the model (unless given one, with its tokenizer), size and allocate the pool, build the runner."""
     loaded = model is None
     if loaded:
-        model, tokenizer = load_model(
-            config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=config.device,
-            device_map=config.device_map, max_memory=config.max_memory, cpu_offload_gb=config.cpu_offload_gb,
-            offload_folder=config.offload_folder, quantization=config.quantization,
-            quantization_param=config.quantization_param,
-        )  # fmt: skip
+        model, tokenizer = load_configured(config)
     elif tokenizer is None:
         raise InvalidRequest("a model object was given without its tokenizer; pass tokenizer=...")
     if config.lora_modules and not config.enable_lora:

@@ -85,6 +85,23 @@ def serve(
     allow_runtime_lora_updating: Annotated[
         bool, typer.Option(help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes)")
     ] = False,
+    max_stored_responses: Annotated[
+        int, typer.Option(min=0, help="/v1/responses kept for GET and previous_response_id; the oldest go first")
+    ] = 1000,
+    stored_response_ttl: Annotated[float, typer.Option(min=0, help="seconds a stored response is kept")] = 3600.0,
+    files_dir: Annotated[
+        str | None,
+        typer.Option(
+            help="directory of /v1/files and /v1/batches (kept across restarts); default ~/.cache/paged_backend/files"
+        ),
+    ] = None,
+    max_file_bytes: Annotated[int, typer.Option(min=1, help="larger /v1/files uploads get 413")] = 200 << 20,
+    enable_sleep_mode: Annotated[
+        bool,
+        typer.Option(
+            help="serve POST /sleep (level 1 frees the KV pool, 2 the weights too), /wake_up, GET /is_sleeping"
+        ),
+    ] = False,
 ) -> None:
     """Serve OpenAI /v1/completions and /v1/chat/completions, /v1/models, vLLM's /tokenize, /detokenize and
     /version, /health and /metrics."""
@@ -123,6 +140,8 @@ def serve(
         otlp_traces_endpoint=otlp_traces_endpoint,
         enable_debug_routes=enable_debug_routes,
         allow_runtime_lora_updating=allow_runtime_lora_updating,
+        max_stored_responses=max_stored_responses, stored_response_ttl=stored_response_ttl,
+        files_dir=files_dir, max_file_bytes=max_file_bytes, enable_sleep_mode=enable_sleep_mode,
     )  # fmt: skip
     try:
         if engines is None:

@@ -1,26 +1,42 @@
 """Raw ASGI guard in front of the app: API key, body size and concurrency limits, answered before parsing.
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses and client disconnects pass through untouched.
+The key is accepted as OpenAI's `Authorization: Bearer` or Anthropic's `x-api-key`; rejections of Anthropic's
+routes (/v1/messages) come in Anthropic's error shape, the rest in OpenAI's.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from paged_backend.server.openai_errors import error_bytes
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
+OPERATOR_PATHS = ("/sleep", "/wake_up", "/is_sleeping")  # vLLM's sleep routes: outside /v1, yet the key's alone
+UPLOAD_PATHS = ("/v1/files",)  # bodies up to max_file_bytes instead of max_request_body_bytes
+ANTHROPIC_PREFIX = "/v1/messages"
+# OpenAI's error type -> Anthropic's (https://docs.anthropic.com/en/api/errors)
+_ANTHROPIC_TYPES = {"invalid_api_key": "authentication_error", "request_too_large": "request_too_large",
+                    "rate_limit_exceeded": "rate_limit_error"}  # fmt: skip
 
 
 class RequestGuard:
     def __init__(
-        self, app: ASGIApp, *, api_key: str | None, max_request_body_bytes: int, max_concurrent_requests: int | None
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str | None,
+        max_request_body_bytes: int,
+        max_concurrent_requests: int | None,
+        max_file_bytes: int | None = None,
     ) -> None:
         self.app = app
         self.api_key = api_key
         self.max_request_body_bytes = max_request_body_bytes
+        self.max_file_bytes = max_file_bytes if max_file_bytes is not None else max_request_body_bytes
         self.max_concurrent_requests = max_concurrent_requests
         self.in_flight = 0
 
@@ -28,19 +44,21 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        if self.api_key is not None and path.startswith("/v1/") and not self._authorized(scope):
-            message = "missing or wrong API key; send 'Authorization: Bearer <key>'"
-            return await _reject(send, 401, error_bytes(message, "invalid_request_error", "invalid_api_key"))
-        body = await self._read_body(receive)
+        keyed = path.startswith("/v1/") or path in OPERATOR_PATHS
+        if self.api_key is not None and keyed and not self._authorized(scope):
+            message = "missing or wrong API key; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+            return await _reject(send, path, 401, message, "invalid_request_error", "invalid_api_key")
+        limit = self.max_file_bytes if path in UPLOAD_PATHS else self.max_request_body_bytes
+        body = await self._read_body(receive, limit)
         if body is None:
-            message = f"request body is larger than {self.max_request_body_bytes} bytes; send a smaller request"
-            return await _reject(send, 413, error_bytes(message, "invalid_request_error", "request_too_large"))
+            message = f"request body is larger than {limit} bytes; send a smaller request"
+            return await _reject(send, path, 413, message, "invalid_request_error", "request_too_large")
         replay = _replaying(body, receive)
         if path not in GENERATION_PATHS or self.max_concurrent_requests is None:
             return await self.app(scope, replay, send)
         if self.in_flight >= self.max_concurrent_requests:
             message = f"the server is at its limit of {self.max_concurrent_requests} concurrent requests; retry later"
-            return await _reject(send, 429, error_bytes(message, "rate_limit_error", "rate_limit_exceeded"))
+            return await _reject(send, path, 429, message, "rate_limit_error", "rate_limit_exceeded")
         self.in_flight += 1
         try:
             await self.app(scope, replay, send)
@@ -49,10 +67,10 @@ class RequestGuard:
 
     def _authorized(self, scope: Scope) -> bool:
         headers = dict(scope["headers"])
-        expected = f"Bearer {self.api_key}".encode()
-        return hmac.compare_digest(headers.get(b"authorization", b""), expected)
+        bearer = hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode())
+        return bearer or hmac.compare_digest(headers.get(b"x-api-key", b""), self.api_key.encode())
 
-    async def _read_body(self, receive: Receive) -> bytes | None:
+    async def _read_body(self, receive: Receive, limit: int) -> bytes | None:
         """The whole body, or None as soon as it passes the limit (declared or actual size)."""
         chunks, size = [], 0
         while True:
@@ -60,7 +78,7 @@ class RequestGuard:
             if message["type"] != "http.request":
                 return b"".join(chunks)  # the client left; the app sees an empty body and the disconnect
             size += len(message.get("body", b""))
-            if size > self.max_request_body_bytes:
+            if size > limit:
                 return None
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
@@ -81,7 +99,16 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-async def _reject(send: Send, status: int, body: bytes) -> None:
+def anthropic_error_bytes(message: str, type_: str) -> bytes:
+    """Anthropic's `{"type": "error", "error": {type, message}}` body."""
+    return json.dumps({"type": "error", "error": {"type": type_, "message": message}}).encode()
+
+
+async def _reject(send: Send, path: str, status: int, message: str, type_: str, code: str) -> None:
+    if path.startswith(ANTHROPIC_PREFIX):
+        body = anthropic_error_bytes(message, _ANTHROPIC_TYPES.get(code, "invalid_request_error"))
+    else:
+        body = error_bytes(message, type_, code)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

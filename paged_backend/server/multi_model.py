@@ -27,7 +27,6 @@ from paged_backend.errors import InvalidRequest
 from paged_backend.lora.manager import served_adapters
 from paged_backend.server import system_routes
 from paged_backend.server.guard import RequestGuard, _reject, _replaying
-from paged_backend.server.openai_errors import error_bytes
 from paged_backend.server.state import ServerSettings
 
 SHARED_PATHS = ("/v1/models", "/health", "/metrics")
@@ -81,7 +80,8 @@ class ModelRouter:
         self.apps, self.default = apps, next(iter(apps))
         self.shared = _shared_app(apps)
         self.guard = RequestGuard(self._route, api_key=settings.api_key, max_concurrent_requests=None,
-                                  max_request_body_bytes=settings.max_request_body_bytes)  # fmt: skip
+                                  max_request_body_bytes=settings.max_request_body_bytes,
+                                  max_file_bytes=settings.max_file_bytes)  # fmt: skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -101,7 +101,7 @@ class ModelRouter:
         if app is None:
             served = ", ".join(f"'{n}'" for n in self._served_names())
             text = f"model '{name}' is not served here; this server serves {served}"
-            return await _reject(send, 404, error_bytes(text, "invalid_request_error", "model_not_found"))
+            return await _reject(send, scope["path"], 404, text, "invalid_request_error", "model_not_found")
         await app(scope, _replaying(body, receive), send)
 
     async def shutdown(self, drain_timeout: float) -> None:

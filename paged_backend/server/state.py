@@ -29,6 +29,11 @@ class ServerSettings:
     otlp_traces_endpoint: str | None = None  # OTLP collector for one span per request (vLLM's flag)
     enable_debug_routes: bool = False  # GET /debug/kv (the KV pool map's data); off: 404
     allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's)
+    max_stored_responses: int = 1000  # /v1/responses kept for GET and previous_response_id; the oldest go first
+    stored_response_ttl: float = 3600.0  # seconds a stored response is kept
+    files_dir: str | None = None  # /v1/files and /v1/batches live here; default: ~/.cache/paged_backend/files
+    max_file_bytes: int = 200 << 20  # larger /v1/files uploads get 413
+    enable_sleep_mode: bool = False  # POST /sleep, /wake_up and GET /is_sleeping (vLLM's routes); off: 404
 
 
 @dataclass
