@@ -4,18 +4,20 @@
     python benchmarks/priority_ttft.py --model HuggingFaceTB/SmolLM2-135M-Instruct --streams 16 --samples 5
 
 For each policy a real `serve --scheduling-policy POLICY --max-num-seqs STREAMS` starts; its seats are exactly the
-low streams', so a newcomer needs one of theirs. First `--samples` high-priority requests (priority 0, streamed,
-4 tokens) run one at a time on the idle server; then STREAMS clients each stream low-priority completions
-(priority 10, EOS ignored) back to back, and the same high-priority requests are timed again, a random pause apart
-so they land at any point of a step. Under "priority" the newcomer preempts a low stream; under fcfs it waits for
-one to end. Printed: TTFT p50 / p90 per policy and load, the loaded p50 over the idle p50, the low streams' output
-tokens per second while sampling, and the server's preemptions. The acceptance bound is 2x of idle under priority.
+low streams', so a newcomer needs one of theirs. `--samples` high-priority requests (priority 0, streamed, 4 tokens)
+run one at a time on the idle server (half before the load, half after), and as many while STREAMS clients each
+stream low-priority completions (priority 10, EOS ignored) back to back, a random pause apart so they land at any
+point of a step. Under "priority" the newcomer preempts a low stream; under fcfs it waits for one to end. Printed:
+TTFT p50 / p90 per policy and load, the loaded p50 over the idle p50, the low streams' output tokens per second
+while sampling, the server's preemptions and the machine's load average. The acceptance bound is 2x of idle
+under priority.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import time
@@ -54,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=TINY_MODEL, help="the served model (default: the seeded tiny model)")
     parser.add_argument("--policies", default="priority,fcfs", help="comma-separated scheduling policies to compare")
     parser.add_argument("--streams", type=int, default=64, help="low-priority streams running (and --max-num-seqs)")
-    parser.add_argument("--samples", type=int, default=10, help="high-priority requests timed per row")
+    parser.add_argument("--samples", type=int, default=20, help="high-priority requests timed per row")
     parser.add_argument("--low-max-tokens", type=int, default=256, help="tokens per low-priority completion")
     parser.add_argument("--server-args", default="", help="more serve flags, e.g. '--device cpu --dtype float32'")
     return parser
@@ -74,19 +76,20 @@ async def time_to_first_token(client: openai.AsyncOpenAI, model: str) -> float:
     return first
 
 
-async def low_stream(client: openai.AsyncOpenAI, model: str, max_tokens: int, started: asyncio.Event, counts: list):
-    """Back-to-back low-priority completions until cancelled; counts output chunks (one per token)."""
-    first_length = random.randint(1, max_tokens)  # staggered, so the streams do not all end in the same step
+async def low_stream(http: httpx.AsyncClient, url: str, args: argparse.Namespace, started: asyncio.Event, counts: list):
+    """Back-to-back low-priority completions until cancelled, counting output events (one per token). Read as raw
+    server-sent lines: on a small shared machine, parsing 64 streams with the SDK would slow the server it measures."""
+    max_tokens = random.randint(1, args.low_max_tokens)  # staggered, so the streams do not all end in the same step
     while True:
-        stream = await client.completions.create(
-            model=model, prompt=LOW_PROMPT, max_tokens=first_length, stream=True, temperature=0,
-            extra_body={"priority": 10, "ignore_eos": True},
-        )  # fmt: skip
-        async with stream:
-            async for _chunk in stream:
-                counts[0] += 1
-                started.set()
-        first_length = max_tokens
+        body = {"model": args.model, "prompt": LOW_PROMPT, "max_tokens": max_tokens, "stream": True,
+                "temperature": 0, "priority": 10, "ignore_eos": True}  # fmt: skip
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    counts[0] += 1
+                    started.set()
+        max_tokens = args.low_max_tokens
 
 
 def preemptions(url: str) -> float:
@@ -99,11 +102,12 @@ def preemptions(url: str) -> float:
 async def measure(url: str, args: argparse.Namespace, policy: str) -> list[Row]:
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=args.streams + 8), timeout=600)
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", http_client=http, max_retries=0)
-    await time_to_first_token(client, args.model)  # warm-up
-    idle = [await time_to_first_token(client, args.model) for _ in range(args.samples)]
+    for _ in range(3):  # warm-up: the first requests of a fresh server pay one-time costs
+        await time_to_first_token(client, args.model)
+    idle = [await time_to_first_token(client, args.model) for _ in range(args.samples // 2)]
     events = [asyncio.Event() for _ in range(args.streams)]
     counts = [0]
-    lows = [asyncio.create_task(low_stream(client, args.model, args.low_max_tokens, event, counts)) for event in events]
+    lows = [asyncio.create_task(low_stream(http, url, args, event, counts)) for event in events]
     await asyncio.gather(*(event.wait() for event in events))
     await asyncio.sleep(1.0)  # every stream decoding
     before, tokens_before, clock = preemptions(url), counts[0], time.perf_counter()
@@ -116,6 +120,9 @@ async def measure(url: str, args: argparse.Namespace, policy: str) -> list[Row]:
     for task in lows:
         task.cancel()
     await asyncio.gather(*lows, return_exceptions=True)
+    await asyncio.sleep(1.0)  # the aborted streams leave
+    # Idle is sampled before and after the load, so a neighbour's burst on a shared machine skews both sides alike.
+    idle += [await time_to_first_token(client, args.model) for _ in range(args.samples - len(idle))]
     await http.aclose()
     return [Row(policy, "idle", idle), Row(policy, f"{args.streams} low streams", loaded, rate, preempted)]
 
@@ -123,6 +130,7 @@ async def measure(url: str, args: argparse.Namespace, policy: str) -> list[Row]:
 def main(argv: list[str] | None = None) -> list[Row]:
     args = build_parser().parse_args(argv)
     rows: list[Row] = []
+    print("load average (1, 5, 15 min) at the start: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
     for policy in args.policies.split(","):
         flags = f"--model {args.model} --scheduling-policy {policy} --max-num-seqs {args.streams} {args.server_args}"
         with server(argparse.Namespace(base_url=None, server_args=flags)) as url:
@@ -138,6 +146,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         ])  # fmt: skip
     header = ["policy", "server", "TTFT p50 (ms)", "TTFT p90 (ms)", "p50 / idle p50", "low tok/s", "preemptions"]
     print(markdown_table(header, table))
+    print("load average (1, 5, 15 min) at the end: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
     return rows
 
 
