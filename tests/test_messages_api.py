@@ -250,3 +250,17 @@ def test_an_error_with_retry_after_gets_the_header_in_either_shape():
     assert anthropic_answer.json() == {"type": "error", "error": {"type": "overloaded_error",
                                                                   "message": "asleep; retry later"}}  # fmt: skip
     assert openai_answer.json()["error"]["code"] == "service_unavailable"
+
+
+def test_a_wrong_method_names_the_methods_of_every_route_of_the_path():
+    app = FastAPI()
+    install_error_handlers(app)
+    app.get("/v1/messages/{message_id}")(lambda message_id: {})
+    app.delete("/v1/messages/{message_id}")(lambda message_id: {})
+    app.get("/v1/things")(lambda: {})
+    app.post("/v1/things")(lambda: {})
+    with TestClient(app) as test_client:
+        anthropic_answer, openai_answer = test_client.put("/v1/messages/1"), test_client.options("/v1/things")
+    assert anthropic_answer.status_code == openai_answer.status_code == 405
+    assert anthropic_answer.headers["Allow"] == "DELETE, GET" and openai_answer.headers["Allow"] == "GET, POST"
+    assert anthropic_answer.json()["type"] == "error" and openai_answer.json()["error"]["code"] == "method_not_allowed"

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.routing import Match, Route
 
 from paged_backend.engine.async_engine import EngineNotRunning, EngineStepFailed, RequestAborted
 from paged_backend.errors import InvalidRequest, OutOfBlocks, PagedBackendError, PromptTooLong
@@ -191,10 +192,20 @@ async def _http_handler(request: Request, exc: HTTPException) -> JSONResponse:
     if exc.status_code == 404:
         message = f"no route {request.method} {request.url.path}; see GET /openapi.json"
         return _respond(request, 404, error_body(message, "invalid_request_error", None, "not_found"), headers)
-    if exc.status_code == 405:  # Starlette's `Allow` header names the methods the path does take (RFC 9110)
+    if exc.status_code == 405:  # `Allow` names the methods the path does take (RFC 9110)
+        headers["Allow"] = _allowed_methods(request) or headers.get("Allow", "")
         message = f"method {request.method} is not allowed on {request.url.path}"
         return _respond(request, 405, error_body(message, "invalid_request_error", None, "method_not_allowed"), headers)
     return _respond(request, exc.status_code, error_body(str(exc.detail), "invalid_request_error"), headers)
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method some route of this path takes (Starlette's own `Allow` names only the first route's)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if isinstance(route, Route) and route.matches(request.scope)[0] == Match.PARTIAL:
+            methods |= route.methods or set()
+    return ", ".join(sorted(methods))
 
 
 async def _engine_handler(request: Request, exc: Exception) -> JSONResponse:
