@@ -37,7 +37,10 @@ from paged_backend.server.tool_parsers.choice import ToolCallPlan
 router = APIRouter()
 _ITEM = TypeAdapter(InputItem)
 ResponseId = Annotated[str, Path(min_length=1, max_length=128)]
-NOT_FOUND = {404: {"model": ErrorResponse, "description": "No stored response with this id for this API key"}}
+NOT_FOUND = {
+    400: {"model": ErrorResponse, "description": "The id or a query parameter is not valid"},
+    404: {"model": ErrorResponse, "description": "No stored response with this id for this API key"},
+}
 
 
 @dataclass
