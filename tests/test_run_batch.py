@@ -10,10 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from tests._server_helpers import MODEL, server_fixture
+from tests._server_helpers import MODEL, running_server
 from tests.test_batches_api import EXACT, chat_line, comparable, completion_line, jsonl, online_answer
 
-server = server_fixture(*EXACT)
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(*EXACT, "--files-dir", str(tmp_path_factory.mktemp("files"))) as running:
+        yield running
 
 
 def responses_line(custom_id: str, text: str, max_output_tokens: int = 8) -> dict:

@@ -10,8 +10,11 @@ rather than waited for. So a restart midway redoes nothing and loses nothing.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
+from pathlib import Path
+from typing import IO
 
 from fastapi import FastAPI
 
@@ -43,14 +46,22 @@ class BatchRunner:
         self.client = InProcessClient(app, app.state.server.settings.api_key, request_class="batch")
 
     def start(self) -> None:
+        self._lock = _lock_directory(self.store.directory)
+        if self._lock is None:
+            logger.warning(
+                "another server runs the batches of %s; this one only answers /v1/batches", self.store.directory
+            )
+            return
         self._task = asyncio.create_task(self._run_forever())
         self._watcher = asyncio.create_task(self._stop_when_draining())
 
     async def stop(self) -> None:
         """Stop at once; lines still running are aborted, not recorded, and run again after the next start."""
-        for task in (self._watcher, self._task):
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        if self._lock is not None:
+            for task in (self._watcher, self._task):
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            self._lock.close()  # releases the lock
         await self.client.aclose()
 
     async def _stop_when_draining(self) -> None:
@@ -137,6 +148,18 @@ class BatchRunner:
         record.errors = [{"code": code, "message": message, "param": None, "line": None}]
         record.set_status("failed")
         self.store.save(record)
+
+
+def _lock_directory(directory: Path) -> IO | None:
+    """An exclusive lock on the batches of `directory` (None: another runner holds it), so that two servers on one
+    --files-dir (or the per-model apps of one) never run a line twice."""
+    lock = open(directory / ".runner.lock", "w")  # noqa: SIM115 (held open for the runner's life)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    return lock
 
 
 async def _abort_when_cancelled(record: BatchRecord, running: set[asyncio.Task]) -> None:
