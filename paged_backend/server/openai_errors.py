@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
-from starlette.routing import Match, Route
+from starlette.routing import compile_path
 
 from paged_backend.engine.async_engine import EngineNotRunning, EngineStepFailed, RequestAborted
 from paged_backend.errors import InvalidRequest, OutOfBlocks, PagedBackendError, PromptTooLong
@@ -22,6 +22,8 @@ from paged_backend.server.disconnect import ClientDisconnected
 from paged_backend.server.schemas import UNKNOWN_FIELDS_ERROR
 
 logger = logging.getLogger(__name__)
+
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE"})
 
 ANTHROPIC_PREFIX = "/v1/messages"  # Anthropic's Messages API: its routes answer in Anthropic's error shape
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
@@ -193,18 +195,19 @@ async def _http_handler(request: Request, exc: HTTPException) -> JSONResponse:
         message = f"no route {request.method} {request.url.path}; see GET /openapi.json"
         return _respond(request, 404, error_body(message, "invalid_request_error", None, "not_found"), headers)
     if exc.status_code == 405:  # `Allow` names the methods the path does take (RFC 9110)
-        headers["Allow"] = _allowed_methods(request) or headers.get("Allow", "")
+        headers["Allow"] = _allowed_methods(request, headers.get("Allow", ""))
         message = f"method {request.method} is not allowed on {request.url.path}"
         return _respond(request, 405, error_body(message, "invalid_request_error", None, "method_not_allowed"), headers)
     return _respond(request, exc.status_code, error_body(str(exc.detail), "invalid_request_error"), headers)
 
 
-def _allowed_methods(request: Request) -> str:
-    """Every method some route of this path takes (Starlette's own `Allow` names only the first route's)."""
-    methods: set[str] = set()
-    for route in request.app.router.routes:
-        if isinstance(route, Route) and route.matches(request.scope)[0] == Match.PARTIAL:
-            methods |= route.methods or set()
+def _allowed_methods(request: Request, first_route_allows: str) -> str:
+    """Every method the path takes. Starlette's `Allow` names the first matching route's methods only, so those of
+    every documented route of the path are added (GET and DELETE on /v1/files/{file_id} are two routes)."""
+    methods = {method.strip() for method in first_route_allows.split(",") if method.strip()}
+    for template, operations in request.app.openapi().get("paths", {}).items():
+        if compile_path(template)[0].match(request.url.path):
+            methods |= {key.upper() for key in operations if key.upper() in HTTP_METHODS}
     return ", ".join(sorted(methods))
 
 
