@@ -22,7 +22,11 @@ from paged_backend.server.responses_store import ResponseStore, credential_owner
 from tests._server_helpers import API_KEY, MODEL, client_fixture, server_fixture
 
 MAX_STORED = 6
-server = server_fixture("--num-blocks", "256", "--max-model-len", "1024", "--max-stored-responses", str(MAX_STORED))
+SECOND_KEY = "second-tenant-key"  # a second --api-key: its stored responses are its own
+server = server_fixture(
+    "--num-blocks", "256", "--max-model-len", "1024", "--max-stored-responses", str(MAX_STORED),
+    "--api-key", SECOND_KEY,
+)  # fmt: skip
 client = client_fixture()
 AUTHORIZATION = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -260,3 +264,19 @@ def test_an_unknown_id_is_a_404_in_openai_shape(server):
         assert response.status_code == 404, response.text
         assert response.json()["error"]["code"] == "not_found"
     server.wait_until_drained()
+
+
+def test_each_api_key_reads_only_its_own_stored_responses(server):
+    alice = server.client()
+    bob = openai.OpenAI(base_url=f"{server.url}/v1", api_key=SECOND_KEY, max_retries=0, timeout=120)
+    mine = alice.responses.create(model=MODEL, input="Hello", max_output_tokens=4, temperature=0)
+    assert alice.responses.retrieve(mine.id).id == mine.id
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.retrieve(mine.id)
+    with pytest.raises(openai.BadRequestError, match="does not exist"):  # OpenAI: a 400 on previous_response_id
+        bob.responses.create(model=MODEL, input="Hi", max_output_tokens=4, previous_response_id=mine.id)
+    theirs = bob.responses.create(model=MODEL, input="Hello", max_output_tokens=4, temperature=0)
+    assert bob.responses.retrieve(theirs.id).output_text == mine.output_text  # both keys are served alike
+    stranger = openai.OpenAI(base_url=f"{server.url}/v1", api_key="not-a-key", max_retries=0, timeout=120)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.responses.create(model=MODEL, input="Hello", max_output_tokens=4)

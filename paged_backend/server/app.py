@@ -18,7 +18,20 @@ from paged_backend import __version__
 from paged_backend.engine.async_engine import AsyncEngine, EngineThread
 from paged_backend.observability.metrics import ServerMetrics
 from paged_backend.observability.tracing import RequestTracer, TraceHeaders, otlp_tracer
-from paged_backend.server import chat, completions, debug_routes, lora_routes, system_routes, utility_routes
+from paged_backend.server import (
+    batches,
+    chat,
+    completions,
+    debug_routes,
+    files,
+    lora_routes,
+    messages,
+    responses,
+    sleep_routes,
+    system_routes,
+    utility_routes,
+)
+from paged_backend.server.batch_runner import BatchRunner
 from paged_backend.server.guard import RequestGuard
 from paged_backend.server.openai_errors import install_error_handlers
 from paged_backend.server.openapi_document import install_openapi
@@ -47,7 +60,10 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await async_engine.start()
+        batch_runner = BatchRunner(app)  # resumes the batches a stop interrupted
+        batch_runner.start()
         yield
+        await batch_runner.stop()
         await async_engine.shutdown(settings.drain_timeout)
         if tracer is not None:
             tracer.shutdown()
@@ -56,7 +72,7 @@ def build_app(
     app.state.server = state
     install_error_handlers(app)
     install_openapi(app)
-    for module in (completions, chat, utility_routes, system_routes):
+    for module in (completions, chat, responses, messages, files, batches, sleep_routes, utility_routes, system_routes):
         app.include_router(module.router)
     if settings.enable_debug_routes:
         app.include_router(debug_routes.router)
@@ -68,6 +84,7 @@ def build_app(
         api_key=settings.api_key,
         max_request_body_bytes=settings.max_request_body_bytes,
         max_concurrent_requests=settings.max_concurrent_requests,
+        max_file_bytes=settings.max_file_bytes,
     )
     app.add_middleware(TraceHeaders)
     return app

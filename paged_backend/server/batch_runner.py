@@ -43,7 +43,8 @@ class BatchRunner:
     def __init__(self, app: FastAPI) -> None:
         self.store, self.files = batch_store_of(app), file_store_of(app)
         self.async_engine = app.state.server.async_engine
-        self.client = InProcessClient(app, app.state.server.settings.api_key, request_class="batch")
+        keys = app.state.server.settings.api_keys
+        self.client = InProcessClient(app, keys[0] if keys else None, request_class="batch")
 
     def start(self) -> None:
         self._lock = _lock_directory(self.store.directory)

@@ -48,7 +48,11 @@ def serve(
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to listen on")] = 8000,
     api_key: Annotated[
-        str | None, typer.Option(envvar="PAGED_BACKEND_API_KEY", help="require 'Authorization: Bearer <key>' on /v1")
+        list[str] | None,
+        typer.Option(
+            envvar="PAGED_BACKEND_API_KEY",
+            help="require 'Authorization: Bearer <key>' (or x-api-key) on /v1; repeat for several keys",
+        ),
     ] = None,
     max_concurrent_requests: Annotated[
         int | None,

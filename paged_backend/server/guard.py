@@ -12,15 +12,11 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from paged_backend.server.openai_errors import error_bytes
+from paged_backend.server.openai_errors import anthropic_error_body, error_bytes, is_anthropic_path
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 OPERATOR_PATHS = ("/sleep", "/wake_up", "/is_sleeping")  # vLLM's sleep routes: outside /v1, yet the key's alone
 UPLOAD_PATHS = ("/v1/files",)  # bodies up to max_file_bytes instead of max_request_body_bytes
-ANTHROPIC_PREFIX = "/v1/messages"
-# OpenAI's error type -> Anthropic's (https://docs.anthropic.com/en/api/errors)
-_ANTHROPIC_TYPES = {"invalid_api_key": "authentication_error", "request_too_large": "request_too_large",
-                    "rate_limit_exceeded": "rate_limit_error"}  # fmt: skip
 
 
 class RequestGuard:
@@ -28,13 +24,13 @@ class RequestGuard:
         self,
         app: ASGIApp,
         *,
-        api_key: str | None,
+        api_key: str | list[str] | None,
         max_request_body_bytes: int,
         max_concurrent_requests: int | None,
         max_file_bytes: int | None = None,
     ) -> None:
         self.app = app
-        self.api_key = api_key
+        self.api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
         self.max_request_body_bytes = max_request_body_bytes
         self.max_file_bytes = max_file_bytes if max_file_bytes is not None else max_request_body_bytes
         self.max_concurrent_requests = max_concurrent_requests
@@ -45,7 +41,7 @@ class RequestGuard:
             return await self.app(scope, receive, send)
         path = scope["path"]
         keyed = path.startswith("/v1/") or path in OPERATOR_PATHS
-        if self.api_key is not None and keyed and not self._authorized(scope):
+        if self.api_keys and keyed and not self._authorized(scope):
             message = "missing or wrong API key; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
             return await _reject(send, path, 401, message, "invalid_request_error", "invalid_api_key")
         limit = self.max_file_bytes if path in UPLOAD_PATHS else self.max_request_body_bytes
@@ -67,8 +63,11 @@ class RequestGuard:
 
     def _authorized(self, scope: Scope) -> bool:
         headers = dict(scope["headers"])
-        bearer = hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode())
-        return bearer or hmac.compare_digest(headers.get(b"x-api-key", b""), self.api_key.encode())
+        bearer, key = headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")
+        # every key compared, in constant time each, so the answer's timing does not say which one nearly matched
+        matches = [hmac.compare_digest(bearer, f"Bearer {k}".encode()) | hmac.compare_digest(key, k.encode())
+                   for k in self.api_keys]  # fmt: skip
+        return any(matches)
 
     async def _read_body(self, receive: Receive, limit: int) -> bytes | None:
         """The whole body, or None as soon as it passes the limit (declared or actual size)."""
@@ -99,16 +98,11 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def anthropic_error_bytes(message: str, type_: str) -> bytes:
-    """Anthropic's `{"type": "error", "error": {type, message}}` body."""
-    return json.dumps({"type": "error", "error": {"type": type_, "message": message}}).encode()
-
-
 async def _reject(send: Send, path: str, status: int, message: str, type_: str, code: str) -> None:
-    if path.startswith(ANTHROPIC_PREFIX):
-        body = anthropic_error_bytes(message, _ANTHROPIC_TYPES.get(code, "invalid_request_error"))
-    else:
-        body = error_bytes(message, type_, code)
+    anthropic = is_anthropic_path(path)
+    body = (
+        json.dumps(anthropic_error_body(message, status)).encode() if anthropic else error_bytes(message, type_, code)
+    )
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

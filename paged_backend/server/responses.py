@@ -162,7 +162,7 @@ def response_store(request: Request) -> ResponseStore[StoredResponse]:
 
 
 def _owner(request: Request, server: ServerState) -> str:
-    return credential_owner(request.headers, server.settings.api_key is not None)
+    return credential_owner(request.headers, bool(server.settings.api_keys))
 
 
 def _find(request: Request, server: ServerState, response_id: str) -> StoredResponse | Response:

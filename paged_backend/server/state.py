@@ -18,7 +18,7 @@ from paged_backend.server.openai_errors import ModelNotFound
 class ServerSettings:
     """HTTP-level limits and behaviour; engine settings live in EngineConfig."""
 
-    api_key: str | None = None
+    api_key: str | list[str] | None = None  # one key or several; each key's stored responses are its own
     max_concurrent_requests: int | None = None  # generation requests in flight; more get 429
     max_request_body_bytes: int = 1 << 20  # larger bodies get 413
     drain_timeout: float = 10.0  # seconds in-flight requests get to finish on shutdown
@@ -34,6 +34,10 @@ class ServerSettings:
     files_dir: str | None = None  # /v1/files and /v1/batches live here; default: ~/.cache/paged_backend/files
     max_file_bytes: int = 200 << 20  # larger /v1/files uploads get 413
     enable_sleep_mode: bool = False  # POST /sleep, /wake_up and GET /is_sleeping (vLLM's routes); off: 404
+
+    @property
+    def api_keys(self) -> list[str]:
+        return [self.api_key] if isinstance(self.api_key, str) else list(self.api_key or [])
 
 
 @dataclass
