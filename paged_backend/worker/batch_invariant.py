@@ -5,11 +5,13 @@ VLLM_BATCH_INVARIANT does this on GPUs; this is the CPU side.
 
 A row's result must not depend on the other rows of its forward. What breaks that on CPU, and the fix for each:
 
-- Linear layers (the LM head included): oneDNN and MKL pick kernels and K-blocking by the row count M, so a row's
-  dot products are summed in an order that depends on M (measured: oneDNN prepacked fp32 at K=1536, MKL's sgemm at
-  every shape). Here every call runs on tiles of exactly `TILE_ROWS` rows, copied into a fresh (so 64-byte aligned)
-  buffer and padded with zero rows: every row meets the same kernel and blocking. Its position in the tile and the
-  other rows' values do not change it (tests/test_batch_invariant.py checks both).
+- Linear layers (the LM head included): the panel kernel (`ops/panel_linear.py`, what packed layers run where the
+  csrc/cpu library builds) sums each output in one order whatever the row count, so packed layers run as they are.
+  oneDNN and MKL pick kernels and K-blocking by the row count M, so a row's dot products are summed in an order that
+  depends on M (measured: oneDNN prepacked fp32 at K=1536, MKL's sgemm at every shape): layers on them run every
+  call on tiles of exactly `TILE_ROWS` rows, copied into a fresh (so 64-byte aligned) buffer and padded with zero
+  rows, so every row meets the same kernel and blocking. Its position in the tile and the other rows' values do not
+  change it (tests/test_batch_invariant.py checks both).
 - Activations: torch runs a tensor's elements in vector lanes but its last few (and each thread's chunk end) in
   scalar code that rounds differently (fp32 silu/gelu/sigmoid differ in 4-30% of inputs), so where a row falls in
   the batch decides some of its bits. They run here on rows padded to whole vectors, in calls small enough for one
@@ -160,7 +162,9 @@ class BatchInvariantLinears:
             if self.packed is not None:
                 stack.enter_context(self.packed.active())  # a packed layer's forward is now its oneDNN one
             stack.enter_context(batch_invariant())
-            swapped = [(module, tiled_linear(module.forward, self.tile_rows)) for module in self.linears]
+            # a panel-packed layer is invariant as it is (one multiply-add chain per output, whatever the rows)
+            swapped = [(module, tiled_linear(module.forward, self.tile_rows)) for module in self.linears
+                       if getattr(module.forward, "panel", None) is None]  # fmt: skip
             swapped += [(module, tiled_elementwise(module.forward)) for module in self.activations]
             stack.enter_context(_forwards(swapped))
             yield
