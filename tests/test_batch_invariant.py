@@ -86,8 +86,9 @@ def watch_target(llm: LLM) -> list[tuple[int, int]]:
 
 
 def run_crowd(llm: LLM) -> list:
-    """The targets start first, on the prefix the warm-up cached; then 32 others arrive with a better priority, so
-    on the small pool the targets are the ones preempted, and they re-prefill in 16-token chunks."""
+    """The targets start first, on the prefix the warm-up cached, and decode a little; then a long prompt and 32
+    others arrive with a better priority, so on the small pool the targets are the ones preempted, and they
+    re-prefill their prompt and output so far in 16-token chunks."""
     engine, finished = llm.engine, {}
 
     def step() -> None:
@@ -96,7 +97,14 @@ def run_crowd(llm: LLM) -> list:
     llm.generate([WARM_UP], SamplingParams(max_tokens=1))
     for index, (prompt, params) in enumerate(TARGETS):
         engine.add_request(f"target-{index}", prompt, params, priority=1)
-    step()
+    # the targets decode a few tokens first: a better-ranked newcomer now preempts whatever it outranks, and the
+    # preemption to check is the one that makes a target re-prefill its prompt plus its output so far
+    while len(engine.scheduler.running) < len(TARGETS) or any(
+        seq.num_output_tokens < 2 for seq in engine.scheduler.running
+    ):
+        step()
+    # a long better-ranked prompt first: it fits only once the targets give up their blocks, so they are preempted
+    engine.add_request("crowder", [(11 * i) % 240 + 3 for i in range(16 * 17)], SamplingParams(max_tokens=4))
     for index, (prompt, params) in enumerate(zip(*others(), strict=True)):
         engine.add_request(f"other-{index}", prompt, params)
     while engine.has_unfinished_requests():
