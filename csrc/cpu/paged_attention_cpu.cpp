@@ -23,6 +23,7 @@
 
 #include <omp.h>
 
+#include "bf16.h"
 #include "vector_exp.h"
 
 extern "C" {
@@ -100,21 +101,6 @@ struct Fp8Tables {  // every byte of both fp8 formats, decoded once
   }
 };
 const Fp8Tables kFp8;
-
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t word = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &word, sizeof(value));
-  return value;
-}
-
-inline uint16_t float_to_bf16(float value) {  // round to nearest even, NaN kept quiet
-  uint32_t word;
-  std::memcpy(&word, &value, sizeof(word));
-  if ((word & 0x7FFFFFFF) > 0x7F800000) return static_cast<uint16_t>((word >> 16) | 0x40);
-  word += 0x7FFF + ((word >> 16) & 1);
-  return static_cast<uint16_t>(word >> 16);
-}
 
 // `n` elements of dtype `code` at `src` as floats in `dst`; fp32 rows are returned in place.
 inline const float* load_row(const void* src, int32_t code, int n, float* dst) {

@@ -15,6 +15,8 @@
 #include <cstring>
 
 #include <omp.h>
+
+#include "bf16.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -33,21 +35,6 @@ inline f32x16 load16(const float* p) {
   f32x16 v;
   std::memcpy(&v, p, sizeof(v));
   return v;
-}
-
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-
-inline uint16_t float_to_bf16(float v) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
 }
 
 inline int64_t panels_of(int64_t n) { return (n + kLanes - 1) / kLanes; }

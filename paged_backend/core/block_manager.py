@@ -178,12 +178,21 @@ class BlockManager:
             manager.blocks_to_allocate(num_tokens, hits[manager.group], chunk) for manager in self.group_managers
         )
 
+    def blocks_to_allocate(
+        self, token_ids: Sequence[int], extra_keys: Hashable = None, *, lookup: bool = True, chunk: int | None = None
+    ) -> tuple[int, set[int]]:
+        """What `allocate` would take from the free pool now, and the ids of the prefix-cache blocks it would reuse
+        (the scheduler weighs them when it frees room for a newcomer)."""
+        hits, _ = self._find_cached_prefix(token_ids, extra_keys, lookup)
+        reused = {block.block_id for group in hits for block in group if block is not None}
+        return self._blocks_to_take(len(token_ids), hits, chunk), reused
+
     def can_allocate(
         self, token_ids: Sequence[int], extra_keys: Hashable = None, *, lookup: bool = True, chunk: int | None = None
     ) -> bool:
         """Whether `allocate` would succeed now while keeping the watermark free."""
-        hits, _ = self._find_cached_prefix(token_ids, extra_keys, lookup)
-        return self._blocks_to_take(len(token_ids), hits, chunk) <= self.num_free_blocks - self.watermark_blocks
+        need, _ = self.blocks_to_allocate(token_ids, extra_keys, lookup=lookup, chunk=chunk)
+        return need <= self.num_free_blocks - self.watermark_blocks
 
     def allocate(
         self,

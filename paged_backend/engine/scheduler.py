@@ -219,13 +219,11 @@ class Scheduler:
 
     def _blocks_to_admit(self, seq: Sequence) -> tuple[int, set[int]]:
         """Blocks admitting `seq` takes from the free pool, and the ids of its prefix-cache hits."""
-        # The two private calls are `can_allocate`'s own arithmetic, which the block manager keeps to itself.
-        manager = self.block_manager
         request = seq.request
-        hits, _ = manager._find_cached_prefix(seq.token_ids, request.prefix_cache_key, request.reads_prefix_cache)
         chunk = min(self.config.max_num_batched_tokens, self.max_chunk)
-        hit_ids = {block.block_id for group in hits for block in group if block is not None}
-        return manager._blocks_to_take(len(seq.token_ids), hits, chunk), hit_ids
+        return self.block_manager.blocks_to_allocate(
+            seq.token_ids, request.prefix_cache_key, lookup=request.reads_prefix_cache, chunk=chunk
+        )
 
     def _swap_in(self, budget: int, out: SchedulerOutput) -> int:
         manager = self.block_manager

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paged_backend.server.schemas import _Lenient, _SamplingRequest
-from paged_backend.structured.params import json_schema_error
+from paged_backend.structured.params import checked_json_schema
 
 
 class TextPart(_Lenient):
@@ -120,10 +120,7 @@ class FunctionDefinition(_Lenient):
     @field_validator("parameters")
     @classmethod
     def _is_a_json_schema(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
-        problem = None if parameters is None else json_schema_error(parameters)
-        if problem is not None:
-            raise ValueError(f"not a valid JSON schema: {problem[0]}")
-        return parameters
+        return checked_json_schema(parameters)
 
 
 class ChatTool(_Lenient):

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from paged_backend.server.schemas import MAX_STOP_STRINGS, NonEmptyStr, _Lenient, _Request
-from paged_backend.structured.params import json_schema_error
+from paged_backend.structured.params import checked_json_schema
 
 
 class TextBlock(_Lenient):
@@ -76,9 +76,7 @@ class Tool(_Lenient):
     @field_validator("input_schema")
     @classmethod
     def _is_an_object_schema(cls, schema: dict[str, Any]) -> dict[str, Any]:
-        problem = json_schema_error(schema)
-        if problem is not None:
-            raise ValueError(f"not a valid JSON schema: {problem[0]}")
+        checked_json_schema(schema)
         if schema.get("type") != "object":
             raise ValueError('a tool\'s input must be an object: give input_schema "type": "object"')
         return schema

@@ -14,7 +14,7 @@ from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError, fi
 from pydantic_core import PydanticCustomError
 
 from paged_backend.server.schemas import NonEmptyStr, _Lenient, _Request
-from paged_backend.structured.params import json_schema_error
+from paged_backend.structured.params import checked_json_schema
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on `metadata`
 MAX_METADATA_KEY = 64
@@ -117,10 +117,7 @@ class FunctionTool(_Lenient):
     @field_validator("parameters")
     @classmethod
     def _is_a_json_schema(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
-        problem = None if parameters is None else json_schema_error(parameters)
-        if problem is not None:
-            raise ValueError(f"not a valid JSON schema: {problem[0]}")
-        return parameters
+        return checked_json_schema(parameters)
 
     def for_chat(self) -> dict[str, Any]:
         function = {"name": self.name, "description": self.description, "parameters": self.parameters}

@@ -73,3 +73,12 @@ def json_schema_error(schema: Any) -> tuple[str, str] | None:
     except jsonschema.SchemaError as error:
         return error.message, "/".join(map(str, error.absolute_path)) or "the top level"
     return None
+
+
+def checked_json_schema(schema: Any) -> Any:
+    """`schema` itself when it is None or a valid JSON schema, else a ValueError naming the problem: what every
+    request model's schema field validates with."""
+    problem = None if schema is None else json_schema_error(schema)
+    if problem is not None:
+        raise ValueError(f"not a valid JSON schema: {problem[0]}")
+    return schema
