@@ -62,14 +62,17 @@ inline void tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* panel
   for (int64_t kp = 0; kp < pairs; ++kp) {
     u16x32 w[NP];
     for (int p = 0; p < NP; ++p) std::memcpy(&w[p], panels + (p * pairs + kp) * 2 * kLanes, sizeof(w[p]));
+    const bool whole = 2 * kp + 1 < k_valid;  // both halves of the pair are real (an odd K ends in half a pair)
     for (int m = 0; m < MT; ++m) {
       const uint16_t* row = x + m * x_stride;
-      const uint16_t x0 = row[2 * kp], x1 = 2 * kp + 1 < k_valid ? row[2 * kp + 1] : 0;
+      uint32_t pair = row[2 * kp];
+      if (whole) std::memcpy(&pair, row + 2 * kp, sizeof(pair));  // x[k] low, x[k+1] high: one 32-bit load
 #if defined(__AVX512BF16__)
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x0 | (static_cast<uint32_t>(x1) << 16)));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
       for (int p = 0; p < NP; ++p) acc[m][p] = (f32x16)_mm512_dpbf16_ps((__m512)acc[m][p], xb, (__m512bh)w[p]);
 #else
-      const f32x16 b0 = f32x16{} + bf16_to_float(x0), b1 = f32x16{} + bf16_to_float(x1);
+      const f32x16 b0 = f32x16{} + bf16_to_float(static_cast<uint16_t>(pair)),
+                   b1 = f32x16{} + bf16_to_float(static_cast<uint16_t>(pair >> 16));
       for (int p = 0; p < NP; ++p) {
         const u32x16 bits = (u32x16)w[p];
         f32x16 even, odd;  // the pair's k and k+1 halves of each 32-bit lane
