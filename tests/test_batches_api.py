@@ -85,6 +85,7 @@ def client(server):
 
 def test_batch_answers_equal_the_online_answers(server, client):
     lines = [chat_line(f"chat-{i}", f"Question {i}: what is a paged cache?", max_tokens=4 + i) for i in range(6)]
+    before = server.metrics()
     created = submit(client, lines)
     assert created.status == "validating" and created.request_counts.total == 6
     batch = wait_until(client, created.id)
@@ -98,6 +99,10 @@ def test_batch_answers_equal_the_online_answers(server, client):
         assert output["error"] is None and output["response"]["status_code"] == status == 200
         assert comparable(output["response"]["body"]) == comparable(online)
     assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
+    # the lines ran in the batch class; the online answers compared against them in the interactive one
+    after, key = server.metrics(), 'paged_backend:requests_by_class_total{request_class="%s"}'
+    assert after.get(key % "batch", 0) - before.get(key % "batch", 0) == 6
+    assert after.get(key % "interactive", 0) - before.get(key % "interactive", 0) == 6
 
 
 def test_completions_batch_equals_the_online_answers(server, client):

@@ -99,6 +99,12 @@ class ServerMetrics:
             ["finished_reason"],
             registry=self.registry,
         )
+        self.requests_by_class = Counter(
+            f"{PREFIX}requests_by_class",
+            'Requests added, by class of service ("batch": the batch API\'s, run on capacity left over).',
+            ["request_class"],
+            registry=self.registry,
+        )
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

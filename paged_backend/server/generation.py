@@ -102,6 +102,7 @@ class Generation:
         The requests run in the class of service the caller set (`REQUEST_CLASS`: the batch API's are "batch")."""
         self._n = params.n
         request_class = REQUEST_CLASS.get()
+        self.metrics.requests_by_class.labels(request_class).inc(len(prompts))
         for index, prompt in enumerate(prompts):
             text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
             stream = self.async_engine.generate(
