@@ -6,8 +6,8 @@ import shutil
 from pathlib import Path
 
 from setuptools import find_packages, setup
-from setuptools.config.pyprojecttoml import load_file
 from setuptools.command.build_py import build_py
+from setuptools.config.pyprojecttoml import load_file
 
 PROTO = Path(__file__).parent / "proto" / "generate" / "v3" / "generate.proto"
 
