@@ -24,7 +24,7 @@ from paged_backend.errors import BackendUnavailable, InvalidRequest
 from paged_backend.ops import cpu
 from paged_backend.worker.batch_invariant import BatchInvariantLinears, tiled_elementwise
 from paged_backend.worker.default_model import TINY_MODEL
-from paged_backend.worker.packed_linear import PackedLinears, dtype_packs
+from paged_backend.worker.packed_linear import PackedLinears, packs
 from tests._server_helpers import server_fixture
 
 SHARED = [(7 * i) % 250 + 1 for i in range(32)]  # two full 16-token blocks: the prefix the warm-up request caches
@@ -36,7 +36,7 @@ SAMPLED = SamplingParams(temperature=0.8, seed=5, max_tokens=16, ignore_eos=True
 TARGETS = [(TARGET, GREEDY), (SEEDED, SAMPLED)]
 # Steps of at most 16 tokens (chunked prefill) on a pool of 24 blocks of 16 tokens, too small for 34 requests at once.
 CROWDED = dict(max_num_batched_tokens=16, num_blocks=24, max_num_seqs=64, policy="priority")
-DTYPES = ["float32"] + (["bfloat16"] if dtype_packs(torch.bfloat16) else [])
+DTYPES = ["float32"] + (["bfloat16"] if packs(torch.bfloat16) else [])
 
 
 def others(count: int = 32, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -213,8 +213,8 @@ def rows_alone_and_batched(forward, x: torch.Tensor, sizes=(2, 3, 7, 8, 9, 17, 3
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "dense"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_linear_rows_do_not_depend_on_the_batch_or_their_place_in_a_tile(pack, dtype):
-    if pack and not dtype_packs(dtype):
-        pytest.skip(f"oneDNN does not pack {dtype} on this CPU")
+    if pack and not packs(dtype):
+        pytest.skip(f"{dtype} layers do not pack on this CPU (no panel kernel, and oneDNN does not pack it)")
     torch.manual_seed(0)
     # K=1536: oneDNN's prepacked fp32 kernel sums a row differently at different row counts here
     model = nn.Sequential(nn.Linear(1536, 576), nn.SiLU(), nn.Linear(576, 1536, bias=False)).to(dtype)

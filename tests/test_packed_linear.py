@@ -10,17 +10,10 @@ from _engine_helpers import ragged_prompts
 from torch import nn
 
 from paged_backend.engine import LLM, SamplingParams
-from paged_backend.ops.panel_linear import PANEL_DTYPES
 from paged_backend.worker.models import byte_tokenizer, tiny_model
-from paged_backend.worker.packed_linear import PackedLinears, dtype_packs, packable, panels_build
+from paged_backend.worker.packed_linear import PackedLinears, packable, packs, panels_build
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-def packs(dtype: torch.dtype) -> bool:
-    """The panel kernel packs float32 and bfloat16 wherever it builds; oneDNN, bfloat16 only on AVX512-BF16-class
-    CPUs."""
-    return dtype in PANEL_DTYPES if panels_build() else dtype_packs(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -88,8 +88,8 @@ class PanelWeight:
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
-        if bias is not None:
-            bias = bias.detach().to(x.dtype).contiguous()
+        if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):  # nn.Linear's own bias: as is
+            bias = bias.to(x.dtype).contiguous()
         _check(
             _panel().pb_cpu_panel_linear(
                 rows.data_ptr(), rows.stride(0), self.packed.data_ptr(), None if bias is None else bias.data_ptr(),

@@ -81,7 +81,7 @@ def build_app(
     app.add_middleware(FieldPolicy, strict=settings.strict_fields)
     app.add_middleware(
         RequestGuard,
-        api_key=settings.api_key,
+        api_keys=settings.api_keys,
         max_request_body_bytes=settings.max_request_body_bytes,
         max_concurrent_requests=settings.max_concurrent_requests,
         max_file_bytes=settings.max_file_bytes,

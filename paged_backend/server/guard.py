@@ -24,13 +24,13 @@ class RequestGuard:
         self,
         app: ASGIApp,
         *,
-        api_key: str | list[str] | None,
+        api_keys: list[str],
         max_request_body_bytes: int,
         max_concurrent_requests: int | None,
         max_file_bytes: int | None = None,
     ) -> None:
         self.app = app
-        self.api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        self.api_keys = api_keys  # empty: no key needed
         self.max_request_body_bytes = max_request_body_bytes
         self.max_file_bytes = max_file_bytes if max_file_bytes is not None else max_request_body_bytes
         self.max_concurrent_requests = max_concurrent_requests

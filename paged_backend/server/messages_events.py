@@ -8,36 +8,26 @@ travels as a last `error` event in Anthropic's error shape.
 
 from __future__ import annotations
 
-import json
-import logging
 import uuid
 from collections.abc import AsyncIterator
 
-from paged_backend.server.openai_errors import anthropic_error_body, engine_error
+from paged_backend.server import sse
+from paged_backend.server.openai_errors import anthropic_error_body
 from paged_backend.server.tool_parsers import StreamDelta
-
-logger = logging.getLogger(__name__)
 
 
 def new_tool_use_id() -> str:
     return f"toolu_{uuid.uuid4().hex}"
 
 
-def sse_event(event: dict) -> bytes:
-    data = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
-
-
-async def event_stream(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
-    """Encode events; an error raised while they are produced ends the stream with an `error` event."""
-    try:
-        async for event in events:
-            yield sse_event(event)
-    except Exception as error:
-        status_code, body = engine_error(error)
-        if status_code == 500:  # a bug or a failed step; aborts and bad input are expected
-            logger.exception("message stream failed")
-        yield sse_event(anthropic_error_body(body["error"]["message"], status_code))
+def event_stream(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    """Anthropic's named events; an error raised while they are produced ends the stream with an `error` event."""
+    return sse.event_stream(
+        events,
+        encode=sse.named_event,
+        end=None,
+        error_payload=lambda status, body: anthropic_error_body(body["error"]["message"], status),
+    )
 
 
 class ContentBlocks:

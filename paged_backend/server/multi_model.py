@@ -79,7 +79,7 @@ class ModelRouter:
     def __init__(self, apps: dict[str, FastAPI], settings: ServerSettings) -> None:
         self.apps, self.default = apps, next(iter(apps))
         self.shared = _shared_app(apps)
-        self.guard = RequestGuard(self._route, api_key=settings.api_key, max_concurrent_requests=None,
+        self.guard = RequestGuard(self._route, api_keys=settings.api_keys, max_concurrent_requests=None,
                                   max_request_body_bytes=settings.max_request_body_bytes,
                                   max_file_bytes=settings.max_file_bytes)  # fmt: skip
 

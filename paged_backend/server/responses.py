@@ -26,7 +26,7 @@ from paged_backend.server.generation import Generation, output_budget
 from paged_backend.server.openai_errors import engine_error, error_body
 from paged_backend.server.openapi_document import ErrorResponse
 from paged_backend.server.responses_conversation import Item, chat_messages, chat_request
-from paged_backend.server.responses_events import OutputAssembler, sse_event
+from paged_backend.server.responses_events import OutputAssembler
 from paged_backend.server.responses_objects import ResponseRecord
 from paged_backend.server.responses_schemas import InputItem, MessageItem, ResponsesRequest
 from paged_backend.server.responses_store import ResponseStore, credential_owner
@@ -246,20 +246,20 @@ async def _run_to_end(generation: Generation, assembler: OutputAssembler, plan: 
 
 async def _events(generation: Generation, assembler: OutputAssembler, plan: ToolCallPlan) -> AsyncIterator[bytes]:
     for event in assembler.start():
-        yield sse_event(event)
+        yield sse.named_event(event)
     finish_reason = None
     try:
         async for piece, reason in _pieces(generation, plan):
             finish_reason = reason or finish_reason
             for event in assembler.feed(piece):
-                yield sse_event(event)
+                yield sse.named_event(event)
     except (asyncio.CancelledError, GeneratorExit):  # the client left
         assembler.record.status = "cancelled"
         raise
     except Exception as error:  # after the headers went out, an error ends the stream as a failed response
         _, body = engine_error(error)
         for event in assembler.fail(body["error"]["code"] or "server_error", body["error"]["message"]):
-            yield sse_event(event)
+            yield sse.named_event(event)
         return
     for event in _finish(assembler, generation, finish_reason):
-        yield sse_event(event)
+        yield sse.named_event(event)

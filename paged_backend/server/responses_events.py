@@ -14,7 +14,6 @@ Every event carries a `sequence_number`. A response that is not streamed is buil
 from __future__ import annotations
 
 import copy
-import json
 from typing import Any
 
 from paged_backend.server.generation import Usage
@@ -22,12 +21,6 @@ from paged_backend.server.responses_objects import ResponseRecord, new_id
 from paged_backend.server.tool_parsers import StreamDelta
 
 TERMINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete"}
-
-
-def sse_event(event: dict[str, Any]) -> bytes:
-    """One server-sent event, named by its type as OpenAI sends them (no `[DONE]` follows on this API)."""
-    data = json.dumps(event, separators=(",", ":"))  # ASCII: a lone surrogate echoed back cannot break it
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
 
 
 class OutputAssembler:

@@ -60,7 +60,13 @@ def packable(module: nn.Module) -> bool:
     weight = module.weight
     if type(weight.data) is not torch.Tensor or weight.device.type != "cpu" or weight.dim() != 2:
         return False
-    return weight.dtype in PANEL_DTYPES if panels_build() else dtype_packs(weight.dtype)
+    return packs(weight.dtype)
+
+
+def packs(dtype: torch.dtype) -> bool:
+    """Whether layers of `dtype` pack here: float32 and bfloat16 wherever the panel kernel builds; without it,
+    what oneDNN packs (bfloat16 only on AVX512-BF16-class CPUs)."""
+    return dtype in PANEL_DTYPES if panels_build() else dtype_packs(dtype)
 
 
 @torch.no_grad()
