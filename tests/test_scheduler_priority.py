@@ -8,6 +8,7 @@ exactly their greedy tokens alone, and that every block is free again at the end
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -175,7 +176,63 @@ def test_an_interactive_newcomer_never_waits_on_a_batch_prompt_being_prefilled(m
     scenario.add("chat", [2] * 8, SHORT)
     scenario.run(until_step=2)
     assert scenario.first_token_step["chat"] == 1  # its whole prompt ran in the step it arrived
-    assert scenario.engine.requests["batch"].seqs[0].num_computed_tokens == 24  # the batch chunk took what was left
+    assert scenario.engine.requests["batch"].seqs[0].num_computed_tokens == 16  # the batch chunk sat that step out
+    scenario.run()
+    scenario.check_exact_and_leak_free(make_llm)
+
+
+def scheduled_ids(engine) -> list[str]:
+    """Run one step; the requests it computed (the plan is read back through the scheduler's own call)."""
+    plans = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    try:
+        engine.step()
+    finally:
+        del engine.scheduler.schedule
+    return sorted(item.seq.request.request_id for item in plans[0].scheduled)
+
+
+@pytest.mark.parametrize(("policy", "options"), [("priority", {"priority": 0}), ("fcfs", {})])
+def test_a_better_ranked_prefill_runs_alone_and_the_decodes_it_outranks_resume_next_step(make_llm, policy, options):
+    low = {"priority": 5} if policy == "priority" else {"request_class": "batch"}
+    scenario = Scenario(make_llm(policy=policy).engine)
+    for index, prompt in enumerate(LOW_PROMPTS[:3]):
+        scenario.add(f"low{index}", prompt, LONG, **low)
+    scenario.add("peer", LOW_PROMPTS[3], LONG, priority=0)  # ranks with the newcomer: it is not deferred
+    scenario.run(until_step=2)
+    scenario.add("high", HIGH_PROMPT, SHORT, **options)
+    assert scheduled_ids(scenario.engine) == ["high", "peer"]  # the prefill step: no decode it outranks
+    assert scheduled_ids(scenario.engine) == ["high", "low0", "low1", "low2", "peer"]  # all decode together again
+    assert scenario.engine.scheduler.num_preemptions == 0
+    scenario.run()
+    scenario.check_exact_and_leak_free(make_llm)
+
+
+def test_decodes_are_not_held_back_for_a_better_request_that_cannot_be_admitted(make_llm):
+    scenario = Scenario(make_llm(num_blocks=21, policy="priority").engine)
+    scenario.add("best", [1] * 40, SHORT, priority=0)  # 11 blocks by step 2, and it outranks the newcomer
+    scenario.add("low", [2] * 8, SHORT, priority=5)
+    scenario.run(until_step=2)
+    scenario.add("huge", [3] * 40, SHORT, priority=1)  # does not fit even with "low" gone: preempts nobody
+    assert scheduled_ids(scenario.engine) == ["best", "low"]
+    scenario.run()
+    assert scenario.engine.scheduler.num_preemptions == 0
+    scenario.check_exact_and_leak_free(make_llm)
+
+
+def test_decodes_take_turns_when_the_token_budget_is_smaller_than_the_batch(make_llm):
+    scenario = Scenario(make_llm(max_num_batched_tokens=96).engine)
+    for index in range(4):
+        scenario.add(f"r{index}", [index + 1] * 24, LONG)
+    scenario.run(until_step=2)
+    engine = scenario.engine
+    assert all(seq.is_decoding for seq in engine.scheduler.running) and len(engine.scheduler.running) == 4
+    engine.scheduler.config.max_num_batched_tokens = 3  # three of the four decodes fit a step from now on
+    rounds = [scheduled_ids(engine) for _ in range(4)]
+    assert all(len(ids) == 3 for ids in rounds)
+    for first, second in itertools.pairwise(rounds):
+        assert set(first) | set(second) == {"r0", "r1", "r2", "r3"}  # the one left out goes first next step
     scenario.run()
     scenario.check_exact_and_leak_free(make_llm)
 

@@ -189,6 +189,7 @@ class Sequence:
         self.token_ids = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in the pool
+        self.last_scheduled_step = -1  # the scheduler's step count when it last computed this sequence
         self.status = SequenceStatus.WAITING
         self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None
         self.finish_reason: str | None = None
@@ -219,6 +220,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_decoding(self) -> bool:
+        """Only its latest token is left to compute (its prompt, if any was pending, is in the cache)."""
+        return self.num_tokens - self.num_computed_tokens == 1
 
     def fork(self, index: int) -> Sequence:
         """A sibling for parallel sampling (n > 1) that shares this sequence's prompt."""

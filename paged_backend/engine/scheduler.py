@@ -1,13 +1,16 @@
 """Iteration-level scheduling: which sequences run this step, how many tokens each, who gets preempted.
 
-Running sequences go first, decodes before prefill chunks so a long prompt never starves them. Waiting
+Running sequences go first, decodes before prefill chunks so a long prompt never starves them; decodes that the
+step's token budget left out go first next step, so a budget smaller than the batch takes turns. Waiting
 sequences are admitted only when their whole prompt fits above the watermark (windowed layer groups: its first
 chunk, as they hold a bounded share) and nobody was preempted this step, which keeps admission from thrashing
 against preemption.
 
 Order is `key`: interactive before "batch" requests, then (the "priority" policy) smaller priority, then arrival.
 A waiting head that outranks running sequences (a better class; under "priority", a better key) preempts them,
-worst first, when that and only that lets it in; one that would not fit anyway preempts nobody.
+worst first, when that and only that lets it in; one that would not fit anyway preempts nobody. A step that
+prefills a better-ranked request (a better class, or under "priority" a smaller priority) runs nothing it ranks
+above: their decodes sit that one step out, so its first token costs its own prefill and not theirs too.
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ class ScheduledSequence:
     start: int  # first position computed this step
     num_tokens: int  # drafts included
     draft: list[int] = field(default_factory=list)  # speculative tokens fed after the sequence's own (spec_decode)
+
+    @property
+    def is_prefill(self) -> bool:
+        """This chunk computes prompt (or recomputed) tokens, not just the latest sampled one."""
+        return self.num_tokens - len(self.draft) > 1 or self.start < self.seq.num_prompt_tokens
 
     @property
     def samples(self) -> bool:
@@ -72,6 +80,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []  # kept sorted by `key`
         self.num_preemptions = 0
+        self.num_steps = 0
         self.num_split_prefills = 0  # prefill chunks that stopped before the end of their prompt
         self.admits_adapter = admits_adapter  # LoRAManager.admits with adapters on: caps adapters running at once
 
@@ -109,15 +118,39 @@ class Scheduler:
 
     # ------------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         out = SchedulerOutput()
         self._make_room_for_waiting(out)
         budget = self.config.max_num_batched_tokens
         ordered = sorted(self.running, key=self.key)
-        queue = deque([s for s in ordered if s.num_tokens - s.num_computed_tokens == 1])
-        queue.extend(s for s in ordered if s.num_tokens - s.num_computed_tokens != 1)
         self.running = []
-        preempted = False
         head = self.waiting[0] if self.waiting else None
+        lead = self._lead_prefill(ordered, head)
+        deferred = [seq for seq in ordered if lead is not None and self.ranks_above(lead, seq)]
+        budget, preempted = self._schedule_running(ordered[: len(ordered) - len(deferred)], budget, head, out)
+        self.running += deferred  # they keep their seats while the others are admitted
+        if not preempted:
+            budget = self._swap_in(budget, out)
+            self._admit(budget, out)
+        if deferred and not any(self.ranks_above(item.seq, deferred[0]) for item in out.scheduled if item.is_prefill):
+            # The lead did not prefill after all, so they run on what is left of the step. (When it does, the step
+            # runs nothing it ranks above: a better request's first token costs its own prefill only.)
+            waiting_their_turn = {id(seq) for seq in deferred}
+            self.running = [seq for seq in self.running if id(seq) not in waiting_their_turn]
+            self._schedule_running(deferred, self.config.max_num_batched_tokens - out.num_tokens, None, out)
+        return out
+
+    def _schedule_running(
+        self, ordered: list[Sequence], budget: int, head: Sequence | None, out: SchedulerOutput
+    ) -> tuple[int, bool]:
+        """Schedule running sequences (sorted by `key`), decodes before prefill chunks, preempting the worst of them
+        when blocks run out; returns the budget left and whether anyone was preempted."""
+        # Decodes a full step left out go first next time (within their rank), so a token budget smaller than the
+        # running batch takes turns instead of starving the same sequences.
+        turn = {id(seq): (self.key(seq)[:2], seq.last_scheduled_step) for seq in ordered}
+        queue = deque(sorted((seq for seq in ordered if seq.is_decoding), key=lambda seq: turn[id(seq)]))
+        queue.extend(seq for seq in ordered if not seq.is_decoding)
+        preempted = False
         while queue:
             seq = queue.popleft()
             num_new = self._chunk(seq, budget - self._held_for(head, seq, budget))
@@ -134,15 +167,22 @@ class Scheduler:
                     break
             if seq.status is SequenceStatus.RUNNING:
                 budget -= self._reserve_and_schedule(seq, num_new, out)
-        if not preempted:
-            budget = self._swap_in(budget, out)
-            self._admit(budget, out)
-        return out
+        return budget, preempted
+
+    def ranks_above(self, seq: Sequence, other: Sequence) -> bool:
+        """A better class, or under "priority" a strictly smaller priority (arrival order does not count here)."""
+        return self.key(seq)[:2] < self.key(other)[:2]
+
+    def _lead_prefill(self, running: list[Sequence], head: Sequence | None) -> Sequence | None:
+        """The best-ranked sequence that may prefill this step: the waiting head or a running prompt in chunks. The
+        sequences it ranks above sit the step out if it does prefill, so its first token costs its own prefill only."""
+        candidates = [seq for seq in running if not seq.is_decoding] + ([head] if head is not None else [])
+        return min(candidates, key=self.key, default=None)
 
     def _held_for(self, head: Sequence | None, seq: Sequence, budget: int) -> int:
         """Tokens of the step a prompt chunk of `seq` leaves to the waiting `head` when `head` outranks it, so an
         interactive (or, under "priority", a better) newcomer never waits on a worse prompt's prefill."""
-        if head is None or seq.num_tokens - seq.num_computed_tokens == 1 or not self.outranks(head, seq):
+        if head is None or seq.is_decoding or not self.outranks(head, seq):
             return 0
         return self._chunk(head, budget)
 
@@ -165,6 +205,7 @@ class Scheduler:
         start = seq.num_computed_tokens
         out.copies += self.block_manager.append_slots(seq.seq_id, self._pending(seq), until=start + num_new)
         out.scheduled.append(ScheduledSequence(seq, start, num_new))
+        seq.last_scheduled_step = self.num_steps
         if start + num_new < seq.num_tokens:
             self.num_split_prefills += 1
         self.running.append(seq)
