@@ -51,6 +51,12 @@ def test_silu_mul_saturates_without_overflow():
     torch.testing.assert_close(out[:, :-1], torch.nn.functional.silu(gate)[:, :-1], rtol=1e-6, atol=1e-30)
 
 
+def test_silu_mul_keeps_a_nan_gate_nan_as_torch_does():
+    gate = torch.tensor([[float("nan"), 1.0] * 40])  # long enough for the vector loop and its tail
+    out = fused_cpu.silu_mul(gate, torch.ones_like(gate))
+    assert out[0, ::2].isnan().all() and not out[0, 1::2].isnan().any()
+
+
 def rotary_case(rows, dtype, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, num_blocks=40):
     positions = torch.arange(rows) + 7
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))

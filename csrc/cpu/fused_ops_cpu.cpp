@@ -144,7 +144,9 @@ void silu_mul(const T* gate, int64_t g_stride, const T* up, int64_t u_stride, T*
 #pragma omp simd
     for (int32_t i = 0; i < width; ++i) {
       const float x = load(g, i);
-      store(o, i, round_to<T>(x / (1.0f + exp_in_range(std::fmin(std::fmax(-x, -87.0f), 88.0f)))) * load(u, i));
+      // A plain clamp, not std::fmin/fmax: GCC does not vectorize those, and a NaN gate stays NaN as in torch.
+      const float minus_x = -x < -87.0f ? -87.0f : (-x > 88.0f ? 88.0f : -x);
+      store(o, i, round_to<T>(x / (1.0f + exp_in_range(minus_x))) * load(u, i));
     }
   }
 }
