@@ -237,6 +237,59 @@ def test_decodes_take_turns_when_the_token_budget_is_smaller_than_the_batch(make
     scenario.check_exact_and_leak_free(make_llm)
 
 
+def arriving_during_the_next_step(engine, priority: int, after_layers: int = 0) -> list[bool]:
+    """Make the next step's forward see a request of `priority` arrive once `after_layers` layers ran (as a server
+    thread's `cut_step_for` would); returns what `cut_step_for` answered."""
+    execute, answers = engine.runner.execute, []
+
+    def execute_with_arrival(rows, extra_rows=(), cut=None):
+        checks = iter(range(1000))
+
+        def arrives_then_cut() -> bool:
+            if next(checks) == after_layers:
+                answers.append(engine.cut_step_for(priority))
+            return cut()
+
+        engine.runner.execute = execute
+        return execute(rows, extra_rows, cut=arrives_then_cut)
+
+    engine.runner.execute = execute_with_arrival
+    return answers
+
+
+@pytest.mark.parametrize("after_layers", [0, 1])
+def test_a_step_is_cut_for_a_request_that_outranks_all_it_computes_and_redone_exactly(make_llm, after_layers):
+    scenario = Scenario(make_llm(policy="priority").engine)
+    for index, prompt in enumerate(LOW_PROMPTS):
+        scenario.add(f"low{index}", prompt, LONG, priority=5)
+    scenario.run(until_step=3)
+    engine = scenario.engine
+    free_before = engine.block_manager.num_free_blocks
+    answers = arriving_during_the_next_step(engine, priority=0, after_layers=after_layers)
+    assert scheduled_ids(engine) == ["low0", "low1", "low2", "low3"] and answers == [True]
+    assert engine.stats().num_cut_steps == 1
+    assert engine.block_manager.num_free_blocks == free_before  # the cut step kept its slots for the redo
+    scenario.add("high", HIGH_PROMPT, SHORT, priority=0)
+    assert scheduled_ids(engine) == ["high"]  # its prefill alone, then everyone together
+    assert scheduled_ids(engine) == ["high", "low0", "low1", "low2", "low3"]
+    scenario.run()
+    scenario.check_exact_and_leak_free(make_llm)  # the partly written layers of the cut step were redone exactly
+
+
+def test_a_request_that_does_not_outrank_the_whole_step_does_not_cut_it(make_llm):
+    scenario = Scenario(make_llm(policy="priority").engine)
+    scenario.add("mid", LOW_PROMPTS[0], LONG, priority=1)
+    scenario.add("low", LOW_PROMPTS[1], LONG, priority=5)
+    scenario.run(until_step=2)
+    engine = scenario.engine
+    assert not engine.cut_step_for(0)  # no step in flight
+    answers = arriving_during_the_next_step(engine, priority=1)  # ranks above "low" only
+    assert scheduled_ids(engine) == ["low", "mid"] and answers == [False]
+    assert engine.stats().num_cut_steps == 0
+    scenario.run()
+    scenario.check_exact_and_leak_free(make_llm)
+
+
 def test_an_unknown_request_class_is_refused_with_the_choices(make_llm):
     engine = make_llm().engine
     with pytest.raises(InvalidRequest, match="interactive, batch"):

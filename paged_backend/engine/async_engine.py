@@ -153,7 +153,10 @@ class AsyncEngine:
         finished = False
         try:
             try:
-                await self._call_on_engine_thread(lambda: self._add(request_id, args, kwargs))
+                added = self._call_on_engine_thread(lambda: self._add(request_id, args, kwargs))
+                # Queued first, so that a step cut for it (it outranks all the step computes) is followed by its own.
+                self.engine.cut_step_for(kwargs.get("priority", 0), kwargs.get("request_class", "interactive"))
+                await added
             except PagedBackendError:
                 finished = True  # rejected: nothing was queued, nothing to abort
                 raise

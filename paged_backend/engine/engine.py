@@ -26,6 +26,7 @@ from paged_backend.engine.stats import EngineCounters, EngineStats
 from paged_backend.errors import InvalidRequest
 from paged_backend.lora import LoRARequest
 from paged_backend.spec_decode.speculator import build_speculator
+from paged_backend.worker.runner import StepCut
 
 
 class Engine:
@@ -68,6 +69,10 @@ class Engine:
         )  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self.counters = EngineCounters(self.block_manager)
+        # Cutting a step (cut_step_for): the step in flight and the best rank it computes, and the step to cut.
+        self._steps_cut = self.runner.cuts_steps and self.speculator is None and self.parallel is None
+        self._in_flight: tuple[int, tuple[bool, int]] | None = None
+        self._cut_step = -1
 
     @property
     def vocab_size(self) -> int:
@@ -120,6 +125,20 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def cut_step_for(self, priority: int = 0, request_class: RequestClass = "interactive") -> bool:
+        """Ask the step in flight to stop at its next layer boundary when a request of this rank (`Scheduler.rank`)
+        outranks everything the step computes; True if asked. Safe from any thread: a server calls it right after
+        queueing such a request, so a long CPU decode step does not hold up its first token.
+
+        A cut step changes nothing but the KV slots it was filling, which the next step writes again: sequences
+        keep their progress and blocks, and the newcomer's prefill then runs alone (the scheduler defers whatever
+        it outranks). Single-process engines on the fused forward, without speculative decoding, cut steps."""
+        in_flight = self._in_flight
+        if in_flight is None or self.scheduler.rank(request_class, priority) >= in_flight[1]:
+            return False
+        self._cut_step = in_flight[0]
+        return True
+
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return the outputs of every request that got a token (or finished)."""
@@ -141,9 +160,19 @@ class Engine:
         prompt_rows, prompt_segments = prompt_logprob_rows(plan.scheduled)
         forward_start = time.perf_counter()
         rows = [item.rows(self.block_manager.block_tables(item.seq.seq_id)) for item in plan.scheduled]
-        with self._adapters(plan.scheduled):
-            logits = self.runner.execute(rows, prompt_rows)
-        self.counters.forward_time += time.perf_counter() - forward_start
+        step = self.scheduler.num_steps
+        if self._steps_cut:
+            best = min(self.scheduler.key(item.seq)[:2] for item in plan.scheduled)
+            self._in_flight = step, best
+        try:
+            with self._adapters(plan.scheduled):
+                logits = self.runner.execute(rows, prompt_rows, cut=lambda: self._cut_step == step)
+        except StepCut:  # a request that outranks the whole step arrived: it goes next, this step's work after it
+            self.counters.num_cut_steps += 1
+            return []
+        finally:
+            self._in_flight = None
+            self.counters.forward_time += time.perf_counter() - forward_start
         if prompt_rows:
             record_prompt_logprobs(logits[len(logits) - len(prompt_rows) :], prompt_segments)
 

@@ -84,11 +84,15 @@ class Scheduler:
         self.num_split_prefills = 0  # prefill chunks that stopped before the end of their prompt
         self.admits_adapter = admits_adapter  # LoRAManager.admits with adapters on: caps adapters running at once
 
+    def rank(self, request_class: str, priority: int) -> tuple[bool, int]:
+        """A request's rank, smaller first: batch requests below every interactive one in both policies, then (under
+        "priority") smaller priority. Arrival breaks ties in `key`, not here."""
+        return request_class == "batch", priority if self.config.policy == "priority" else 0
+
     def key(self, seq: Sequence) -> tuple[bool, int, int, int]:
-        """Smaller = served first, preempted last. Batch requests rank below every interactive one, in both policies."""
+        """Smaller = served first, preempted last."""
         request = seq.request
-        priority = request.priority if self.config.policy == "priority" else 0
-        return request.request_class == "batch", priority, request.arrival_order, seq.index
+        return *self.rank(request.request_class, request.priority), request.arrival_order, seq.index
 
     def outranks(self, seq: Sequence, other: Sequence) -> bool:
         """Whether `seq` may take `other`'s place: a better class, or under "priority" a strictly better key (fcfs
@@ -170,7 +174,7 @@ class Scheduler:
         return budget, preempted
 
     def ranks_above(self, seq: Sequence, other: Sequence) -> bool:
-        """A better class, or under "priority" a strictly smaller priority (arrival order does not count here)."""
+        """A better `rank` (arrival order does not count here)."""
         return self.key(seq)[:2] < self.key(other)[:2]
 
     def _lead_prefill(self, running: list[Sequence], head: Sequence | None) -> Sequence | None:

@@ -30,6 +30,7 @@ class EngineStats:
     num_steps: int
     step_time: float  # seconds inside step()
     forward_time: float  # seconds inside the model forward
+    num_cut_steps: int = 0  # steps stopped between layers for a request that outranked them (Engine.cut_step_for)
     running_lora_adapters: tuple[str, ...] = ()  # adapters of running / waiting requests (vLLM's lora_requests_info)
     waiting_lora_adapters: tuple[str, ...] = ()
     # Speculative decoding (vLLM's names): proposals verified, tokens proposed, accepted, accepted per position.
@@ -48,7 +49,7 @@ class EngineCounters:
 
     def __init__(self, block_manager: BlockManager) -> None:
         self.block_manager = block_manager
-        self.prompt_tokens = self.generation_tokens = self.num_steps = 0
+        self.prompt_tokens = self.generation_tokens = self.num_steps = self.num_cut_steps = 0
         self.step_time = self.forward_time = 0.0  # seconds
         self.peak_kv_usage = 0.0
         self.kv_history = KVHistory()  # usage and waste of recent steps, for the KV map
@@ -85,6 +86,7 @@ class EngineCounters:
             num_steps=self.num_steps,
             step_time=self.step_time,
             forward_time=self.forward_time,
+            num_cut_steps=self.num_cut_steps,
             **({} if lora is None else lora.adapters_in(scheduler)),
             **_spec_decode_stats(speculator),
         )

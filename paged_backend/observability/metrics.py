@@ -40,6 +40,8 @@ class EngineStatsCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stats.kv_usage)
         counters = {
             "num_preemptions": ("Sequences preempted for lack of KV blocks.", stats.num_preemptions),
+            "num_cut_steps": ("Steps stopped between layers for a request that outranked all they computed.",
+                              stats.num_cut_steps),  # fmt: skip
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
             "prompt_tokens": ("Prompt tokens processed.", stats.prompt_tokens),

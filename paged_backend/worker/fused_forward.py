@@ -18,6 +18,7 @@ anything else, or `PAGED_BACKEND_FUSED_FORWARD=0`, runs transformers' forward ov
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -31,6 +32,10 @@ from paged_backend.worker.attention import PagedMetadata
 
 FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SWITCH = "PAGED_BACKEND_FUSED_FORWARD"
+
+
+class StepCut(Exception):
+    """The forward stopped between two layers because its caller asked (`cut`); the step computed nothing usable."""
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -126,16 +131,18 @@ class FusedForward:
                            _split(gate_up, self.gate_up_sizes) if gate_up is not None else _each(gate, up), down))  # fmt: skip
         return layers, packed.get(head) or head.forward
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, metadata: PagedMetadata, rows: list[int]):
-        """Float32 logits of the packed `rows` (the runner's `forward` contract)."""
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, metadata: PagedMetadata, rows: list[int],
+                 cut: Callable[[], bool] | None = None):  # fmt: skip
+        """Float32 logits of the packed `rows` (the runner's `forward` contract); StepCut once `cut()` is true
+        between two layers."""
         calls = self._calls()
         if calls is not None:
-            return self._run(*calls, ids, positions, metadata, rows)
+            return self._run(*calls, ids, positions, metadata, rows, cut)
         modules = [(_each(q, k, v), o, _each(gate, up), down) for q, k, v, o, gate, up, down in self.modules]
         with self.linears.active() if self.linears is not None else nullcontext():
-            return self._run(modules, self.lm_head, ids, positions, metadata, rows)
+            return self._run(modules, self.lm_head, ids, positions, metadata, rows, cut)
 
-    def _run(self, calls, lm_head, ids, positions, metadata: PagedMetadata, rows: list[int]) -> torch.Tensor:
+    def _run(self, calls, lm_head, ids, positions, metadata: PagedMetadata, rows: list[int], cut) -> torch.Tensor:
         base, cache, head_dim = self.base, self.kv_cache, self.head_dim
         residual = base.embed_tokens(ids)  # [1, T, H]
         cos, sin = (t[0].contiguous() for t in base.rotary_emb(residual, positions))
@@ -144,6 +151,8 @@ class FusedForward:
         x = add_rms_norm(None, residual, *self.norms[0][0])
         last = len(self.layers) - 1
         for index, (qkv_proj, o_proj, gate_up_proj, down_proj) in enumerate(calls):
+            if cut is not None and cut():
+                raise StepCut(f"stopped before layer {index}")
             q, k, v = qkv_proj(x)
             group = metadata.for_layer(index)
             if id(group) not in steps:

@@ -8,7 +8,7 @@ position (`logits_to_keep`), never for the whole packed prompt.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -25,7 +25,7 @@ from paged_backend.worker.attention import (
     paged_attention_enabled,
     register_paged_attention,
 )
-from paged_backend.worker.fused_forward import FusedForward, unfused_reason
+from paged_backend.worker.fused_forward import FusedForward, StepCut, unfused_reason  # noqa: F401 (StepCut: part of execute's contract)
 from paged_backend.worker.packed_linear import PackedLinears
 
 
@@ -118,21 +118,33 @@ class ModelRunner:
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)
         return ids, pos, metadata, logit_rows
 
-    def execute(self, rows: list[SequenceRows], extra_rows: list[int] = ()) -> torch.Tensor:
+    def execute(
+        self, rows: list[SequenceRows], extra_rows: list[int] = (), cut: Callable[[], bool] | None = None
+    ) -> torch.Tensor:
         """One packed forward of `rows`. Returns float32 logits of each row's kept positions (its last
-        `num_logit_rows`, in row order), then those of the packed positions `extra_rows` (prompt logprobs)."""
+        `num_logit_rows`, in row order), then those of the packed positions `extra_rows` (prompt logprobs).
+
+        Where the fused forward runs (`cuts_steps`), `cut` is asked between layers and, once it says so, the
+        forward stops with StepCut: its KV writes so far are for slots the step recomputes, so nothing is lost."""
         ids, positions, metadata, logit_rows = self.prepare(rows)
-        return self.forward(ids, positions, metadata, logit_rows + list(extra_rows))
+        return self.forward(ids, positions, metadata, logit_rows + list(extra_rows), cut)
+
+    @property
+    def cuts_steps(self) -> bool:
+        """Whether `execute` honours `cut` (the fused layer loop; the model's own forward runs to the end)."""
+        return self.fused is not None
 
     @torch.inference_mode()
-    def forward(self, ids, positions, metadata: PagedMetadata, rows: list[int]) -> torch.Tensor:
+    def forward(
+        self, ids, positions, metadata: PagedMetadata, rows: list[int], cut: Callable[[], bool] | None = None
+    ) -> torch.Tensor:
         """Run the packed batch; float32 logits of the packed `rows` only (`logits_to_keep`), in that order."""
         training = self.model.training
         if training:  # a caller's model in train mode gets it back after the forward
             self.model.eval()
         try:
             if self.fused is not None:
-                return self.fused(ids, positions, metadata, rows)
+                return self.fused(ids, positions, metadata, rows, cut)
             with paged_attention_enabled(self.model_configs), self._linears():
                 out = self.model(
                     input_ids=ids,
