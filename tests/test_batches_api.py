@@ -1,6 +1,7 @@
 """/v1/files and /v1/batches through the official openai client against a real server: every batch answer equals
 the online answer to the same request, malformed lines become error lines while the others run, cancel and list
-work, an oversized upload is a 413, and a batch interrupted by a restart finishes with every line exactly once."""
+work, an oversized upload is a 413, and a batch interrupted by a restart finishes with every line exactly once.
+On a two-model server every line runs on the model its body names (an unknown model: the online 404)."""
 
 from __future__ import annotations
 
@@ -227,3 +228,40 @@ def test_a_batch_resumes_after_a_restart_without_redoing_lines(tmp_path):
             assert comparable(output["response"]["body"]) == comparable(online)
     stored = (tmp_path / "batches" / f"{created.id}.results.jsonl").read_text().splitlines()
     assert sorted(json.loads(result)["line"] for result in stored) == list(range(1, len(lines) + 1))
+
+
+def test_each_line_runs_on_the_model_its_body_names(tmp_path):
+    served = ("--model", MODEL, "--model", MODEL, "--served-model-name", "first", "--served-model-name", "second")
+    with running_server(*EXACT, *served, "--files-dir", str(tmp_path)) as server:
+        client = server.client()
+        lines = []
+        for i, model in enumerate(["second", "first", "second", "nope", "second", "first"]):
+            line = chat_line(f"{model}-{i}", f"Which model answers line {i}?", max_tokens=4 + i)
+            lines.append({**line, "body": {**line["body"], "model": model}})
+        before = server.metrics()
+        batch = wait_until(client, submit(client, lines).id)
+        assert batch.status == "completed"
+        assert (batch.request_counts.completed, batch.request_counts.failed) == (5, 1)
+        outputs = output_lines(client, batch.output_file_id)
+        assert [output["custom_id"] for output in outputs] == [line["custom_id"] for line in lines if "nope" not in
+                                                               line["custom_id"]]  # fmt: skip
+        answered = [line for line in lines if line["body"]["model"] != "nope"]
+        for line, output in zip(answered, outputs, strict=True):
+            status, online = online_answer(server, line)
+            assert output["response"]["status_code"] == status == 200
+            assert output["response"]["body"]["model"] == line["body"]["model"]
+            assert comparable(output["response"]["body"]) == comparable(online)
+        [unknown] = output_lines(client, batch.error_file_id)
+        status, online = online_answer(server, lines[3])
+        assert unknown["response"]["status_code"] == status == 404 and unknown["response"]["body"] == online
+        assert "'first'" in online["error"]["message"] and "'second'" in online["error"]["message"]
+        after = server.metrics()
+        for model, count in (("first", 2), ("second", 3)):  # each engine ran its own lines, in the batch class
+            assert batch_requests(after, model) - batch_requests(before, model) == count
+
+
+def batch_requests(metrics: dict[str, float], model: str) -> float:
+    """`requests_by_class_total` of the batch class on one model of a multi-model server (labels in any order)."""
+    labels = (f'model_name="{model}"', 'request_class="batch"')
+    counters = {key: value for key, value in metrics.items() if key.startswith("paged_backend:requests_by_class_total")}
+    return sum(value for key, value in counters.items() if all(label in key for label in labels))

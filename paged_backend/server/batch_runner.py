@@ -5,6 +5,9 @@ only on capacity live traffic leaves over. Results are stored as lines finish; o
 the batches a stop interrupted, running only their unfinished lines. A line the server does not take now
 (asleep: 503) is retried, never recorded; when a shutdown starts draining the engine, the running lines are aborted
 rather than waited for. So a restart midway redoes nothing and loses nothing.
+
+Lines go to `app.state.batch_front` when set (a multi-model server's router, see `send_lines_through`), else to the
+app itself: wherever an online request enters.
 """
 
 from __future__ import annotations
@@ -13,10 +16,12 @@ import asyncio
 import fcntl
 import json
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
 from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from paged_backend.server.batch_lines import BatchLine, InProcessClient, parse_lines, succeeded
 from paged_backend.server.batch_store import BatchRecord, BatchStore
@@ -39,12 +44,20 @@ def batch_store_of(app: FastAPI) -> BatchStore:
     return store
 
 
+def send_lines_through(front: ASGIApp, apps: Iterable[FastAPI]) -> None:
+    """Send the batch lines of `apps` to `front`, the ASGI app online requests enter (a multi-model server's
+    router), so that each line runs on the model its body names, or gets the 404 an online request would."""
+    for app in apps:
+        app.state.batch_front = front
+
+
 class BatchRunner:
     def __init__(self, app: FastAPI) -> None:
         self.store, self.files = batch_store_of(app), file_store_of(app)
         self.async_engine = app.state.server.async_engine
         keys = app.state.server.settings.api_keys
-        self.client = InProcessClient(app, keys[0] if keys else None, request_class="batch")
+        front = getattr(app.state, "batch_front", app)
+        self.client = InProcessClient(front, keys[0] if keys else None, request_class="batch")
 
     def start(self) -> None:
         self._lock = _lock_directory(self.store.directory)
