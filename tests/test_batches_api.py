@@ -1,7 +1,8 @@
 """/v1/files and /v1/batches through the official openai client against a real server: every batch answer equals
 the online answer to the same request, malformed lines become error lines while the others run, cancel and list
 work, an oversized upload is a 413, and a batch interrupted by a restart finishes with every line exactly once.
-On a two-model server every line runs on the model its body names (an unknown model: the online 404)."""
+The batch's `usage` sums its lines' own usage (once each, across a restart), and on a two-model server every line
+runs on the model its body names (an unknown model: the online 404)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
+from paged_backend.server.batch_lines import line_usage
 from tests._server_helpers import MODEL, running_server
 
 # Batch-invariant float32: a line's greedy tokens do not depend on which other lines share its engine steps.
@@ -68,6 +70,15 @@ def output_lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
     return [] if file_id is None else [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
 
 
+def summed_usage(outputs: list[dict]) -> dict:
+    """OpenAI's batch usage, summed here from the output lines' own usage (chat and completions names)."""
+    usages = [output["response"]["body"]["usage"] for output in outputs]
+    inputs, outs = sum(u["prompt_tokens"] for u in usages), sum(u["completion_tokens"] for u in usages)
+    cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usages)
+    return {"input_tokens": inputs, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": outs,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": inputs + outs}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def files_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("files")
@@ -100,6 +111,7 @@ def test_batch_answers_equal_the_online_answers(server, client):
         assert output["error"] is None and output["response"]["status_code"] == status == 200
         assert comparable(output["response"]["body"]) == comparable(online)
     assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
+    assert batch.usage.model_dump() == summed_usage(outputs) and batch.usage.output_tokens > 0
     # the lines ran in the batch class; the online answers compared against them in the interactive one
     after, key = server.metrics(), 'paged_backend:requests_by_class_total{request_class="%s"}'
     assert after.get(key % "batch", 0) - before.get(key % "batch", 0) == 6
@@ -205,6 +217,21 @@ def test_bad_batch_requests_are_4xx_naming_what_to_change(client):
         client.batches.retrieve("batch_nope")
 
 
+def test_line_usage_reads_every_endpoints_names():
+    def output(usage, status=200):
+        return {"response": {"status_code": status, "body": {"usage": usage}}, "error": None}
+
+    keys = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")
+    chat = {"prompt_tokens": 5, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 2}}
+    responses = {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 4}, "output_tokens": 2,
+                 "output_tokens_details": {"reasoning_tokens": 1}}  # fmt: skip
+    assert line_usage(output(chat)) == dict(zip(keys, (5, 2, 3, 0), strict=True))
+    assert line_usage(output(responses)) == dict(zip(keys, (7, 4, 2, 1), strict=True))
+    unsent = {"response": None, "error": {"code": "invalid_request"}}
+    zero = dict.fromkeys(keys, 0)
+    assert line_usage(unsent) == line_usage(output(None, 400)) == line_usage(output({"prompt_tokens": "x"})) == zero
+
+
 def test_a_batch_resumes_after_a_restart_without_redoing_lines(tmp_path):
     lines = [chat_line(f"line-{i}", f"Resume item {i}", max_tokens=16) for i in range(24)]
     slow = ("--max-num-seqs", "2")  # two lines at a time: the batch is still running when the server stops
@@ -226,6 +253,7 @@ def test_a_batch_resumes_after_a_restart_without_redoing_lines(tmp_path):
         assert [output["custom_id"] for output in outputs] == [line["custom_id"] for line in lines]  # each once
         for output, online in zip(outputs, online_answers(second, lines), strict=True):
             assert comparable(output["response"]["body"]) == comparable(online)
+        assert batch.usage.model_dump() == summed_usage(outputs)  # the lines run before the stop counted once
     stored = (tmp_path / "batches" / f"{created.id}.results.jsonl").read_text().splitlines()
     assert sorted(json.loads(result)["line"] for result in stored) == list(range(1, len(lines) + 1))
 

@@ -1,5 +1,6 @@
 """`paged-backend run-batch -i requests.jsonl -o results.jsonl`, the real command: its output equals the online
-answers of a real server line by line (chat, completions, responses), and malformed lines become error lines."""
+answers of a real server line by line (chat, completions, responses), and malformed lines become error lines;
+the summary counts the lines and the tokens their answers report."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from paged_backend.server.batch_lines import line_usage
 from tests._server_helpers import MODEL, running_server
 from tests.test_batches_api import EXACT, chat_line, comparable, completion_line, jsonl, online_answer
 
@@ -82,3 +84,7 @@ def test_output_keeps_the_input_order_with_error_lines_for_malformed_lines(outpu
     assert wrong_url["response"] is None and "unknown url '/v1/embeddings'" in wrong_url["error"]["message"]
     assert all(output["id"].startswith("batch_req_") for output in lines)
     assert "run-batch" in stderr and "9 lines" in stderr and "6 answered, 3 failed" in stderr
+    usages = [line_usage(output) for output in lines]
+    inputs, cached, outs = (sum(usage[key] for usage in usages) for key in ("input_tokens", "cached_tokens",
+                                                                             "output_tokens"))  # fmt: skip
+    assert outs > 0 and f"{inputs} input tokens ({cached} cached), {outs} output tokens" in stderr

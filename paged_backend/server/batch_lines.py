@@ -4,6 +4,8 @@ An input line is `{"custom_id", "method": "POST", "url", "body"}`; its output li
 "response": {"status_code", "request_id", "body"}, "error"}`. The body goes to the route of `url` on the app itself
 (httpx's ASGI transport), so a batch answer is the online answer: the same validation, errors and output. A line
 that cannot be sent at all (not JSON, no custom_id, an unknown url) gets `response: null` and an `error` instead.
+`line_usage` reads the tokens a line's answer reports, whichever endpoint's names it uses; `usage_object` sums them
+into OpenAI's batch `usage`.
 
 >>> first, second = parse_lines('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\\nnope')
 >>> first.problem, second.problem
@@ -96,6 +98,50 @@ def error_line(line: BatchLine) -> dict[str, Any]:
     """The output line of a line that could not be sent."""
     error = {"code": "invalid_request", "message": line.problem, "line": line.number}
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id, "response": None, "error": error}
+
+
+USAGE_KEYS = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")
+
+
+def line_usage(output: dict[str, Any]) -> dict[str, int]:
+    """The tokens one output line's answer reports in its own `usage` (none: zeros). Chat and completions name them
+    prompt_tokens / completion_tokens, responses input_tokens / output_tokens."""
+    body = (output.get("response") or {}).get("body")
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict):
+        return dict.fromkeys(USAGE_KEYS, 0)
+    inputs = usage.get("input_tokens", usage.get("prompt_tokens"))
+    outputs = usage.get("output_tokens", usage.get("completion_tokens"))
+    input_details = usage.get("input_tokens_details") or usage.get("prompt_tokens_details")
+    output_details = usage.get("output_tokens_details") or usage.get("completion_tokens_details")
+    return {
+        "input_tokens": _count(inputs),
+        "cached_tokens": _count(_detail(input_details, "cached_tokens")),
+        "output_tokens": _count(outputs),
+        "reasoning_tokens": _count(_detail(output_details, "reasoning_tokens")),
+    }
+
+
+def add_usage(total: dict[str, int], output: dict[str, Any]) -> dict[str, int]:
+    """`total` (USAGE_KEYS, as `line_usage` gives) plus one output line's tokens."""
+    line = line_usage(output)
+    return {key: total.get(key, 0) + line[key] for key in USAGE_KEYS}
+
+
+def usage_object(total: dict[str, int]) -> dict[str, Any]:
+    """OpenAI's batch `usage` from summed `line_usage` counts."""
+    inputs, outputs = total.get("input_tokens", 0), total.get("output_tokens", 0)
+    return {"input_tokens": inputs, "input_tokens_details": {"cached_tokens": total.get("cached_tokens", 0)},
+            "output_tokens": outputs, "output_tokens_details": {"reasoning_tokens": total.get("reasoning_tokens", 0)},
+            "total_tokens": inputs + outputs}  # fmt: skip
+
+
+def _detail(details: Any, key: str) -> Any:
+    return details.get(key) if isinstance(details, dict) else None
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def succeeded(output: dict[str, Any]) -> bool:

@@ -104,10 +104,10 @@ class BatchRunner:
         except FileNotFound:
             return self._fail(record, "file_not_found", f"the input file {record.input_file_id} was deleted")
         lines = parse_lines(text, record.endpoint)
-        finished = self.store.results(record)
+        finished = self.store.results(record)  # counts and usage summed again from what is on disk
         if record.status == "validating":
             record.set_status("in_progress")
-            self.store.save(record)
+        self.store.save(record)
         if record.status == "in_progress":
             await self._run_lines(record, [line for line in lines if line.number not in finished])
         self._finalize(record, lines)

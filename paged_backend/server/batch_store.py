@@ -1,8 +1,9 @@
 """/v1/batches on disk: each batch's record `<dir>/batches/<id>.json`, and its results so far `<id>.results.jsonl`.
 
 A result is appended (and fsync'd) as each line finishes, as `{"line": n, "output": <output line>}`; the record's
-request counts follow. After a restart the results say which lines are done, so a resumed batch runs only the
-others and no line is answered twice.
+request counts and token usage follow. After a restart the results say which lines are done, so a resumed batch
+runs only the others and no line is answered twice; the counts and usage are summed again from the results then
+(and once more when the batch finishes), so a crash between a result and its record cannot make them drift.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paged_backend.server.batch_lines import succeeded
+from paged_backend.server.batch_lines import add_usage, succeeded, usage_object
 from paged_backend.server.file_store import write_atomically
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")  # what the runner still has to finish
@@ -44,6 +45,7 @@ class BatchRecord:
     error_file_id: str | None = None
     errors: list[dict[str, Any]] | None = None
     times: dict[str, int] = field(default_factory=dict)  # "in_progress" -> in_progress_at, ...
+    usage: dict[str, int] = field(default_factory=dict)  # batch_lines.USAGE_KEYS summed over the finished lines
 
     def set_status(self, status: str) -> None:
         self.status = status
@@ -60,6 +62,7 @@ class BatchRecord:
             "created_at": int(self.created), "expires_at": int(self.created) + COMPLETION_WINDOW,
             **{f"{stamp}_at": self.times.get(stamp) for stamp in stamps},
             "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed},
+            "usage": usage_object(self.usage),
             "metadata": self.metadata,
         }  # fmt: skip
 
@@ -109,15 +112,12 @@ class BatchStore:
             self.changed.set()
 
     def add_result(self, record: BatchRecord, line: int, output: dict[str, Any]) -> None:
-        """Append one finished line's output (on disk before the counts say so)."""
+        """Append one finished line's output (on disk before the counts and usage say so)."""
         with open(self._results(record.id), "a") as out:
             out.write(json.dumps({"line": line, "output": output}) + "\n")
             out.flush()
             os.fsync(out.fileno())
-        if succeeded(output):
-            record.completed += 1
-        else:
-            record.failed += 1
+        _tally(record, output)
         self.save(record)
 
     def results(self, record: BatchRecord) -> dict[int, dict[str, Any]]:
@@ -133,10 +133,20 @@ class BatchStore:
         finished = {}
         for raw in text.splitlines():
             result = json.loads(raw)
-            finished.setdefault(result["line"], result["output"])
-        record.completed = sum(succeeded(output) for output in finished.values())
-        record.failed = len(finished) - record.completed
+            finished.setdefault(result["line"], result["output"])  # the first answer of a line is its answer
+        record.completed, record.failed, record.usage = 0, 0, {}
+        for output in finished.values():
+            _tally(record, output)
         return finished
 
     def _results(self, batch_id: str) -> Path:
         return self.directory / f"{batch_id}.results.jsonl"
+
+
+def _tally(record: BatchRecord, output: dict[str, Any]) -> None:
+    """Count one finished line into the record's request counts and token usage."""
+    if succeeded(output):
+        record.completed += 1
+    else:
+        record.failed += 1
+    record.usage = add_usage(record.usage, output)

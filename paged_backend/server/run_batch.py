@@ -2,7 +2,8 @@
 
 Each line runs through the server's own app in process (batch_lines), with the engine started around the run,
 so an output line is what the online route answers for the same request: the same body, the same 400 for a bad
-one. Lines run concurrently, so the engine batches them; the output keeps the input's order.
+one. Lines run concurrently, so the engine batches them; the output keeps the input's order. The summary on
+stderr counts the lines and the tokens their answers report (what a /v1/batches batch object's usage sums).
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ from pydantic import ValidationError
 from paged_backend.engine.args import EngineArgs
 from paged_backend.engine.args_typer import add_engine_command
 from paged_backend.errors import PagedBackendError
-from paged_backend.server.batch_lines import BatchLine, InProcessClient, parse_lines, succeeded
+from paged_backend.server.batch_lines import (
+    USAGE_KEYS,
+    BatchLine,
+    InProcessClient,
+    add_usage,
+    parse_lines,
+    succeeded,
+)
 
 
 def run_batch(
@@ -57,9 +65,17 @@ def run_batch(
     finally:
         built.close()
     output_file.write_text("".join(json.dumps(output) + "\n" for output in outputs))
-    ok = sum(succeeded(output) for output in outputs)
-    elapsed = time.perf_counter() - started
-    typer.echo(f"{len(outputs)} lines in {elapsed:.1f} s: {ok} answered, {len(outputs) - ok} failed", err=True)
+    typer.echo(summary(outputs, time.perf_counter() - started), err=True)
+
+
+def summary(outputs: list[dict], elapsed: float) -> str:
+    """One line: the lines answered and failed, and the tokens the answers used."""
+    ok, usage = sum(succeeded(output) for output in outputs), dict.fromkeys(USAGE_KEYS, 0)
+    for output in outputs:
+        usage = add_usage(usage, output)
+    tokens = (f"{usage['input_tokens']} input tokens ({usage['cached_tokens']} cached), "
+              f"{usage['output_tokens']} output tokens")  # fmt: skip
+    return f"{len(outputs)} lines in {elapsed:.1f} s: {ok} answered, {len(outputs) - ok} failed; {tokens}"
 
 
 async def _run_lines(app, lines: list[BatchLine], concurrency: int, progress: bool) -> list[dict]:
