@@ -215,6 +215,9 @@ def test_bad_batch_requests_are_4xx_naming_what_to_change(client):
         client.batches.create(input_file_id=empty.id, endpoint="/v1/embeddings", completion_window="24h")
     with pytest.raises(openai.NotFoundError, match="no batch"):
         client.batches.retrieve("batch_nope")
+    with pytest.raises(openai.BadRequestError, match="completion_window") as window:
+        client.batches.create(input_file_id=empty.id, endpoint="/v1/chat/completions", completion_window="1h")
+    assert window.value.body["type"] == "invalid_request_error"
 
 
 def test_line_usage_reads_every_endpoints_names():

@@ -3,9 +3,9 @@
 An input line is `{"custom_id", "method": "POST", "url", "body"}`; its output line is `{"id", "custom_id",
 "response": {"status_code", "request_id", "body"}, "error"}`. The body goes to the route of `url` on the app itself
 (httpx's ASGI transport), so a batch answer is the online answer: the same validation, errors and output. A line
-that cannot be sent at all (not JSON, no custom_id, an unknown url) gets `response: null` and an `error` instead.
-`line_usage` reads the tokens a line's answer reports, whichever endpoint's names it uses; `usage_object` sums them
-into OpenAI's batch `usage`.
+that cannot be sent at all (not JSON, no custom_id, an unknown url) gets `response: null` and an `error` instead,
+as does a line its batch's completion window ran out on (`batch_expired`). `line_usage` reads the tokens a line's
+answer reports, whichever endpoint's names it uses; `usage_object` sums them into OpenAI's batch `usage`.
 
 >>> first, second = parse_lines('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\\nnope')
 >>> first.problem, second.problem
@@ -98,6 +98,17 @@ def error_line(line: BatchLine) -> dict[str, Any]:
     """The output line of a line that could not be sent."""
     error = {"code": "invalid_request", "message": line.problem, "line": line.number}
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id, "response": None, "error": error}
+
+
+def expired_line(line: BatchLine) -> dict[str, Any]:
+    """The output line of a line that had not finished when its batch's completion window ended."""
+    message = "the batch's completion window ended before this request finished; submit it again in a new batch"
+    error = {"code": "batch_expired", "message": message, "line": line.number}
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id, "response": None, "error": error}
+
+
+def is_expired(output: dict[str, Any]) -> bool:
+    return output["error"] is not None and output["error"].get("code") == "batch_expired"
 
 
 USAGE_KEYS = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")

@@ -6,8 +6,10 @@ the batches a stop interrupted, running only their unfinished lines. A line the 
 (asleep: 503) is retried, never recorded; when a shutdown starts draining the engine, the running lines are aborted
 rather than waited for. So a restart midway redoes nothing and loses nothing.
 
-Lines go to `app.state.batch_front` when set (a multi-model server's router, see `send_lines_through`), else to the
-app itself: wherever an online request enters.
+A batch still running at its `expires` stops as a cancelled one does, but its unfinished lines are recorded as
+`batch_expired` error lines and it ends "expired" (whether it expired is read back from those results, so a
+crash while finalizing cannot turn it into "completed"). Lines go to `app.state.batch_front` when set (a
+multi-model server's router, see `send_lines_through`), else to the app itself: wherever an online request enters.
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ from typing import IO
 from fastapi import FastAPI
 from starlette.types import ASGIApp
 
-from paged_backend.server.batch_lines import BatchLine, InProcessClient, parse_lines, succeeded
+from paged_backend.server.batch_lines import (
+    BatchLine,
+    InProcessClient,
+    expired_line,
+    is_expired,
+    parse_lines,
+    succeeded,
+)
 from paged_backend.server.batch_store import BatchRecord, BatchStore
 from paged_backend.server.file_store import FileNotFound, FileStore, files_dir
 
@@ -98,7 +107,8 @@ class BatchRunner:
                 await self.store.changed.wait()
 
     async def run(self, record: BatchRecord) -> None:
-        """Run `record`'s unfinished lines (unless it is being cancelled), then write its output files."""
+        """Run `record`'s unfinished lines (unless it is being cancelled or has expired), then write its output
+        files."""
         try:
             text = self.files.content(record.input_file_id).decode("utf-8", errors="replace")
         except FileNotFound:
@@ -110,7 +120,16 @@ class BatchRunner:
         self.store.save(record)
         if record.status == "in_progress":
             await self._run_lines(record, [line for line in lines if line.number not in finished])
+        if record.status == "in_progress" and record.expired():
+            self._expire_unfinished(record, lines)
         self._finalize(record, lines)
+
+    def _expire_unfinished(self, record: BatchRecord, lines: list[BatchLine]) -> None:
+        """Record every line without a result as a batch_expired error line (on disk, so a restart sees them)."""
+        finished = self.store.results(record)
+        unfinished = {line.number: expired_line(line) for line in lines if line.number not in finished}
+        if unfinished:
+            self.store.add_results(record, unfinished)
 
     async def _run_lines(self, record: BatchRecord, lines: list[BatchLine]) -> None:
         slots = asyncio.Semaphore(BATCH_CONCURRENCY)
@@ -122,12 +141,12 @@ class BatchRunner:
             finally:
                 slots.release()
 
-        watcher = asyncio.create_task(_abort_when_cancelled(record, running))
+        watcher = asyncio.create_task(_abort_when_stopped(record, running))
         try:
             async with asyncio.TaskGroup() as lines_running:
                 for line in lines:
                     await slots.acquire()
-                    if record.status != "in_progress":
+                    if _stopped(record):
                         break
                     task = lines_running.create_task(run_line(line))
                     running.add(task)
@@ -136,13 +155,14 @@ class BatchRunner:
             watcher.cancel()
 
     def _finalize(self, record: BatchRecord, lines: list[BatchLine]) -> None:
-        """Outputs in input order: 2xx answers to the output file, the rest to the error file."""
+        """Outputs in input order: 2xx answers to the output file, the rest (expired lines too) to the error file."""
         cancelled = record.status == "cancelling"
-        if not cancelled:
-            record.set_status("finalizing")
-            self.store.save(record)
         finished = self.store.results(record)
         outputs = [finished[line.number] for line in lines if line.number in finished]
+        expired = not cancelled and any(is_expired(output) for output in outputs)
+        if not cancelled and not expired:
+            record.set_status("finalizing")
+            self.store.save(record)
         hex_id = record.id.removeprefix("batch_")
         for kind, chosen in (
             ("output", [o for o in outputs if succeeded(o)]),
@@ -155,7 +175,7 @@ class BatchRunner:
                     f"{record.id}_{kind}.jsonl", "batch_output", content, f"file-{hex_id}-{kind}"
                 )
                 setattr(record, f"{kind}_file_id", stored.id)
-        record.set_status("cancelled" if cancelled else "completed")
+        record.set_status("cancelled" if cancelled else "expired" if expired else "completed")
         self.store.save(record)
 
     def _fail(self, record: BatchRecord, code: str, message: str) -> None:
@@ -176,9 +196,15 @@ def _lock_directory(directory: Path) -> IO | None:
     return lock
 
 
-async def _abort_when_cancelled(record: BatchRecord, running: set[asyncio.Task]) -> None:
-    """Once the batch is being cancelled, abort its running lines (they are not recorded)."""
-    while record.status == "in_progress":
+def _stopped(record: BatchRecord) -> bool:
+    """Whether no more lines of the batch may run: it is being cancelled, or its completion window has ended."""
+    return record.status != "in_progress" or record.expired()
+
+
+async def _abort_when_stopped(record: BatchRecord, running: set[asyncio.Task]) -> None:
+    """Once the batch is being cancelled or has expired, abort its running lines (they are not recorded; an
+    expired batch records them as expired afterwards)."""
+    while not _stopped(record):
         await asyncio.sleep(POLL)
     for task in list(running):
         task.cancel()

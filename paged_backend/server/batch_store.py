@@ -4,6 +4,7 @@ A result is appended (and fsync'd) as each line finishes, as `{"line": n, "outpu
 request counts and token usage follow. After a restart the results say which lines are done, so a resumed batch
 runs only the others and no line is answered twice; the counts and usage are summed again from the results then
 (and once more when the batch finishes), so a crash between a result and its record cannot make them drift.
+A batch must finish by its `expires` (created + the server's completion window, fixed when it is created).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from paged_backend.server.batch_lines import add_usage, succeeded, usage_object
 from paged_backend.server.file_store import write_atomically
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")  # what the runner still has to finish
-COMPLETION_WINDOW = 24 * 3600  # "24h", the one window OpenAI offers
+COMPLETION_WINDOW = 24 * 3600.0  # seconds of "24h", the one window OpenAI offers (ServerSettings may shorten it)
 
 
 class BatchNotFound(LookupError):
@@ -45,7 +46,15 @@ class BatchRecord:
     error_file_id: str | None = None
     errors: list[dict[str, Any]] | None = None
     times: dict[str, int] = field(default_factory=dict)  # "in_progress" -> in_progress_at, ...
+    expires: float | None = None  # time.time() it must finish by; None: a record from before windows were set
     usage: dict[str, int] = field(default_factory=dict)  # batch_lines.USAGE_KEYS summed over the finished lines
+
+    def __post_init__(self) -> None:
+        if self.expires is None:
+            self.expires = self.created + COMPLETION_WINDOW
+
+    def expired(self) -> bool:
+        return time.time() >= self.expires
 
     def set_status(self, status: str) -> None:
         self.status = status
@@ -59,7 +68,7 @@ class BatchRecord:
             "errors": None if self.errors is None else {"object": "list", "data": self.errors},
             "input_file_id": self.input_file_id, "completion_window": self.completion_window, "status": self.status,
             "output_file_id": self.output_file_id, "error_file_id": self.error_file_id,
-            "created_at": int(self.created), "expires_at": int(self.created) + COMPLETION_WINDOW,
+            "created_at": int(self.created), "expires_at": int(self.expires),
             **{f"{stamp}_at": self.times.get(stamp) for stamp in stamps},
             "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed},
             "usage": usage_object(self.usage),
@@ -82,8 +91,13 @@ class BatchStore:
                 continue  # not one of ours
             self._batches[record.id] = record
 
-    def create(self, endpoint: str, input_file_id: str, metadata: dict[str, str] | None, total: int) -> BatchRecord:
-        record = BatchRecord(f"batch_{uuid.uuid4().hex}", endpoint, input_file_id, "24h", metadata, time.time(), total)
+    def create(
+        self, endpoint: str, input_file_id: str, metadata: dict[str, str] | None, total: int, window: float
+    ) -> BatchRecord:
+        """A new batch that must finish within `window` seconds (what its completion_window "24h" means here)."""
+        created = time.time()
+        record = BatchRecord(f"batch_{uuid.uuid4().hex}", endpoint, input_file_id, "24h", metadata, created, total,
+                             expires=created + window)  # fmt: skip
         self.save(record)
         self.changed.set()
         return record
@@ -113,11 +127,16 @@ class BatchStore:
 
     def add_result(self, record: BatchRecord, line: int, output: dict[str, Any]) -> None:
         """Append one finished line's output (on disk before the counts and usage say so)."""
+        self.add_results(record, {line: output})
+
+    def add_results(self, record: BatchRecord, outputs: dict[int, dict[str, Any]]) -> None:
+        """Append finished lines' outputs by line number, with one fsync (expiry writes every unfinished line)."""
         with open(self._results(record.id), "a") as out:
-            out.write(json.dumps({"line": line, "output": output}) + "\n")
+            out.write("".join(json.dumps({"line": line, "output": output}) + "\n" for line, output in outputs.items()))
             out.flush()
             os.fsync(out.fileno())
-        _tally(record, output)
+        for output in outputs.values():
+            _tally(record, output)
         self.save(record)
 
     def results(self, record: BatchRecord) -> dict[int, dict[str, Any]]:

@@ -1,7 +1,9 @@
 """/v1/batches: create a batch over an uploaded file, retrieve, list and cancel it, with OpenAI's batch objects.
 
 Creating checks the request and the file; the lines themselves are checked as they run, so a malformed line
-becomes an error line in the batch's error file while every other line still runs (batch_runner).
+becomes an error line in the batch's error file while every other line still runs (batch_runner). The one
+completion_window OpenAI offers, "24h", gives the batch --batch-completion-window seconds (24 h unless set) to
+finish before it expires.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ async def create_batch(body: BatchCreateRequest, request: Request) -> JSONRespon
     if total == 0:
         message = f"file {body.input_file_id} has no request lines; upload a JSONL file with one request per line"
         return error_response(400, message, "invalid_request_error", "input_file_id")
-    record = batch_store_of(request.app).create(body.endpoint, body.input_file_id, body.metadata, total)
+    window = request.app.state.server.settings.batch_completion_window
+    record = batch_store_of(request.app).create(body.endpoint, body.input_file_id, body.metadata, total, window)
     return JSONResponse(record.to_object())
 
 

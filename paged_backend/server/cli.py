@@ -100,6 +100,14 @@ def serve(
         ),
     ] = None,
     max_file_bytes: Annotated[int, typer.Option(min=1, help="larger /v1/files uploads get 413")] = 200 << 20,
+    batch_completion_window: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            metavar="SECONDS",
+            help='seconds a batch (completion_window "24h") has to finish; unfinished lines then expire',
+        ),
+    ] = 24 * 3600.0,
     enable_sleep_mode: Annotated[
         bool,
         typer.Option(
@@ -147,6 +155,7 @@ def serve(
         allow_runtime_lora_updating=allow_runtime_lora_updating,
         max_stored_responses=max_stored_responses, stored_response_ttl=stored_response_ttl,
         files_dir=files_dir, max_file_bytes=max_file_bytes, enable_sleep_mode=enable_sleep_mode,
+        batch_completion_window=batch_completion_window,
     )  # fmt: skip
     try:
         if engines is None:

@@ -1,0 +1,57 @@
+"""A batch's completion window, shortened by `serve --batch-completion-window`: `expires_at` follows it, a batch that
+cannot finish in time ends "expired" with its finished lines in the output file and every other line in the error
+file as `batch_expired` (OpenAI's accounting), a batch still queued when its window ends expires without running,
+and no request or KV block outlives the expiry."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._server_helpers import running_server
+from tests.test_batches_api import chat_line, output_lines, submit, summed_usage, wait_until
+
+WINDOW = 3  # seconds; one line at a time and 128 tokens each, the batch needs far longer
+LINES = [chat_line("quick", "Hi", max_tokens=1)] + [
+    chat_line(f"long-{i}", f"Tell me everything about block {i}", max_tokens=128) for i in range(60)
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    flags = ("--num-blocks", "256", "--max-model-len", "256", "--max-num-seqs", "1")
+    files = str(tmp_path_factory.mktemp("files"))
+    with running_server(*flags, "--files-dir", files, "--batch-completion-window", str(WINDOW)) as running:
+        yield running
+
+
+def test_a_batch_that_cannot_finish_in_its_window_expires_with_openais_accounting(server):
+    client = server.client()
+    created = submit(client, LINES)
+    queued = submit(client, LINES[1:4])  # waits out the first batch, so its own window has (all but) ended
+    assert created.expires_at == created.created_at + WINDOW and created.expired_at is None
+    batch = wait_until(client, created.id, timeout=60)
+    assert batch.status == "expired" and batch.expired_at >= batch.expires_at
+    assert batch.completed_at is None and batch.finalizing_at is None
+    counts = batch.request_counts
+    assert counts.total == len(LINES) and 1 <= counts.completed < len(LINES)
+    assert counts.completed + counts.failed == len(LINES)
+    answered, expired = output_lines(client, batch.output_file_id), output_lines(client, batch.error_file_id)
+    assert len(answered) == counts.completed and len(expired) == counts.failed
+    assert answered[0]["custom_id"] == "quick"
+    assert all(output["response"]["status_code"] == 200 and output["error"] is None for output in answered)
+    assert all(output["response"] is None and output["error"]["code"] == "batch_expired" for output in expired)
+    ids = [line["custom_id"] for line in LINES]
+    assert sorted(output["custom_id"] for output in answered + expired) == sorted(ids)  # every line, once
+    expired_ids = {output["custom_id"] for output in expired}
+    assert [output["custom_id"] for output in expired] == [i for i in ids if i in expired_ids]  # input order
+    assert batch.usage.model_dump() == summed_usage(answered)  # only what finished
+
+    never_ran = wait_until(client, queued.id, timeout=60)
+    assert never_ran.status == "expired" and never_ran.output_file_id is None
+    assert (never_ran.request_counts.completed, never_ran.request_counts.failed) == (0, 3)
+    codes = [output["error"]["code"] for output in output_lines(client, never_ran.error_file_id)]
+    assert codes == ["batch_expired"] * 3
+    assert never_ran.usage.total_tokens == 0
+
+    # the aborted lines left nothing running or waiting, and every KV block free (usage 0: free == total)
+    server.wait_until_drained()
