@@ -122,7 +122,6 @@ def serve(
     from paged_backend.engine import Engine
     from paged_backend.engine.async_engine import EngineThread
     from paged_backend.server.app import build_app
-    from paged_backend.server.batch_runner import send_lines_through
     from paged_backend.server.draining_server import DrainingServer
     from paged_backend.server.multi_model import build_engines, build_multi_model_app, model_specs
     from paged_backend.server.state import ServerSettings
@@ -163,7 +162,6 @@ def serve(
             draining = app.state.server.async_engine
         else:
             app = draining = build_multi_model_app(engines, settings)
-            send_lines_through(app, app.apps.values())  # a batch line runs on the model its body names
     except RuntimeError as error:  # tracing asked for without the SDK, or an unknown OTLP protocol
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from error

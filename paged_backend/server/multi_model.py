@@ -197,11 +197,14 @@ def labelled_exposition(states: dict) -> bytes:
 
 
 def build_multi_model_app(engines: dict, settings: ServerSettings) -> ModelRouter:
-    """The router over one single-model app per `{served name: Engine}`."""
+    """The router over one single-model app per `{served name: Engine}`; their batch lines enter through it."""
     from paged_backend.server.app import build_app
+    from paged_backend.server.batch_runner import send_lines_through
 
     apps = {name: build_app(engine, replace(settings, served_model_name=name)) for name, engine in engines.items()}
-    return ModelRouter(apps, settings)
+    router = ModelRouter(apps, settings)
+    send_lines_through(router, apps.values())  # a batch line runs on the model its body names
+    return router
 
 
 def model_specs(base: EngineConfig, models: list[str], names: list[str], config_file: str | None) -> list[ModelSpec]:
