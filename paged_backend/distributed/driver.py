@@ -166,7 +166,9 @@ class DriverRunner(ModelRunner):
         self.driver = driver
         self.lora = lora  # the engine's LoRAManager: its slot writes and row slots go out with each step
 
-    def forward(self, ids, positions, metadata, rows: list[int]) -> torch.Tensor:
+    cuts_steps = False  # every rank runs the step to its end: ranks cannot stop between layers in step
+
+    def forward(self, ids, positions, metadata, rows: list[int], cut=None) -> torch.Tensor:
         lora = None if self.lora is None else self.lora.take_step()
         step = StepInput.pack(ids, positions, metadata, rows, self.kv_cache.take_pending(), lora)
         return self.driver.step(step)
