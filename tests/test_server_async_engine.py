@@ -153,7 +153,10 @@ def test_shutdown_lets_short_requests_finish_and_aborts_the_rest(engine):
         endless = asyncio.create_task(
             collect(async_engine, "endless", "Slow", SamplingParams(max_tokens=900, ignore_eos=True))
         )
-        while async_engine.stats().num_running < 2:
+        # Until the endless one decodes (asked between steps); polling "2 running" raced the short one's 8 steps.
+        while not await async_engine.call(
+            lambda: "endless" in engine.requests and engine.requests["endless"].seqs[0].num_output_tokens > 0
+        ):
             await asyncio.sleep(0.01)
         await async_engine.shutdown(drain_timeout=0.5)
         with pytest.raises(EngineNotRunning):
