@@ -129,11 +129,11 @@ def test_a_failing_step_fails_its_batch_and_the_next_generate_still_works(make_l
     runner, calls = llm.engine.runner, []
     execute = runner.execute
 
-    def fail_on_third_step(scheduled, *args):
+    def fail_on_third_step(scheduled, *args, **kwargs):
         calls.append(len(scheduled))
         if len(calls) == 3:
             raise RuntimeError("simulated kernel failure")
-        return execute(scheduled, *args)
+        return execute(scheduled, *args, **kwargs)
 
     runner.execute = fail_on_third_step
     prompts = [list(range(3, 12)), list(range(20, 26))]
