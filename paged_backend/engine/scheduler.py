@@ -149,10 +149,7 @@ class Scheduler:
     ) -> tuple[int, bool]:
         """Schedule running sequences (sorted by `key`), decodes before prefill chunks, preempting the worst of them
         when blocks run out; returns the budget left and whether anyone was preempted."""
-        # Decodes a full step left out go first next time (within their rank), so a token budget smaller than the
-        # running batch takes turns instead of starving the same sequences.
-        turn = {id(seq): (self.key(seq)[:2], seq.last_scheduled_step) for seq in ordered}
-        queue = deque(sorted((seq for seq in ordered if seq.is_decoding), key=lambda seq: turn[id(seq)]))
+        queue = deque(self._decodes_in_turn([seq for seq in ordered if seq.is_decoding], budget))
         queue.extend(seq for seq in ordered if not seq.is_decoding)
         preempted = False
         while queue:
@@ -172,6 +169,16 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 budget -= self._reserve_and_schedule(seq, num_new, out)
         return budget, preempted
+
+    def _decodes_in_turn(self, decodes: list[Sequence], budget: int) -> list[Sequence]:
+        """`decodes` (in `key` order) as the step should visit them: when the budget cannot hold them all, those
+        left out longest go first (within their rank), so a budget smaller than the batch takes turns instead of
+        starving the same sequences. Each part stays in `key` order, so preemption still picks the worst first."""
+        if len(decodes) <= budget:
+            return decodes
+        turns = sorted(decodes, key=lambda seq: (self.key(seq)[:2], seq.last_scheduled_step))
+        chosen = {id(seq) for seq in turns[:budget]}
+        return [seq for seq in decodes if id(seq) in chosen] + [seq for seq in decodes if id(seq) not in chosen]
 
     def ranks_above(self, seq: Sequence, other: Sequence) -> bool:
         """A better `rank` (arrival order does not count here)."""
