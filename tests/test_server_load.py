@@ -14,14 +14,18 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server("--num-blocks", "1024", "--max-num-seqs", "64", "--max-model-len", "1024") as server:
+    # Batch-invariant: streamed and whole answers (sampled, bf16 on CPUs with it) run in different batches and
+    # must still agree bitwise, which default mode does not promise.
+    with running_server("--num-blocks", "1024", "--max-num-seqs", "64", "--max-model-len", "1024",
+                        "--batch-invariant") as server:  # fmt: skip
         yield server
 
 
 @pytest.fixture(scope="module")
 def small_server():
-    """A KV pool of 24 blocks (368 tokens): 16 requests of ~70 tokens cannot all stay resident."""
-    with running_server("--num-blocks", "24", "--max-model-len", "128") as server:
+    """A KV pool of 24 blocks (368 tokens): 16 requests of ~70 tokens cannot all stay resident. Batch-invariant, so
+    a request recomputed after preemption samples what it would have without (default mode may differ in bf16)."""
+    with running_server("--num-blocks", "24", "--max-model-len", "128", "--batch-invariant") as server:
         yield server
 
 
