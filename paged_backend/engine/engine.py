@@ -162,7 +162,7 @@ class Engine:
         rows = [item.rows(self.block_manager.block_tables(item.seq.seq_id)) for item in plan.scheduled]
         step = self.scheduler.num_steps
         if self._steps_cut:
-            best = min(self.scheduler.key(item.seq)[:2] for item in plan.scheduled)
+            best = min(self.scheduler.rank_of(item.seq) for item in plan.scheduled)
             self._in_flight = step, best
         try:
             with self._adapters(plan.scheduled):

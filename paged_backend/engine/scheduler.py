@@ -176,13 +176,16 @@ class Scheduler:
         starving the same sequences. Each part stays in `key` order, so preemption still picks the worst first."""
         if len(decodes) <= budget:
             return decodes
-        turns = sorted(decodes, key=lambda seq: (self.key(seq)[:2], seq.last_scheduled_step))
+        turns = sorted(decodes, key=lambda seq: (self.rank_of(seq), seq.last_scheduled_step))
         chosen = {id(seq) for seq in turns[:budget]}
         return [seq for seq in decodes if id(seq) in chosen] + [seq for seq in decodes if id(seq) not in chosen]
 
+    def rank_of(self, seq: Sequence) -> tuple[bool, int]:
+        return self.rank(seq.request.request_class, seq.request.priority)
+
     def ranks_above(self, seq: Sequence, other: Sequence) -> bool:
         """A better `rank` (arrival order does not count here)."""
-        return self.key(seq)[:2] < self.key(other)[:2]
+        return self.rank_of(seq) < self.rank_of(other)
 
     def _lead_prefill(self, running: list[Sequence], head: Sequence | None) -> Sequence | None:
         """The best-ranked sequence that may prefill this step: the waiting head or a running prompt in chunks. The
