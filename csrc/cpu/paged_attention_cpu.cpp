@@ -3,9 +3,10 @@
 // One task is (sequence, tile of query tokens) over all heads, so every key and value row loaded from the
 // pool serves its whole GQA group. Keys are visited block by block with an online softmax (one rescale per
 // block), so nothing is gathered or padded: each task reads its context once, which is what bounds decode.
-// Scores come from per-row dot products when a kv head has few rows (decode), else from transposed 16-key
-// panels against four rows at a time (prefill); values are accumulated four rows at a time with the
-// accumulators in registers. Math is fp32.
+// With few rows per kv head (decode), keys go sixteen at a time per kv head: sixteen dot products share one
+// shuffle tree for their horizontal sums and the softmax runs on whole vectors (decode_blocks). With many rows
+// (prefill), scores come from transposed 16-key panels against four rows at a time (panel_blocks). Values are
+// accumulated four rows at a time with the accumulators in registers. Math is fp32.
 //
 // Batch-invariant mode (`invariant`): every task is one query token, so a row's scores, softmax sums and
 // value sums run the same code over the same keys in the same order whatever the query length, the chunking or
@@ -155,13 +156,15 @@ struct Task {
 
 // Per-thread scratch: query rows, accumulators, running max/sum, one block of scores, converted K/V rows.
 struct Scratch {
+  int dim;
   std::vector<float> q, acc, max, sum, scores, key, values, panel;
+  std::vector<float> probs, correction;  // the decode path's sixteen weights per row, and each row's rescale
   std::vector<int> head_rows;  // row indexes grouped by kv head (see run_task)
   std::vector<const float*> value_rows;  // one block's value rows of one kv head, as fp32
-  std::vector<const float*> key_rows;    // one key slot's rows, a kv head each, as fp32
   Scratch(int rows, int dim, int block_size)
-      : q(rows * dim), acc(rows * dim), max(rows), sum(rows), scores(rows * block_size), key(rows * dim),
-        values(block_size * dim), panel(dim * kPanel), head_rows(rows), value_rows(block_size), key_rows(rows) {}
+      : dim(dim), q(rows * dim), acc(rows * dim), max(rows), sum(rows), scores(rows * block_size), key(rows * dim),
+        values(block_size * dim), panel(dim * kPanel), head_rows(rows), value_rows(block_size),
+        probs(rows * 16), correction(rows) {}
 };
 
 // 16 floats as one GCC/Clang vector: a zmm register with AVX-512, two ymm without; the hot loops below use it so
@@ -304,44 +307,337 @@ void panel_block_scores(const PbCpuAttentionArgs& a, Scratch& s, const Tile& til
   }
 }
 
-// Scores of a few rows per kv head (decode, short drafts) against keys [t0, t0 + n) of one block. Per key slot,
-// every (row, kv head) pair of the tile, four pairs at a time, so the slot's heads are read in memory order.
-void decode_block_scores(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, int64_t block, int block_start,
-                         int t0, int n) {
-  const int dim = a.head_dim, bs = a.block_size, heads = tile.heads, group = tile.group;
-  const int rows = tile.tokens * heads;
-  const size_t kv_elem = element_size(a.kv_dtype);
+// ---- the decode path: a few query rows per kv head (decode, short drafts, batch-invariant rows) ----
+//
+// Keys go sixteen at a time. Scores come from sixteen accumulators (R rows x 16/R keys) whose lanes are summed by
+// one shuffle tree, so sixteen dot products share one horizontal sum and a row's sixteen scores land in one
+// vector; the online softmax then runs on that vector, and values are accumulated R rows x 4 chunks at a time
+// with the rescale folded into the accumulators' load. K/V elements are widened to fp32 as they are loaded.
+// Every row's arithmetic is the same whichever rows share its pass, which batch-invariant mode relies on.
+
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+template <int32_t CODE>
+struct Kv;  // sixteen cache elements from `p` as fp32
+template <>
+struct Kv<PB_F32> {
+  static constexpr int32_t code = PB_F32;
+  static v16f load(const char* p) { return load16(reinterpret_cast<const float*>(p)); }
+};
+template <>
+struct Kv<PB_BF16> {
+  static constexpr int32_t code = PB_BF16;
+  static v16f load(const char* p) {
+    v16h bits;
+    std::memcpy(&bits, p, sizeof(bits));
+    const v16u words = __builtin_convertvector(bits, v16u) << 16;
+    v16f out;
+    std::memcpy(&out, &words, sizeof(out));
+    return out;
+  }
+};
+template <>
+struct Kv<PB_F16> {
+  static constexpr int32_t code = PB_F16;
+  static v16f load(const char* p) {
+    float out[16];
+    for (int i = 0; i < 16; ++i) out[i] = static_cast<float>(reinterpret_cast<const _Float16*>(p)[i]);
+    return load16(out);
+  }
+};
+template <int32_t CODE>
+struct KvFp8 {
+  static constexpr int32_t code = CODE;
+  static v16f load(const char* p) {
+    const float* table = CODE == PB_FP8_E4M3 ? kFp8.e4m3 : kFp8.e5m2;
+    float out[16];
+    for (int i = 0; i < 16; ++i) out[i] = table[reinterpret_cast<const uint8_t*>(p)[i]];
+    return load16(out);
+  }
+};
+template <>
+struct Kv<PB_FP8_E4M3> : KvFp8<PB_FP8_E4M3> {};
+template <>
+struct Kv<PB_FP8_E5M2> : KvFp8<PB_FP8_E5M2> {};
+
+inline float load_scalar(const char* p, int32_t code) {
+  float value;
+  return *load_row(p, code, 1, &value);
+}
+
+// Lane i of the result is the sum of a[i]'s lanes, for sixteen vectors at once: four rounds of pairwise
+// shuffle-and-add (halves, quarters, pairs, lanes). Every vector is summed in the same order, whatever its
+// place; the inputs go in bit-reversed order so that the lanes come out in natural order.
+inline v16f sum_lanes16(const v16f* a) {
+  constexpr int order[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+  constexpr v16i lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  constexpr v16i hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  constexpr v16i lo2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  constexpr v16i hi2 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+  constexpr v16i lo3 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  constexpr v16i hi3 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+  constexpr v16i lo4 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  constexpr v16i hi4 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+  v16f b[8], c[4], d[2];
+  for (int k = 0; k < 8; ++k) {
+    const v16f x = a[order[2 * k]], y = a[order[2 * k + 1]];
+    b[k] = __builtin_shuffle(x, y, lo1) + __builtin_shuffle(x, y, hi1);
+  }
+  for (int k = 0; k < 4; ++k) c[k] = __builtin_shuffle(b[2 * k], b[2 * k + 1], lo2) + __builtin_shuffle(b[2 * k], b[2 * k + 1], hi2);
+  for (int k = 0; k < 2; ++k) d[k] = __builtin_shuffle(c[2 * k], c[2 * k + 1], lo3) + __builtin_shuffle(c[2 * k], c[2 * k + 1], hi3);
+  return __builtin_shuffle(d[0], d[1], lo4) + __builtin_shuffle(d[0], d[1], hi4);
+}
+
+// Horizontal sum and max: halves, quarters, pairs, lanes (a fixed order, the same for every row).
+template <class Op>
+inline float fold16(v16f v, Op op) {
+  constexpr v16i half = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  constexpr v16i quarter = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  constexpr v16i pair = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  constexpr v16i lane = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  v = op(v, __builtin_shuffle(v, half));
+  v = op(v, __builtin_shuffle(v, quarter));
+  v = op(v, __builtin_shuffle(v, pair));
+  v = op(v, __builtin_shuffle(v, lane));
+  return v[0];
+}
+
+inline float hsum(v16f v) { return fold16(v, [](v16f a, v16f b) { return a + b; }); }
+inline float hmax(v16f v) { return fold16(v, [](v16f a, v16f b) { return a > b ? a : b; }); }
+
+// e^x lane by lane for x <= 0, exactly 0 below -87 (so -inf gives 0): exp_in_range on a vector, rounding by the
+// 1.5 * 2^23 trick (round to nearest even, as nearbyint).
+inline v16f exp16_nonpositive(v16f x) {
+  const v16i dead = x < -87.0f;
+  x = dead ? v16f{} - 87.0f : x;
+  const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const v16f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v16f p = v16f{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+  v16f scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return dead ? v16f{} : p * scale;
+}
+
+// Scores of R query rows against KEYS = 16 / R keys, all in one vector: lane r * KEYS + j is q[r] . key[j].
+template <int R, class L>
+inline v16f dots(const float* const* q, const char* const* key, int dim, size_t elem) {
+  constexpr int KEYS = 16 / R;
+  v16f acc[16] = {};
+  int d = 0;
+  for (; d + 16 <= dim; d += 16) {
+    v16f k[KEYS];
+    for (int j = 0; j < KEYS; ++j) k[j] = L::load(key[j] + d * elem);
+    for (int r = 0; r < R; ++r) {
+      const v16f qv = load16(q[r] + d);
+      for (int j = 0; j < KEYS; ++j) acc[r * KEYS + j] += qv * k[j];
+    }
+  }
+  v16f out = sum_lanes16(acc);
+  if (d < dim) {  // head_dim % 16 tail
+    float lanes[16];
+    store16(lanes, out);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < KEYS; ++j)
+        for (int e = d; e < dim; ++e) lanes[r * KEYS + j] += q[r][e] * load_scalar(key[j] + e * elem, L::code);
+    out = load16(lanes);
+  }
+  return out;
+}
+
+// acc[row] = acc[row] * correction[row] + sum_j p[row][j] * value[j] for R rows over C 16-wide chunks at d0.
+template <int R, int C, class L>
+inline void accumulate_values(float* const* acc, const float* const* p, const float* correction,
+                              const char* const* value, int m, int d0, size_t elem) {
+  v16f c[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < C; ++x) c[r][x] = load16(acc[r] + d0 + 16 * x) * correction[r];
+  for (int j = 0; j < m; ++j) {
+    v16f v[C];
+    for (int x = 0; x < C; ++x) v[x] = L::load(value[j] + (d0 + 16 * x) * elem);
+    for (int r = 0; r < R; ++r) {
+      const float w = p[r][j];
+      for (int x = 0; x < C; ++x) c[r][x] += w * v[x];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < C; ++x) store16(acc[r] + d0 + 16 * x, c[r][x]);
+}
+
+// acc[r] = acc[r] * correction[r] + sum_j p[r][j] * value[j] over all of head_dim, for R rows.
+template <int R, class L>
+void accumulate_head_rows(float* const* acc, const float* const* p, const float* correction,
+                          const char* const* value, int m, int dim, size_t elem) {
+  int d = 0;
+  for (; d + 64 <= dim; d += 64) accumulate_values<R, 4, L>(acc, p, correction, value, m, d, elem);
+  for (; d + 16 <= dim; d += 16) accumulate_values<R, 1, L>(acc, p, correction, value, m, d, elem);
+  for (int r = 0; r < R; ++r) {  // head_dim % 16 tail
+    for (int e = d; e < dim; ++e) {
+      float x = acc[r][e] * correction[r];
+      for (int j = 0; j < m; ++j) x += p[r][j] * load_scalar(value[j] + e * elem, L::code);
+      acc[r][e] = x;
+    }
+  }
+}
+
+// Scores of R rows against sixteen keys, into s.probs[row * 16 + j]: R passes of R rows x 16 / R keys.
+template <int R, class L>
+void score_rows(Scratch& s, const int* rows, const char* const* keys, int dim, size_t elem) {
+  constexpr int KEYS = 16 / R;
+  const float* q[R];
+  for (int r = 0; r < R; ++r) q[r] = s.q.data() + rows[r] * s.dim;
+  for (int part = 0; part < R; ++part) {  // keys [part * KEYS, (part + 1) * KEYS)
+    float lanes[16];
+    store16(lanes, dots<R, L>(q, keys + part * KEYS, dim, elem));
+    for (int r = 0; r < R; ++r)
+      std::memcpy(s.probs.data() + rows[r] * 16 + part * KEYS, lanes + r * KEYS, KEYS * sizeof(float));
+  }
+}
+
+// Scores of `count` rows (their indexes in `rows`) against sixteen keys: four rows at a time, then two, then one.
+template <class L>
+void decode_scores(Scratch& s, const int* rows, int count, const char* const* keys, int dim, size_t elem) {
+  int first = 0;
+  for (; first + 4 <= count; first += 4) score_rows<4, L>(s, rows + first, keys, dim, elem);
+  for (; first + 2 <= count; first += 2) score_rows<2, L>(s, rows + first, keys, dim, elem);
+  for (; first < count; ++first) score_rows<1, L>(s, rows + first, keys, dim, elem);
+}
+
+// Keys [lo, hi) sixteen at a time for a tile with a few rows per kv head (decode): per kv head, its rows' scores,
+// their online softmax (one rescale per sixteen keys, folded into the value pass), then their values.
+template <class L>
+void decode_blocks(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, const int32_t* table, int lo, int hi) {
+  const int dim = a.head_dim, bs = a.block_size, count = tile.tokens * tile.group;
+  const size_t elem = element_size(L::code);
   const char* k_base = static_cast<const char*>(a.key_cache);
-  const float* keys[4];
-  const float* qs[4];
-  int pair_rows[4];
-  float dots[4];
-  for (int j = 0; j < n; ++j) {
-    const int t = t0 + j;
-    const int64_t slot = block * a.k_stride_block + (t - block_start) * a.k_stride_slot;
-    for (int h = 0; h < a.num_kv_heads; ++h)  // fp32 rows are read in place, others converted into s.key
-      s.key_rows[h] = load_row(k_base + (slot + h * a.k_stride_head) * kv_elem, a.kv_dtype, dim,
-                               s.key.data() + h * dim);
-    for (int first = 0; first < rows; first += 4) {
-      const int count = std::min(4, rows - first);
-      for (int x = 0; x < 4; ++x) {  // a short last group repeats its last pair
-        const int r = first + std::min(x, count - 1);
-        pair_rows[x] = r;
-        qs[x] = s.q.data() + r * dim;
-        keys[x] = s.key_rows[(r % heads) / group];
+  const char* v_base = static_cast<const char*>(a.value_cache);
+  constexpr v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const char* keys[16];
+  const char* values[16];
+  float* acc[4];
+  const float* probs[4];
+  float correction[4];
+  for (int block_start = lo - lo % bs; block_start < hi; block_start += bs) {
+    const int64_t block = table[block_start / bs];
+    const int t0 = std::max(lo, block_start), n = std::min(hi, block_start + bs) - t0;
+    for (int c = 0; c < n; c += 16) {
+      const int m = std::min(16, n - c), first_key = t0 + c;
+      for (int h = 0; h < a.num_kv_heads; ++h) {
+        for (int j = 0; j < 16; ++j) {  // keys past m repeat the last one (read, then masked)
+          const int64_t slot = first_key + std::min(j, m - 1) - block_start;
+          keys[j] = k_base + (block * a.k_stride_block + slot * a.k_stride_slot + h * a.k_stride_head) * elem;
+          values[j] = v_base + (block * a.v_stride_block + slot * a.v_stride_slot + h * a.v_stride_head) * elem;
+        }
+        const int* rows = s.head_rows.data() + h * count;
+        decode_scores<L>(s, rows, count, keys, dim, elem);
+        for (int k = 0; k < count; ++k) {  // online softmax of each row over these keys
+          const int r = rows[k], pos = tile.first_pos + r / tile.heads;
+          float* row_probs = s.probs.data() + r * 16;
+          if (a.softcap > 0.0f)
+            for (int j = 0; j < 16; ++j) row_probs[j] = capped(a, row_probs[j]);
+          const v16i t = first_key + lane;
+          const v16i visible = (lane < m) & (t <= pos) & (tile.window <= 0 ? t == t : t > pos - tile.window);
+          const v16f scores = visible ? load16(row_probs) : v16f{} + kNegInf;
+          const float key_max = hmax(scores);
+          if (key_max == kNegInf) {  // the row sees none of these keys: zero weights, nothing else changes
+            store16(row_probs, v16f{});
+            s.correction[r] = 1.0f;
+            continue;
+          }
+          const float new_max = std::max(s.max[r], key_max);
+          // exp(-inf) = 0 on the first visible keys
+          const float corr = new_max == s.max[r] ? 1.0f : std::exp(s.max[r] - new_max);
+          const v16f p = exp16_nonpositive(scores - new_max);
+          s.sum[r] = s.sum[r] * corr + hsum(p);
+          s.max[r] = new_max;
+          s.correction[r] = corr;
+          store16(row_probs, p);
+        }
+        for (int first = 0; first < count; first += 4) {
+          const int r_count = std::min(4, count - first);
+          for (int r = 0; r < r_count; ++r) {
+            const int row = rows[first + r];
+            acc[r] = s.acc.data() + row * dim;
+            probs[r] = s.probs.data() + row * 16;
+            correction[r] = s.correction[row];
+          }
+          switch (r_count) {
+            case 4: accumulate_head_rows<4, L>(acc, probs, correction, values, m, dim, elem); break;
+            case 3: accumulate_head_rows<3, L>(acc, probs, correction, values, m, dim, elem); break;
+            case 2: accumulate_head_rows<2, L>(acc, probs, correction, values, m, dim, elem); break;
+            default: accumulate_head_rows<1, L>(acc, probs, correction, values, m, dim, elem); break;
+          }
+        }
       }
-      dot_pairs4(qs, keys, dim, dots);
-      for (int x = 0; x < count; ++x) {
-        const int r = pair_rows[x];
-        s.scores[r * bs + j] = tile.sees(r / heads, t) ? capped(a, dots[x]) : kNegInf;
+    }
+  }
+}
+
+// Keys [lo, hi) block by block for a tile with many rows per kv head (prefill): scores through transposed panels,
+// then an online softmax with one rescale of each row's accumulator per block, then values four rows at a time.
+void panel_blocks(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, const int32_t* table, int lo, int hi) {
+  const int dim = a.head_dim, bs = a.block_size, rows = tile.tokens * tile.heads, count = tile.tokens * tile.group;
+  const size_t kv_elem = element_size(a.kv_dtype);
+  const char* v_base = static_cast<const char*>(a.value_cache);
+  for (int block_start = lo - lo % bs; block_start < hi; block_start += bs) {
+    const int64_t block = table[block_start / bs];
+    const int t0 = std::max(lo, block_start), n = std::min(hi, block_start + bs) - t0;
+    panel_block_scores(a, s, tile, block, block_start, t0, n);  // -inf where the row may not see the key
+    // online softmax: one rescale of each row's accumulator per block, scores become probabilities
+    for (int r = 0; r < rows; ++r) {
+      float* row_scores = s.scores.data() + r * bs;
+      float block_max = kNegInf;
+      for (int j = 0; j < n; ++j) block_max = std::max(block_max, row_scores[j]);
+      if (block_max == kNegInf) {  // the row sees none of this block: zero weights, nothing else changes
+        std::fill(row_scores, row_scores + n, 0.0f);
+        continue;
+      }
+      const float new_max = std::max(s.max[r], block_max);
+      const float correction = std::exp(s.max[r] - new_max);  // exp(-inf) = 0 on the first visible block
+      if (correction != 1.0f) {
+        float* acc = s.acc.data() + r * dim;
+        for (int d = 0; d < dim; ++d) acc[d] *= correction;
+        s.sum[r] *= correction;
+      }
+      float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+      for (int j = 0; j < n; ++j) {
+        row_scores[j] = exp_nonpositive(row_scores[j] - new_max);
+        total += row_scores[j];
+      }
+      s.sum[r] += total;
+      s.max[r] = new_max;
+    }
+    // accumulate probabilities x values, kv head by kv head, up to four rows at a time
+    for (int h = 0; h < a.num_kv_heads; ++h) {
+      for (int j = 0; j < n; ++j) {
+        const int64_t offset = block * a.v_stride_block + (t0 + j - block_start) * a.v_stride_slot + h * a.v_stride_head;
+        s.value_rows[j] = load_row(v_base + offset * kv_elem, a.kv_dtype, dim, s.values.data() + j * dim);
+      }
+      for (int first = 0; first < count; first += 4) {
+        const int* rows_of = s.head_rows.data() + h * count + first;
+        const float* const* vals = s.value_rows.data();
+        switch (std::min(4, count - first)) {
+          case 4: accumulate_rows<4>(s.acc.data(), s.scores.data(), rows_of, vals, n, dim, bs); break;
+          case 3: accumulate_rows<3>(s.acc.data(), s.scores.data(), rows_of, vals, n, dim, bs); break;
+          case 2: accumulate_rows<2>(s.acc.data(), s.scores.data(), rows_of, vals, n, dim, bs); break;
+          default: accumulate_rows<1>(s.acc.data(), s.scores.data(), rows_of, vals, n, dim, bs); break;
+        }
       }
     }
   }
 }
 
 // Row r of a task is (token r / Hq, q head r % Hq); the rows of kv head h and token i are contiguous:
-// i * Hq + h * group + [0, group). Per key slot the loop runs over kv heads, so a block is read in memory
-// order (slot-major, as the pool stores it) and the hardware prefetcher keeps up.
+// i * Hq + h * group + [0, group).
 void run_task(const PbCpuAttentionArgs& a, const Task& task, Scratch& s) {
   const int dim = a.head_dim, heads = a.num_q_heads, group = heads / a.num_kv_heads, bs = a.block_size;
   const int tokens = task.num_tokens, rows = tokens * heads;
@@ -375,60 +671,15 @@ void run_task(const PbCpuAttentionArgs& a, const Task& task, Scratch& s) {
   const int lo = window > 0 ? std::max(0, first_pos - window + 1) : 0;
   const int hi = std::min(context, first_pos + tokens);
   const int32_t* table = a.block_tables + task.seq * a.table_stride;
-  const char* k_base = static_cast<const char*>(a.key_cache);
-  const char* v_base = static_cast<const char*>(a.value_cache);
-
-  for (int block_start = lo - lo % bs; block_start < hi; block_start += bs) {
-    const int64_t block = table[block_start / bs];
-    const int t0 = std::max(lo, block_start), n = std::min(hi, block_start + bs) - t0;
-    // scores of this block's keys for every row (-inf where the row may not see the key)
-    if (tokens * group >= kPanelMinRows) {
-      panel_block_scores(a, s, tile, block, block_start, t0, n);
-    } else {
-      decode_block_scores(a, s, tile, block, block_start, t0, n);
-    }
-    // online softmax: one rescale of each row's accumulator per block, scores become probabilities
-    for (int r = 0; r < rows; ++r) {
-      float* row_scores = s.scores.data() + r * bs;
-      float block_max = kNegInf;
-      for (int j = 0; j < n; ++j) block_max = std::max(block_max, row_scores[j]);
-      if (block_max == kNegInf) {  // the row sees none of this block: zero weights, nothing else changes
-        std::fill(row_scores, row_scores + n, 0.0f);
-        continue;
-      }
-      const float new_max = std::max(s.max[r], block_max);
-      const float correction = std::exp(s.max[r] - new_max);  // exp(-inf) = 0 on the first visible block
-      if (correction != 1.0f) {
-        float* acc = s.acc.data() + r * dim;
-        for (int d = 0; d < dim; ++d) acc[d] *= correction;
-        s.sum[r] *= correction;
-      }
-      float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-      for (int j = 0; j < n; ++j) {
-        row_scores[j] = exp_nonpositive(row_scores[j] - new_max);
-        total += row_scores[j];
-      }
-      s.sum[r] += total;
-      s.max[r] = new_max;
-    }
-    // accumulate probabilities x values, kv head by kv head, up to four rows at a time
-    for (int h = 0; h < a.num_kv_heads; ++h) {
-      for (int j = 0; j < n; ++j) {
-        const int64_t offset = block * a.v_stride_block + (t0 + j - block_start) * a.v_stride_slot + h * a.v_stride_head;
-        s.value_rows[j] = load_row(v_base + offset * kv_elem, a.kv_dtype, dim, s.values.data() + j * dim);
-      }
-      const int count = tokens * group;
-      for (int first = 0; first < count; first += 4) {
-        const int* rows_of = s.head_rows.data() + h * count + first;
-        const float* const* vals = s.value_rows.data();
-        switch (std::min(4, count - first)) {
-          case 4: accumulate_rows<4>(s.acc.data(), s.scores.data(), rows_of, vals, n, dim, bs); break;
-          case 3: accumulate_rows<3>(s.acc.data(), s.scores.data(), rows_of, vals, n, dim, bs); break;
-          case 2: accumulate_rows<2>(s.acc.data(), s.scores.data(), rows_of, vals, n, dim, bs); break;
-          default: accumulate_rows<1>(s.acc.data(), s.scores.data(), rows_of, vals, n, dim, bs); break;
-        }
-      }
+  if (tokens * group >= kPanelMinRows) {
+    panel_blocks(a, s, tile, table, lo, hi);
+  } else {
+    switch (a.kv_dtype) {
+      case PB_F32: decode_blocks<Kv<PB_F32>>(a, s, tile, table, lo, hi); break;
+      case PB_F16: decode_blocks<Kv<PB_F16>>(a, s, tile, table, lo, hi); break;
+      case PB_BF16: decode_blocks<Kv<PB_BF16>>(a, s, tile, table, lo, hi); break;
+      case PB_FP8_E4M3: decode_blocks<Kv<PB_FP8_E4M3>>(a, s, tile, table, lo, hi); break;
+      default: decode_blocks<Kv<PB_FP8_E5M2>>(a, s, tile, table, lo, hi); break;
     }
   }
 
