@@ -69,7 +69,9 @@ namespace {
 
 constexpr int kMaxRowsPerTask = 128;  // query rows (tokens x q heads) sharing one pass over the context
 constexpr int kPanel = 16;            // keys per transposed panel in the many-rows score path
-constexpr int kPanelMinRows = 8;      // rows per kv head from which the panel path beats per-row dot products
+constexpr int kPanelMinRows = 8;      // rows per kv head from which the panel path beats the decode path
+constexpr int kAheadGroups = 2;       // decode asks for the K/V this many groups of sixteen keys ahead
+constexpr int kAheadLines = 2;        // cache lines of K and of V asked for per step of the decode loops
 
 float fp8_e4m3_to_float(uint8_t bits) {
   const int sign = bits >> 7, exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;
@@ -427,18 +429,44 @@ inline v16f exp16_nonpositive(v16f x) {
   return dead ? v16f{} : p * scale;
 }
 
+// `v` as a register value the compiler may not re-read from memory: GCC otherwise folds the same load into
+// every FMA that uses it, which doubles the loads of the score loop and makes it load-bound.
+inline v16f in_register(v16f v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
+// The next keys' K and V, asked for a line at a time from inside the compute loops, so the loads overlap the math
+// without a burst of prefetches filling the miss buffers (which stalled the core as much as the misses did).
+// Into L2 (hint 1): the rows are read soon after from there.
+struct Ahead {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t next = 0, end = 0;
+  void step() {
+    for (int i = 0; i < kAheadLines && next < end; ++i, next += 64) {
+      __builtin_prefetch(k + next, 0, 1);
+      __builtin_prefetch(v + next, 0, 1);
+    }
+  }
+  void finish() {
+    while (next < end) step();
+  }
+};
+
 // Scores of R query rows against KEYS = 16 / R keys, all in one vector: lane r * KEYS + j is q[r] . key[j].
 template <int R, class L>
-inline v16f dots(const float* const* q, const char* const* key, int dim, size_t elem) {
+inline v16f dots(const float* const* q, const char* const* key, int dim, size_t elem, Ahead& ahead) {
   constexpr int KEYS = 16 / R;
   v16f acc[16] = {};
   int d = 0;
-  for (; d + 16 <= dim; d += 16) {
-    v16f k[KEYS];
-    for (int j = 0; j < KEYS; ++j) k[j] = L::load(key[j] + d * elem);
-    for (int r = 0; r < R; ++r) {
-      const v16f qv = load16(q[r] + d);
-      for (int j = 0; j < KEYS; ++j) acc[r * KEYS + j] += qv * k[j];
+  for (; d + 16 <= dim; d += 16) {  // each key and query chunk is loaded once, then used by every FMA it feeds
+    v16f qv[R];
+    ahead.step();
+    for (int r = 0; r < R; ++r) qv[r] = in_register(load16(q[r] + d));
+    for (int j = 0; j < KEYS; ++j) {
+      const v16f k = in_register(L::load(key[j] + d * elem));
+      for (int r = 0; r < R; ++r) acc[r * KEYS + j] += qv[r] * k;
     }
   }
   v16f out = sum_lanes16(acc);
@@ -456,11 +484,12 @@ inline v16f dots(const float* const* q, const char* const* key, int dim, size_t 
 // acc[row] = acc[row] * correction[row] + sum_j p[row][j] * value[j] for R rows over C 16-wide chunks at d0.
 template <int R, int C, class L>
 inline void accumulate_values(float* const* acc, const float* const* p, const float* correction,
-                              const char* const* value, int m, int d0, size_t elem) {
+                              const char* const* value, int m, int d0, size_t elem, Ahead& ahead) {
   v16f c[R][C];
   for (int r = 0; r < R; ++r)
     for (int x = 0; x < C; ++x) c[r][x] = load16(acc[r] + d0 + 16 * x) * correction[r];
   for (int j = 0; j < m; ++j) {
+    ahead.step();
     v16f v[C];
     for (int x = 0; x < C; ++x) v[x] = L::load(value[j] + (d0 + 16 * x) * elem);
     for (int r = 0; r < R; ++r) {
@@ -475,10 +504,10 @@ inline void accumulate_values(float* const* acc, const float* const* p, const fl
 // acc[r] = acc[r] * correction[r] + sum_j p[r][j] * value[j] over all of head_dim, for R rows.
 template <int R, class L>
 void accumulate_head_rows(float* const* acc, const float* const* p, const float* correction,
-                          const char* const* value, int m, int dim, size_t elem) {
+                          const char* const* value, int m, int dim, size_t elem, Ahead& ahead) {
   int d = 0;
-  for (; d + 64 <= dim; d += 64) accumulate_values<R, 4, L>(acc, p, correction, value, m, d, elem);
-  for (; d + 16 <= dim; d += 16) accumulate_values<R, 1, L>(acc, p, correction, value, m, d, elem);
+  for (; d + 64 <= dim; d += 64) accumulate_values<R, 4, L>(acc, p, correction, value, m, d, elem, ahead);
+  for (; d + 16 <= dim; d += 16) accumulate_values<R, 1, L>(acc, p, correction, value, m, d, elem, ahead);
   for (int r = 0; r < R; ++r) {  // head_dim % 16 tail
     for (int e = d; e < dim; ++e) {
       float x = acc[r][e] * correction[r];
@@ -490,13 +519,13 @@ void accumulate_head_rows(float* const* acc, const float* const* p, const float*
 
 // Scores of R rows against sixteen keys, into s.probs[row * 16 + j]: R passes of R rows x 16 / R keys.
 template <int R, class L>
-void score_rows(Scratch& s, const int* rows, const char* const* keys, int dim, size_t elem) {
+void score_rows(Scratch& s, const int* rows, const char* const* keys, int dim, size_t elem, Ahead& ahead) {
   constexpr int KEYS = 16 / R;
   const float* q[R];
   for (int r = 0; r < R; ++r) q[r] = s.q.data() + rows[r] * s.dim;
   for (int part = 0; part < R; ++part) {  // keys [part * KEYS, (part + 1) * KEYS)
     float lanes[16];
-    store16(lanes, dots<R, L>(q, keys + part * KEYS, dim, elem));
+    store16(lanes, dots<R, L>(q, keys + part * KEYS, dim, elem, ahead));
     for (int r = 0; r < R; ++r)
       std::memcpy(s.probs.data() + rows[r] * 16 + part * KEYS, lanes + r * KEYS, KEYS * sizeof(float));
   }
@@ -504,11 +533,12 @@ void score_rows(Scratch& s, const int* rows, const char* const* keys, int dim, s
 
 // Scores of `count` rows (their indexes in `rows`) against sixteen keys: four rows at a time, then two, then one.
 template <class L>
-void decode_scores(Scratch& s, const int* rows, int count, const char* const* keys, int dim, size_t elem) {
+void decode_scores(Scratch& s, const int* rows, int count, const char* const* keys, int dim, size_t elem,
+                   Ahead& ahead) {
   int first = 0;
-  for (; first + 4 <= count; first += 4) score_rows<4, L>(s, rows + first, keys, dim, elem);
-  for (; first + 2 <= count; first += 2) score_rows<2, L>(s, rows + first, keys, dim, elem);
-  for (; first < count; ++first) score_rows<1, L>(s, rows + first, keys, dim, elem);
+  for (; first + 4 <= count; first += 4) score_rows<4, L>(s, rows + first, keys, dim, elem, ahead);
+  for (; first + 2 <= count; first += 2) score_rows<2, L>(s, rows + first, keys, dim, elem, ahead);
+  for (; first < count; ++first) score_rows<1, L>(s, rows + first, keys, dim, elem, ahead);
 }
 
 // Keys [lo, hi) sixteen at a time for a tile with a few rows per kv head (decode): per kv head, its rows' scores,
@@ -530,14 +560,22 @@ void decode_blocks(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, co
     const int t0 = std::max(lo, block_start), n = std::min(hi, block_start + bs) - t0;
     for (int c = 0; c < n; c += 16) {
       const int m = std::min(16, n - c), first_key = t0 + c;
+      // the keys kAheadGroups groups on, all heads (they sit together in the block), a share per kv head
+      const int ahead_key = first_key + 16 * kAheadGroups;
+      const int64_t ahead_block = ahead_key < hi ? table[ahead_key / bs] : 0, ahead_slot = ahead_key % bs;
+      const int64_t ahead_bytes = ahead_key < hi ? std::min<int64_t>(16, bs - ahead_slot) * a.k_stride_slot * elem : 0;
+      const int64_t share = (ahead_bytes / a.num_kv_heads + 63) & ~int64_t{63};
+      const char* ahead_k = k_base + (ahead_block * a.k_stride_block + ahead_slot * a.k_stride_slot) * elem;
+      const char* ahead_v = v_base + (ahead_block * a.v_stride_block + ahead_slot * a.v_stride_slot) * elem;
       for (int h = 0; h < a.num_kv_heads; ++h) {
+        Ahead ahead{ahead_k, ahead_v, h * share, std::min(ahead_bytes, (h + 1) * share)};
         for (int j = 0; j < 16; ++j) {  // keys past m repeat the last one (read, then masked)
           const int64_t slot = first_key + std::min(j, m - 1) - block_start;
           keys[j] = k_base + (block * a.k_stride_block + slot * a.k_stride_slot + h * a.k_stride_head) * elem;
           values[j] = v_base + (block * a.v_stride_block + slot * a.v_stride_slot + h * a.v_stride_head) * elem;
         }
         const int* rows = s.head_rows.data() + h * count;
-        decode_scores<L>(s, rows, count, keys, dim, elem);
+        decode_scores<L>(s, rows, count, keys, dim, elem, ahead);
         for (int k = 0; k < count; ++k) {  // online softmax of each row over these keys
           const int r = rows[k], pos = tile.first_pos + r / tile.heads;
           float* row_probs = s.probs.data() + r * 16;
@@ -570,12 +608,13 @@ void decode_blocks(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, co
             correction[r] = s.correction[row];
           }
           switch (r_count) {
-            case 4: accumulate_head_rows<4, L>(acc, probs, correction, values, m, dim, elem); break;
-            case 3: accumulate_head_rows<3, L>(acc, probs, correction, values, m, dim, elem); break;
-            case 2: accumulate_head_rows<2, L>(acc, probs, correction, values, m, dim, elem); break;
-            default: accumulate_head_rows<1, L>(acc, probs, correction, values, m, dim, elem); break;
+            case 4: accumulate_head_rows<4, L>(acc, probs, correction, values, m, dim, elem, ahead); break;
+            case 3: accumulate_head_rows<3, L>(acc, probs, correction, values, m, dim, elem, ahead); break;
+            case 2: accumulate_head_rows<2, L>(acc, probs, correction, values, m, dim, elem, ahead); break;
+            default: accumulate_head_rows<1, L>(acc, probs, correction, values, m, dim, elem, ahead); break;
           }
         }
+        ahead.finish();
       }
     }
   }
