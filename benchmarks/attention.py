@@ -6,10 +6,14 @@ tables, torch SDPA on the same tokens stored contiguously, and FlashInfer's page
 Bandwidth = K+V bytes read / kernel time; % of peak uses the GPU's HBM bandwidth (H100 3.35 TB/s,
 H200 4.8 TB/s, detected by name; --peak-tbps overrides).
 
-CPU (--device cpu): the fused cpu kernel and the torch oracle, paged, against SDPA on contiguous KV, float32.
+CPU (--device cpu): the fused cpu kernel and the torch oracle, paged, against SDPA on contiguous KV, float32 (or
+--cpu-dtype bfloat16). Each decode row also times a sequential sum over a buffer of the same bytes (best of the same
+calls): the streaming bound a pass over that much memory meets on this core, and the kernel's share of it.
+--geometry smollm2-135m uses the real model's heads (9 q, 3 kv, dim 64) instead of Llama-3-8B's.
 
     python benchmarks/attention.py                            # GPU grid
     python benchmarks/attention.py --device cpu --threads 1 --output cpu.md
+    python benchmarks/attention.py --device cpu --threads 1 --batch 1 8 64 --context 512 2048 16384
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import torch.nn.functional as F
 
 from paged_backend import ops
 
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+GEOMETRIES = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}  # q heads, kv heads, head dim
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = GEOMETRIES["llama3-8b"]
 PEAK_TBPS_BY_NAME = (("H200", 4.8), ("H100 PCIe", 2.0), ("H100", 3.35), ("A100", 2.0))
 
 
@@ -184,19 +189,25 @@ def gpu_table(args: argparse.Namespace) -> list[str]:
 
 
 def cpu_table(args: argparse.Namespace) -> list[str]:
-    header = ["batch", "context", "cpu kernel ms", "torch oracle ms", "sdpa contiguous ms", "cpu / contiguous",
-              "oracle / contiguous", "cpu kernel GB/s"]
-    lines = [f"CPU, float32, {torch.get_num_threads()} threads, best of {args.iters}; shuffled block tables, "
-             f"block size {args.block_size}", "", _row(header), _row(["---"] * len(header))]
+    dtype = getattr(torch, args.cpu_dtype)
+    header = ["batch", "context", "KV MiB", "cpu kernel ms", "torch oracle ms", "sdpa contiguous ms",
+              "cpu / contiguous", "oracle / contiguous", "cpu kernel GB/s", "sequential sum GB/s", "cpu % of sum"]
+    lines = [f"CPU, {args.cpu_dtype}, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, head dim {HEAD_DIM}, "
+             f"{torch.get_num_threads()} threads, best of {args.iters}; shuffled block tables, block size "
+             f"{args.block_size}", "", _row(header), _row(["---"] * len(header))]
     for batch in args.batch:
         for context in args.context:
-            b = make_batch(batch, context, args.block_size, torch.float32, "cpu")
-            candidates = {"cpu": paged(b, "cpu"), "torch": paged(b, "torch"), "sdpa": sdpa_contiguous(b)}
+            b = make_batch(batch, context, args.block_size, dtype, "cpu")
+            stream = torch.randn(b.kv_bytes // 4)  # the same bytes, read front to back
+            candidates = {"cpu": paged(b, "cpu"), "torch": paged(b, "torch"), "sdpa": sdpa_contiguous(b),
+                          "sum": stream.sum}
             times = time_all(candidates, "cpu", args.iters)
-            cpu_ms, torch_ms, sdpa_ms = times["cpu"], times["torch"], times["sdpa"]
-            lines.append(_row([batch, context, f"{cpu_ms:.2f}", f"{torch_ms:.2f}", f"{sdpa_ms:.2f}",
-                               f"{cpu_ms / sdpa_ms:.2f}", f"{torch_ms / sdpa_ms:.2f}",
-                               f"{b.kv_bytes / cpu_ms / 1e6:.1f}"]))
+            cpu_ms, torch_ms, sdpa_ms, sum_ms = times["cpu"], times["torch"], times["sdpa"], times["sum"]
+            lines.append(_row([batch, context, f"{b.kv_bytes / 2**20:.0f}", f"{cpu_ms:.2f}", f"{torch_ms:.2f}",
+                               f"{sdpa_ms:.2f}", f"{cpu_ms / sdpa_ms:.2f}", f"{torch_ms / sdpa_ms:.2f}",
+                               f"{b.kv_bytes / cpu_ms / 1e6:.1f}", f"{b.kv_bytes / sum_ms / 1e6:.1f}",
+                               f"{100 * sum_ms / cpu_ms:.0f}%"]))
+            del b, stream
     return lines
 
 
@@ -244,7 +255,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads (torch.set_num_threads); 1 keeps timings stable on a shared machine")
     parser.add_argument("--output", default=None, help="also write the markdown table to this file")
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="llama3-8b", help="attention heads")
+    parser.add_argument("--cpu-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="query and KV dtype of the CPU decode table")
+    parser.add_argument("--no-prefill", action="store_true", help="CPU: leave out the prefill table")
     args = parser.parse_args()
+    global NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM
+    NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = GEOMETRIES[args.geometry]
     on_gpu = args.device == "cuda"
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -252,7 +269,10 @@ def main() -> None:
     args.context = args.context or ([512, 2048, 8192, 32768] if on_gpu else [512, 2048])
     args.iters = args.iters or (20 if on_gpu else 10)
 
-    text = "\n".join(gpu_table(args) if on_gpu else cpu_table(args) + cpu_prefill_table(args))
+    if on_gpu:
+        text = "\n".join(gpu_table(args))
+    else:
+        text = "\n".join(cpu_table(args) + ([] if args.no_prefill else cpu_prefill_table(args)))
     print(text)
     if args.output:
         with open(args.output, "w") as handle:

@@ -35,7 +35,7 @@ def find_compiler() -> str | None:
 
 
 SOURCES = ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "panel_linear_cpu.cpp")
-HEADERS = ("vector_exp.h", "bf16.h")
+HEADERS = ("vector_exp.h", "bf16.h", "attention_cpu.h", "attention_decode.h")
 
 
 def sources(headers: bool = False) -> list[Path]:

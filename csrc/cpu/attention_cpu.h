@@ -1,0 +1,176 @@
+// What the CPU attention kernel's two paths share: the argument struct, dtype conversion, the per-thread
+// scratch, 16-float vectors and the tile of query rows. Included by paged_attention_cpu.cpp only.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "bf16.h"
+#include "vector_exp.h"
+
+extern "C" {
+
+enum PbCpuDtype : int32_t { PB_F32 = 0, PB_F16 = 1, PB_BF16 = 2, PB_FP8_E4M3 = 3, PB_FP8_E5M2 = 4 };
+
+struct PbCpuAttentionArgs {
+  const void* query;  // [T, Hq, D]
+  int64_t q_stride_token, q_stride_head;
+  const void* key_cache;  // [N, block_size, Hkv, D]
+  const void* value_cache;
+  int64_t k_stride_block, k_stride_slot, k_stride_head;
+  int64_t v_stride_block, v_stride_slot, v_stride_head;
+  const int32_t* block_tables;  // [B, table_stride]
+  int64_t table_stride;
+  const int32_t* seq_lens;         // [B]
+  const int32_t* query_start_loc;  // [B + 1]
+  void* out;                       // [T, Hq, D], dtype of the query
+  int64_t o_stride_token, o_stride_head;
+  int32_t num_seqs, num_q_heads, num_kv_heads, head_dim, block_size;
+  int32_t q_dtype, kv_dtype;  // PbCpuDtype (the query and output share one)
+  int32_t sliding_window;     // 0: off
+  int32_t num_threads;
+  int32_t invariant;  // 1: batch-invariant rows (one query token per task)
+  float scale, softcap, k_scale, v_scale;  // softcap 0: off
+};
+
+}  // extern "C"
+
+namespace {
+
+
+constexpr int kMaxRowsPerTask = 128;  // query rows (tokens x q heads) sharing one pass over the context
+constexpr int kPanel = 16;            // keys per transposed panel in the many-rows score path
+constexpr int kPanelMinRows = 8;      // rows per kv head from which the panel path beats the decode path
+constexpr int kAheadGroups = 2;       // decode asks for the K/V this many groups of sixteen keys ahead
+constexpr int kAheadLines = 2;        // cache lines of K and of V asked for per step of the decode loops
+
+float fp8_e4m3_to_float(uint8_t bits) {
+  const int sign = bits >> 7, exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;
+  float magnitude;
+  if (exponent == 0xF && mantissa == 0x7) {
+    magnitude = std::numeric_limits<float>::quiet_NaN();
+  } else if (exponent == 0) {
+    magnitude = std::ldexp(mantissa / 8.0f, -6);
+  } else {
+    magnitude = std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+  }
+  return sign ? -magnitude : magnitude;
+}
+
+// e5m2 is the top byte of an fp16 number
+inline float fp8_e5m2_to_float(uint8_t bits) {
+  const uint16_t half_bits = static_cast<uint16_t>(bits) << 8;
+  _Float16 half;
+  std::memcpy(&half, &half_bits, sizeof(half));
+  return static_cast<float>(half);
+}
+
+struct Fp8Tables {  // every byte of both fp8 formats, decoded once
+  float e4m3[256], e5m2[256];
+  Fp8Tables() {
+    for (int i = 0; i < 256; ++i) {
+      e4m3[i] = fp8_e4m3_to_float(static_cast<uint8_t>(i));
+      e5m2[i] = fp8_e5m2_to_float(static_cast<uint8_t>(i));
+    }
+  }
+};
+const Fp8Tables kFp8;
+
+// `n` elements of dtype `code` at `src` as floats in `dst`; fp32 rows are returned in place.
+inline const float* load_row(const void* src, int32_t code, int n, float* dst) {
+  switch (code) {
+    case PB_F32:
+      return static_cast<const float*>(src);
+    case PB_F16: {
+      auto* half = static_cast<const _Float16*>(src);
+      for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(half[i]);
+      return dst;
+    }
+    case PB_BF16: {
+      auto* bits = static_cast<const uint16_t*>(src);
+      for (int i = 0; i < n; ++i) dst[i] = bf16_to_float(bits[i]);
+      return dst;
+    }
+    default: {
+      auto* bytes = static_cast<const uint8_t*>(src);
+      const float* table = code == PB_FP8_E4M3 ? kFp8.e4m3 : kFp8.e5m2;
+      for (int i = 0; i < n; ++i) dst[i] = table[bytes[i]];
+      return dst;
+    }
+  }
+}
+
+inline void store_row(const float* src, int32_t code, int n, void* dst) {
+  switch (code) {
+    case PB_F32:
+      std::memcpy(dst, src, n * sizeof(float));
+      break;
+    case PB_F16: {
+      auto* half = static_cast<_Float16*>(dst);
+      for (int i = 0; i < n; ++i) half[i] = static_cast<_Float16>(src[i]);
+      break;
+    }
+    default: {
+      auto* bits = static_cast<uint16_t*>(dst);
+      for (int i = 0; i < n; ++i) bits[i] = float_to_bf16(src[i]);
+      break;
+    }
+  }
+}
+
+// e^x for x <= 0 (a score minus the running max), exactly 0 below -87 (so -inf, a masked key, gives 0).
+inline float exp_nonpositive(float x) { return x < -87.0f ? 0.0f : exp_in_range(std::max(x, -87.0f)); }
+
+inline size_t element_size(int32_t code) { return code == PB_F32 ? 4 : code >= PB_FP8_E4M3 ? 1 : 2; }
+
+struct Task {
+  int32_t seq, first_token, num_tokens;  // a tile of the sequence's query tokens, all heads
+};
+
+// Per-thread scratch: query rows, accumulators, running max/sum, one block of scores, converted K/V rows.
+struct Scratch {
+  int dim;
+  std::vector<float> q, acc, max, sum, scores, key, values, panel;
+  std::vector<int> head_rows;  // row indexes grouped by kv head (see run_task)
+  std::vector<const float*> value_rows;  // one block's value rows of one kv head, as fp32
+  std::vector<float> probs, correction;  // the decode path's sixteen weights per row, and each row's rescale
+  Scratch(int rows, int dim, int block_size)
+      : dim(dim), q(rows * dim), acc(rows * dim), max(rows), sum(rows), scores(rows * block_size), key(rows * dim),
+        values(block_size * dim), panel(dim * kPanel), head_rows(rows), value_rows(block_size),
+        probs(rows * 16), correction(rows) {}
+};
+
+// 16 floats as one GCC/Clang vector: a zmm register with AVX-512, two ymm without; the hot loops below use it so
+// their accumulators stay in registers (arrays under `omp simd` were spilled to the stack).
+typedef float v16f __attribute__((vector_size(64)));
+static_assert(kPanel == 16, "the panel is one v16f wide");
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float capped(const PbCpuAttentionArgs& a, float score) {
+  return a.softcap > 0.0f ? a.softcap * std::tanh(score / a.softcap) : score;
+}
+
+// The query rows of one task: tile token i sits at position first_pos + i and sees keys
+// (pos - window, pos] (all of [0, pos] without a window).
+struct Tile {
+  int first_pos, tokens, heads, group, window;
+  bool sees(int i, int t) const {
+    const int pos = first_pos + i;
+    return t <= pos && (window <= 0 || t > pos - window);
+  }
+};
+
+}  // namespace
