@@ -18,6 +18,12 @@ LONG_CASES = [
     # head_dim not a multiple of 16 (the vector tail), blocks narrower than a 16-key panel, softcap
     AttentionCase("odd-dim-bs8-softcap", q_lens=(37, 1), seq_lens=(50, 23), block_size=8, group=3, head_dim=40,
                   softcap=4.0),
+    # the decode path's bf16 pair dot products: a head_dim with a 16-element tail past the 32-wide pairs, a softcap
+    # after the query's scale, short drafts; then bf16 keys under a float32 query (widened, not paired)
+    AttentionCase("decode-bf16-pairs-tail", q_lens=(1, 1, 2, 1), seq_lens=(40, 77, 200, 16), group=3, head_dim=48,
+                  dtype=torch.bfloat16, softcap=6.0),
+    AttentionCase("decode-fp32q-bf16kv", q_lens=(1, 1), seq_lens=(45, 130), group=2, head_dim=48,
+                  kv_dtype=torch.bfloat16),
 ]
 
 

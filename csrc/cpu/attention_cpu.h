@@ -138,10 +138,11 @@ struct Scratch {
   std::vector<int> head_rows;  // row indexes grouped by kv head (see run_task)
   std::vector<const float*> value_rows;  // one block's value rows of one kv head, as fp32
   std::vector<float> probs, correction;  // the decode path's sixteen weights per row, and each row's rescale
+  std::vector<uint16_t> q16;             // a bf16 query's raw rows (the decode path's pair dot products)
   Scratch(int rows, int dim, int block_size)
       : dim(dim), q(rows * dim), acc(rows * dim), max(rows), sum(rows), scores(rows * block_size), key(rows * dim),
         values(block_size * dim), panel(dim * kPanel), head_rows(rows), value_rows(block_size),
-        probs(rows * 16), correction(rows) {}
+        probs(rows * 16), correction(rows), q16(rows * dim) {}
 };
 
 // 16 floats as one GCC/Clang vector: a zmm register with AVX-512, two ymm without; the hot loops below use it so

@@ -3,6 +3,10 @@
 
 #include "attention_cpu.h"
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // ---- the decode path: a few query rows per kv head (decode, short drafts, batch-invariant rows) ----
@@ -45,6 +49,14 @@ struct Kv<PB_F16> {
     return load16(out);
   }
 };
+// bf16 keys against a bf16 query, scored with AVX512-BF16's pair dot product (`vdpbf16ps`: two exact bf16
+// products added into each fp32 lane), on the raw query (its scale goes on the scores), so K is not widened.
+struct Bf16Pairs : Kv<PB_BF16> {};
+template <class L>
+constexpr bool kPairs = false;
+template <>
+constexpr bool kPairs<Bf16Pairs> = true;
+
 template <int32_t CODE>
 struct KvFp8 {
   static constexpr int32_t code = CODE;
@@ -127,7 +139,8 @@ inline v16f exp16_nonpositive(v16f x) {
 
 // `v` as a register value the compiler may not re-read from memory: GCC otherwise folds the same load into
 // every FMA that uses it, which doubles the loads of the score loop and makes it load-bound.
-inline v16f in_register(v16f v) {
+template <class V>
+inline V in_register(V v) {
   asm("" : "+v"(v));
   return v;
 }
@@ -177,6 +190,37 @@ inline v16f dots(const float* const* q, const char* const* key, int dim, size_t 
   return out;
 }
 
+#if defined(__AVX512BF16__)
+// dots() for Bf16Pairs: the raw bf16 query rows against bf16 keys, 32 elements per instruction.
+template <int R>
+inline v16f dots_bf16(const uint16_t* const* q, const char* const* key, int dim, Ahead& ahead) {
+  constexpr int KEYS = 16 / R;
+  v16f acc[16] = {};
+  int d = 0;
+  for (; d + 32 <= dim; d += 32) {
+    ahead.step();  // twice: half as many steps as the fp32 loop
+    ahead.step();
+    __m512bh qv[R];
+    for (int r = 0; r < R; ++r) qv[r] = in_register((__m512bh)_mm512_loadu_si512(q[r] + d));
+    for (int j = 0; j < KEYS; ++j) {
+      const __m512bh k = in_register((__m512bh)_mm512_loadu_si512(key[j] + 2 * d));
+      for (int r = 0; r < R; ++r) acc[r * KEYS + j] = (v16f)_mm512_dpbf16_ps((__m512)acc[r * KEYS + j], qv[r], k);
+    }
+  }
+  v16f out = sum_lanes16(acc);
+  if (d < dim) {  // head_dim % 32 tail
+    float lanes[16];
+    store16(lanes, out);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < KEYS; ++j)
+        for (int e = d; e < dim; ++e)
+          lanes[r * KEYS + j] += bf16_to_float(q[r][e]) * bf16_to_float(reinterpret_cast<const uint16_t*>(key[j])[e]);
+    out = load16(lanes);
+  }
+  return out;
+}
+#endif
+
 // acc[row] = acc[row] * correction[row] + sum_j p[row][j] * value[j] for R rows over C 16-wide chunks at d0.
 template <int R, int C, class L>
 inline void accumulate_values(float* const* acc, const float* const* p, const float* correction,
@@ -218,10 +262,21 @@ template <int R, class L>
 void score_rows(Scratch& s, const int* rows, const char* const* keys, int dim, size_t elem, Ahead& ahead) {
   constexpr int KEYS = 16 / R;
   const float* q[R];
-  for (int r = 0; r < R; ++r) q[r] = s.q.data() + rows[r] * s.dim;
+  const uint16_t* q16[R];
+  for (int r = 0; r < R; ++r) {
+    q[r] = s.q.data() + rows[r] * s.dim;
+    q16[r] = s.q16.data() + rows[r] * s.dim;
+  }
   for (int part = 0; part < R; ++part) {  // keys [part * KEYS, (part + 1) * KEYS)
     float lanes[16];
-    store16(lanes, dots<R, L>(q, keys + part * KEYS, dim, elem, ahead));
+#if defined(__AVX512BF16__)
+    if constexpr (kPairs<L>) {
+      store16(lanes, dots_bf16<R>(q16, keys + part * KEYS, dim, ahead));
+    } else
+#endif
+    {
+      store16(lanes, dots<R, L>(q, keys + part * KEYS, dim, elem, ahead));
+    }
     for (int r = 0; r < R; ++r)
       std::memcpy(s.probs.data() + rows[r] * 16 + part * KEYS, lanes + r * KEYS, KEYS * sizeof(float));
   }
@@ -275,6 +330,7 @@ void decode_blocks(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, co
         for (int k = 0; k < count; ++k) {  // online softmax of each row over these keys
           const int r = rows[k], pos = tile.first_pos + r / tile.heads;
           float* row_probs = s.probs.data() + r * 16;
+          if constexpr (kPairs<L>) store16(row_probs, load16(row_probs) * (a.scale * a.k_scale));
           if (a.softcap > 0.0f)
             for (int j = 0; j < 16; ++j) row_probs[j] = capped(a, row_probs[j]);
           const v16i t = first_key + lane;

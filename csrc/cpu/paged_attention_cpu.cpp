@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include <omp.h>
@@ -201,6 +202,7 @@ void run_task(const PbCpuAttentionArgs& a, const Task& task, Scratch& s) {
       float* q = s.q.data() + (i * heads + head) * dim;
       const float* loaded = load_row(src, a.q_dtype, dim, q);
       for (int d = 0; d < dim; ++d) q[d] = loaded[d] * q_scale;
+      if (a.q_dtype == PB_BF16) std::memcpy(s.q16.data() + (i * heads + head) * dim, src, dim * sizeof(uint16_t));
     }
   }
   std::fill(s.acc.begin(), s.acc.begin() + rows * dim, 0.0f);
@@ -217,7 +219,15 @@ void run_task(const PbCpuAttentionArgs& a, const Task& task, Scratch& s) {
     switch (a.kv_dtype) {
       case PB_F32: decode_blocks<Kv<PB_F32>>(a, s, tile, table, lo, hi); break;
       case PB_F16: decode_blocks<Kv<PB_F16>>(a, s, tile, table, lo, hi); break;
-      case PB_BF16: decode_blocks<Kv<PB_BF16>>(a, s, tile, table, lo, hi); break;
+      case PB_BF16:
+#if defined(__AVX512BF16__)
+        if (a.q_dtype == PB_BF16) {
+          decode_blocks<Bf16Pairs>(a, s, tile, table, lo, hi);
+          break;
+        }
+#endif
+        decode_blocks<Kv<PB_BF16>>(a, s, tile, table, lo, hi);
+        break;
       case PB_FP8_E4M3: decode_blocks<Kv<PB_FP8_E4M3>>(a, s, tile, table, lo, hi); break;
       default: decode_blocks<Kv<PB_FP8_E5M2>>(a, s, tile, table, lo, hi); break;
     }
