@@ -19,6 +19,7 @@ calls): the streaming bound a pass over that much memory meets on this core, and
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -153,6 +154,13 @@ def fits_in_memory(batch: int, context: int, dtype: torch.dtype) -> bool:
     return needed < 0.75 * free
 
 
+def fits_in_host_memory(batch: int, context: int, dtype: torch.dtype) -> bool:
+    # pools, the contiguous copy, the fp32 randn they are drawn from and the summed stream: ~6x the K+V bytes
+    kv = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return 6 * kv < 0.75 * free
+
+
 def gpu_cells(b: DecodeBatch, args: argparse.Namespace, peak: float | None) -> list:
     fns = {"cuda": paged(b, "cuda"), "triton": paged(b, "triton"), "sdpa": sdpa_contiguous(b)}
     flashinfer = flashinfer_paged(b)
@@ -197,6 +205,9 @@ def cpu_table(args: argparse.Namespace) -> list[str]:
              f"{args.block_size}", "", _row(header), _row(["---"] * len(header))]
     for batch in args.batch:
         for context in args.context:
+            if not fits_in_host_memory(batch, context, dtype):
+                lines.append(_row([batch, context, "skipped: does not fit in free memory"]))
+                continue
             b = make_batch(batch, context, args.block_size, dtype, "cpu")
             stream = torch.randn(b.kv_bytes // 4)  # the same bytes, read front to back
             candidates = {"cpu": paged(b, "cpu"), "torch": paged(b, "torch"), "sdpa": sdpa_contiguous(b),
