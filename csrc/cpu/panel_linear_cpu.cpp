@@ -11,6 +11,7 @@
 // so results do not depend on the batch. Plain C ABI like paged_attention_cpu.cpp; paged_backend/ops/
 // panel_linear.py mirrors it and holds the torch oracle (F.linear).
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -143,30 +144,36 @@ inline int threads_for(int64_t multiply_adds, int32_t num_threads) {
   return multiply_adds >= (int64_t{1} << 17) ? num_threads : 1;
 }
 
+// `count` panels from `first`, in the widest tiles that fit (`widest`: 8 or 4 panels).
+template <typename T>
+void columns(const T* x, int64_t x_stride, const T* packed, const T* bias, T* y, int64_t y_stride, int64_t m_len,
+             int64_t first, int64_t count, int64_t widest, int64_t n, int64_t k_len, int64_t k_valid) {
+  int64_t p = first;
+  const int64_t end = first + count;
+  if (widest == 8)
+    for (; p + 8 <= end; p += 8) column<T, 8>(x, x_stride, packed, bias, y, y_stride, m_len, p, n, k_len, k_valid);
+  for (; p + 4 <= end; p += 4) column<T, 4>(x, x_stride, packed, bias, y, y_stride, m_len, p, n, k_len, k_valid);
+  for (; p + 2 <= end; p += 2) column<T, 2>(x, x_stride, packed, bias, y, y_stride, m_len, p, n, k_len, k_valid);
+  for (; p < end; ++p) column<T, 1>(x, x_stride, packed, bias, y, y_stride, m_len, p, n, k_len, k_valid);
+}
+
 template <typename T>
 void linear(const T* x, int64_t x_stride, const T* packed, const T* bias, T* y, int64_t y_stride, int64_t m, int64_t n,
             int64_t k, int32_t dtype, int32_t num_threads) {
   const int64_t k_len = padded_k(k, dtype), panels = panels_of(n);
   const int threads = threads_for(m * n * k, num_threads);
-  // One or two rows stream the weights: 8 panels per task keep 8 loads in flight. More rows reuse each panel
-  // from L1 across row tiles: 4 panels per task.
-  const bool streaming = m <= 2;
-  const int64_t per_task = streaming ? 8 : 4;
-  const int64_t tasks = (panels + per_task - 1) / per_task;
+  // One or two rows stream the weights: 8 panels per tile keep 8 loads in flight. More rows reuse each panel
+  // from L1 across row tiles: 4 panels per tile.
+  const int64_t widest = m <= 2 ? 8 : 4;
+  // Tasks in a multiple of the threads, of equal panel counts, so no thread waits on another: 36 panels in
+  // tasks of 8 gave one thread 24 and the other 12, and the call took the longer one's time.
+  int64_t tasks = (panels + widest - 1) / widest;
+  tasks = (tasks + threads - 1) / threads * threads;
+  const int64_t per_task = (panels + tasks - 1) / tasks;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t task = 0; task < tasks; ++task) {
-    const int64_t first = task * per_task;
-    if (first + per_task <= panels) {
-      if (streaming) {
-        column<T, 8>(x, x_stride, packed, bias, y, y_stride, m, first, n, k_len, k);
-      } else {
-        column<T, 4>(x, x_stride, packed, bias, y, y_stride, m, first, n, k_len, k);
-      }
-    } else {
-      for (int64_t panel = first; panel < panels; ++panel) {
-        column<T, 1>(x, x_stride, packed, bias, y, y_stride, m, panel, n, k_len, k);
-      }
-    }
+    const int64_t first = task * per_task, count = std::min(per_task, panels - first);
+    if (count > 0) columns(x, x_stride, packed, bias, y, y_stride, m, first, count, widest, n, k_len, k);
   }
 }
 
