@@ -123,14 +123,7 @@ inline v16f exp16_nonpositive(v16f x) {
   const v16i dead = x < -87.0f;
   x = dead ? v16f{} - 87.0f : x;
   const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const v16f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v16f p = v16f{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const v16f p = exp_mantissa(x, n);
   const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
   v16f scale;
   std::memcpy(&scale, &bits, sizeof(scale));
