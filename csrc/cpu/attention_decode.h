@@ -131,10 +131,13 @@ inline v16f exp16_nonpositive(v16f x) {
 }
 
 // `v` as a register value the compiler may not re-read from memory: GCC otherwise folds the same load into
-// every FMA that uses it, which doubles the loads of the score loop and makes it load-bound.
+// every FMA that uses it, which doubles the loads of the score loop and makes it load-bound. Only where a
+// 16-float vector is one register (AVX-512); elsewhere it is a no-op, as the asm would not compile.
 template <class V>
 inline V in_register(V v) {
+#if defined(__AVX512F__)
   asm("" : "+v"(v));
+#endif
   return v;
 }
 
@@ -255,7 +258,7 @@ template <int R, class L>
 void score_rows(Scratch& s, const int* rows, const char* const* keys, int dim, size_t elem, Ahead& ahead) {
   constexpr int KEYS = 16 / R;
   const float* q[R];
-  const uint16_t* q16[R];
+  [[maybe_unused]] const uint16_t* q16[R];
   for (int r = 0; r < R; ++r) {
     q[r] = s.q.data() + rows[r] * s.dim;
     q16[r] = s.q16.data() + rows[r] * s.dim;
