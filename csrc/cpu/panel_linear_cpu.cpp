@@ -27,6 +27,10 @@ namespace {
 enum Dtype : int32_t { F32 = 0, BF16 = 2 };
 enum Status : int32_t { OK = 0, BAD_DTYPE = 1, BAD_SHAPE = 2 };
 constexpr int kLanes = 16;  // outputs per panel: one 512-bit vector of floats
+// At one or two rows the tile streams its panels from DRAM: it asks for each panel's line this many k steps ahead
+// into L2 (prefetches never fault, so running past a panel's end is harmless). The hardware prefetcher alone
+// left the stream at ~34 GB/s (bf16) / ~39 (fp32) on 2 cores; with this, ~38 / ~46 (alternating A/B, 2026-11-27).
+constexpr int64_t kStreamAhead = 16;
 
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x32 __attribute__((vector_size(64)));
@@ -45,6 +49,8 @@ inline int64_t padded_k(int64_t k, int32_t dtype) { return dtype == BF16 ? (k + 
 template <int MT, int NP>
 inline void tile_f32(const float* x, int64_t x_stride, const float* panels, int64_t k_len, f32x16 (&acc)[MT][NP]) {
   for (int64_t k = 0; k < k_len; ++k) {
+    if constexpr (MT <= 2)
+      for (int p = 0; p < NP; ++p) __builtin_prefetch(panels + (p * k_len + k + kStreamAhead) * kLanes, 0, 1);
     f32x16 w[NP];
     for (int p = 0; p < NP; ++p) w[p] = load16(panels + (p * k_len + k) * kLanes);
     for (int m = 0; m < MT; ++m) {
@@ -61,6 +67,8 @@ inline void tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* panel
                       f32x16 (&acc)[MT][NP]) {
   const int64_t pairs = k_len / 2;
   for (int64_t kp = 0; kp < pairs; ++kp) {
+    if constexpr (MT <= 2)
+      for (int p = 0; p < NP; ++p) __builtin_prefetch(panels + (p * pairs + kp + kStreamAhead) * 2 * kLanes, 0, 1);
     u16x32 w[NP];
     for (int p = 0; p < NP; ++p) std::memcpy(&w[p], panels + (p * pairs + kp) * 2 * kLanes, sizeof(w[p]));
     const bool whole = 2 * kp + 1 < k_valid;  // both halves of the pair are real (an odd K ends in half a pair)
