@@ -147,18 +147,16 @@ def peak_tbps(override: float | None) -> float | None:
     return next((tbps for key, tbps in PEAK_TBPS_BY_NAME if key in name), None)
 
 
-def fits_in_memory(batch: int, context: int, dtype: torch.dtype) -> bool:
-    # pools + the contiguous copy of K and V, plus one gather temporary; a quarter of free memory as headroom
-    needed = 5 * batch * context * NUM_KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
-    free, _ = torch.cuda.mem_get_info()
+def fits_in_memory(batch: int, context: int, dtype: torch.dtype, device: str) -> bool:
+    """Whether a cell's tensors fit in a quarter-headroom share of the device's free memory. GPU: the pools, the
+    contiguous copy of K and V and one gather temporary (~5x the K or V bytes). CPU: also the fp32 randn they are
+    drawn from and the summed stream (~12x)."""
+    kv = batch * context * NUM_KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
+    if device == "cuda":
+        needed, free = 5 * kv, torch.cuda.mem_get_info()[0]
+    else:
+        needed, free = 12 * kv, os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return needed < 0.75 * free
-
-
-def fits_in_host_memory(batch: int, context: int, dtype: torch.dtype) -> bool:
-    # pools, the contiguous copy, the fp32 randn they are drawn from and the summed stream: ~6x the K+V bytes
-    kv = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return 6 * kv < 0.75 * free
 
 
 def gpu_cells(b: DecodeBatch, args: argparse.Namespace, peak: float | None) -> list:
@@ -188,7 +186,7 @@ def gpu_table(args: argparse.Namespace) -> list[str]:
              "(below 1: the paged kernel is faster)", "", _row(header), _row(["---"] * len(header))]
     for batch in args.batch:
         for context in args.context:
-            if not fits_in_memory(batch, context, dtype):
+            if not fits_in_memory(batch, context, dtype, "cuda"):
                 lines.append(_row([batch, context, "skipped: does not fit in free GPU memory"]))
                 continue
             lines.append(_row(gpu_cells(make_batch(batch, context, args.block_size, dtype, "cuda"), args, peak)))
@@ -205,7 +203,7 @@ def cpu_table(args: argparse.Namespace) -> list[str]:
              f"{args.block_size}", "", _row(header), _row(["---"] * len(header))]
     for batch in args.batch:
         for context in args.context:
-            if not fits_in_host_memory(batch, context, dtype):
+            if not fits_in_memory(batch, context, dtype, "cpu"):
                 lines.append(_row([batch, context, "skipped: does not fit in free memory"]))
                 continue
             b = make_batch(batch, context, args.block_size, dtype, "cpu")

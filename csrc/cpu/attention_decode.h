@@ -159,6 +159,20 @@ struct Ahead {
   }
 };
 
+// `scores` (lane r * 16/R + j: row r, key j) plus the elements [d, dim) the vector loop left over, product by
+// product as `term(r, j, e)` gives them.
+template <int R, class Term>
+inline v16f with_tail(v16f scores, int d, int dim, Term term) {
+  if (d >= dim) return scores;
+  constexpr int KEYS = 16 / R;
+  float lanes[16];
+  store16(lanes, scores);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < KEYS; ++j)
+      for (int e = d; e < dim; ++e) lanes[r * KEYS + j] += term(r, j, e);
+  return load16(lanes);
+}
+
 // Scores of R query rows against KEYS = 16 / R keys, all in one vector: lane r * KEYS + j is q[r] . key[j].
 template <int R, class L>
 inline v16f dots(const float* const* q, const char* const* key, int dim, size_t elem, Ahead& ahead) {
@@ -174,16 +188,8 @@ inline v16f dots(const float* const* q, const char* const* key, int dim, size_t 
       for (int r = 0; r < R; ++r) acc[r * KEYS + j] += qv[r] * k;
     }
   }
-  v16f out = sum_lanes16(acc);
-  if (d < dim) {  // head_dim % 16 tail
-    float lanes[16];
-    store16(lanes, out);
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < KEYS; ++j)
-        for (int e = d; e < dim; ++e) lanes[r * KEYS + j] += q[r][e] * load_scalar(key[j] + e * elem, L::code);
-    out = load16(lanes);
-  }
-  return out;
+  return with_tail<R>(sum_lanes16(acc), d, dim,  // head_dim % 16
+                      [&](int r, int j, int e) { return q[r][e] * load_scalar(key[j] + e * elem, L::code); });
 }
 
 #if defined(__AVX512BF16__)
@@ -203,17 +209,9 @@ inline v16f dots_bf16(const uint16_t* const* q, const char* const* key, int dim,
       for (int r = 0; r < R; ++r) acc[r * KEYS + j] = (v16f)_mm512_dpbf16_ps((__m512)acc[r * KEYS + j], qv[r], k);
     }
   }
-  v16f out = sum_lanes16(acc);
-  if (d < dim) {  // head_dim % 32 tail
-    float lanes[16];
-    store16(lanes, out);
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < KEYS; ++j)
-        for (int e = d; e < dim; ++e)
-          lanes[r * KEYS + j] += bf16_to_float(q[r][e]) * bf16_to_float(reinterpret_cast<const uint16_t*>(key[j])[e]);
-    out = load16(lanes);
-  }
-  return out;
+  return with_tail<R>(sum_lanes16(acc), d, dim, [&](int r, int j, int e) {  // head_dim % 32
+    return bf16_to_float(q[r][e]) * bf16_to_float(reinterpret_cast<const uint16_t*>(key[j])[e]);
+  });
 }
 #endif
 

@@ -194,6 +194,8 @@ void run_task(const PbCpuAttentionArgs& a, const Task& task, Scratch& s) {
       for (int g = 0; g < group; ++g) s.head_rows[n++] = i * heads + h * group + g;
   const size_t q_elem = element_size(a.q_dtype);
   const float q_scale = a.scale * a.k_scale;
+  const bool decode = tokens * group < kPanelMinRows;  // else the panel path
+  const bool raw_bf16 = decode && a.q_dtype == PB_BF16;  // the decode path's pair dot products read these rows
 
   for (int i = 0; i < tokens; ++i) {
     for (int head = 0; head < heads; ++head) {
@@ -202,7 +204,7 @@ void run_task(const PbCpuAttentionArgs& a, const Task& task, Scratch& s) {
       float* q = s.q.data() + (i * heads + head) * dim;
       const float* loaded = load_row(src, a.q_dtype, dim, q);
       for (int d = 0; d < dim; ++d) q[d] = loaded[d] * q_scale;
-      if (a.q_dtype == PB_BF16) std::memcpy(s.q16.data() + (i * heads + head) * dim, src, dim * sizeof(uint16_t));
+      if (raw_bf16) std::memcpy(s.q16.data() + (i * heads + head) * dim, src, dim * sizeof(uint16_t));
     }
   }
   std::fill(s.acc.begin(), s.acc.begin() + rows * dim, 0.0f);
@@ -213,7 +215,7 @@ void run_task(const PbCpuAttentionArgs& a, const Task& task, Scratch& s) {
   const int lo = window > 0 ? std::max(0, first_pos - window + 1) : 0;
   const int hi = std::min(context, first_pos + tokens);
   const int32_t* table = a.block_tables + task.seq * a.table_stride;
-  if (tokens * group >= kPanelMinRows) {
+  if (!decode) {
     panel_blocks(a, s, tile, table, lo, hi);
   } else {
     switch (a.kv_dtype) {

@@ -11,6 +11,7 @@ from paged_backend.engine.async_engine import AsyncEngine
 from paged_backend.lora import LoRARequest
 from paged_backend.lora.manager import served_adapters
 from paged_backend.observability.metrics import ServerMetrics
+from paged_backend.server.batch_store import COMPLETION_WINDOW
 from paged_backend.server.openai_errors import ModelNotFound
 
 
@@ -33,7 +34,7 @@ class ServerSettings:
     stored_response_ttl: float = 3600.0  # seconds a stored response is kept
     files_dir: str | None = None  # /v1/files and /v1/batches live here; default: ~/.cache/paged_backend/files
     max_file_bytes: int = 200 << 20  # larger /v1/files uploads get 413
-    batch_completion_window: float = 24 * 3600.0  # seconds a batch ("24h") has to finish before it expires
+    batch_completion_window: float = COMPLETION_WINDOW  # seconds a batch ("24h") has to finish before it expires
     enable_sleep_mode: bool = False  # POST /sleep, /wake_up and GET /is_sleeping (vLLM's routes); off: 404
 
     @property
