@@ -10,6 +10,7 @@ That argument is about float32, as is the HF reference, so the engines compared 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from pathlib import Path
@@ -63,12 +64,28 @@ def generate(llm: LLM, params: SamplingParams = GREEDY) -> list[list[int]]:
 
 
 def close_and_check(llm: LLM) -> None:
-    """Every block free again, the worker ranks stopped, no child process left behind."""
+    """Every block free again, the worker ranks stopped, no child process or process-group thread left behind."""
     manager = llm.engine.block_manager
     assert not llm.engine.has_unfinished_requests()
     assert manager.num_free_blocks == manager.num_blocks - 1
     llm.engine.close()
     assert_no_children()
+    assert_groups_closed()
+
+
+def assert_groups_closed() -> None:
+    """No gloo thread (transport loop or collective worker) left in this process: one left to interpreter exit can
+    abort the process while it releases a collective's tensors."""
+    assert not gloo_threads(), f"the closed engine's process groups still run threads: {gloo_threads()}"
+
+
+def gloo_threads() -> list[str]:
+    """This process's gloo threads, by name."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended since the listing
+            names.append(Path(f"/proc/self/task/{task}/comm").read_text().strip())
+    return sorted(name for name in names if "gloo" in name)
 
 
 OTHER_LAUNCHES: set[int] = set()  # pids of launchers a test started on purpose (torchrun nodes) and their trees

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from paged_backend.engine import LLM
-from tests._distributed_helpers import DTYPE, generate, reference, save_models
+from tests._distributed_helpers import DTYPE, assert_groups_closed, generate, reference, save_models
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 
@@ -55,3 +55,4 @@ def test_ray_tp2_greedy_equals_hf(ray_session, model_dirs, name):
         llm.engine.close()
     _, alive = psutil.wait_procs(ray_worker_processes(), timeout=10)
     assert not alive, f"worker actors left behind: {alive}"
+    assert_groups_closed()

@@ -79,7 +79,9 @@ def _shutdown(executor, state: _DriverState) -> None:
         except Exception:  # a rank already gone: it is killed below
             graceful = False
     executor.stop(graceful)
-    if dist.is_initialized():
+    if state.ctx is not None:
+        state.ctx.close()
+    elif dist.is_initialized():  # failed while joining
         dist.destroy_process_group()
 
 
@@ -113,7 +115,7 @@ class ParallelDriver:
     def _serve_as_worker(rank: int, topology: Topology, config: EngineConfig, model: nn.Module) -> None:
         ctx = init_rank(rank, topology, "env://", model.device, config.parallel.distributed_timeout_seconds)
         serve_steps(RankWorker(ctx, config, model))
-        dist.destroy_process_group()
+        ctx.close()
         raise SystemExit(0)
 
     @property

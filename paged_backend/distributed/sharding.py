@@ -16,6 +16,7 @@ The attention function then sees only the rank's local heads, and a rank's KV po
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,9 @@ from torch import nn
 
 from paged_backend.core.kv_budget import KVShape, kv_heads_per_rank
 from paged_backend.errors import UnsupportedModel
+
+if TYPE_CHECKING:
+    from paged_backend.distributed.state import RankContext
 
 # Llama-shaped decoders without a shipped plan get this one (the layout every Llama-family plan uses).
 DEFAULT_TP_PLAN = {
@@ -102,13 +106,14 @@ def _head_rows(name: str, rank: int, size: int, heads: int, kv_heads: int, head_
 
 
 class _AllReduce:
-    """Forward hook of a row-parallel layer: sum the ranks' partial outputs."""
+    """Forward hook of a row-parallel layer: sum the ranks' partial outputs over the rank's tensor-parallel group
+    (looked up per call: the group lives in the RankContext alone, so closing it frees the group's threads)."""
 
-    def __init__(self, group) -> None:
-        self.group = group
+    def __init__(self, ctx: RankContext | None) -> None:
+        self.ctx = ctx
 
     def __call__(self, module, args, output):
-        dist.all_reduce(output, group=self.group)
+        dist.all_reduce(output, group=None if self.ctx is None else self.ctx.tp_group)
         return output
 
 
@@ -127,9 +132,9 @@ def shard_lora(module: nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor) ->
 
 
 @torch.no_grad()
-def shard_model(model: nn.Module, tp_rank: int, tp_size: int, group=None) -> nn.Module:
-    """Keep rank `tp_rank`'s slice of `model` (in place) and return it; row-parallel layers all-reduce over `group`
-    (default: the world). Every rank of the group must call this with the same full weights.
+def shard_model(model: nn.Module, tp_rank: int, tp_size: int, ctx: RankContext | None = None) -> nn.Module:
+    """Keep rank `tp_rank`'s slice of `model` (in place) and return it; row-parallel layers all-reduce over
+    `ctx.tp_group` (default: the world). Every rank of the group must call this with the same full weights.
 
     Raises `UnsupportedModel` with a sentence when the model cannot be split over `tp_size` ranks.
     """
@@ -161,7 +166,7 @@ def shard_model(model: nn.Module, tp_rank: int, tp_size: int, group=None) -> nn.
             if module.bias is not None and tp_rank:  # the bias is added once, by rank 0, before the sum
                 module.bias.zero_()
             module.in_features = keep.stop - keep.start
-            module.register_forward_hook(_AllReduce(group))
+            module.register_forward_hook(_AllReduce(ctx))
     local_heads, local_kv = heads // tp_size, kv_heads_per_rank(kv_heads, tp_size)
     for module in model.modules():  # eager/sdpa attention repeats KV by this ratio: make it the local one
         if hasattr(module, "num_key_value_groups"):

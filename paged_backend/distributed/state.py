@@ -85,6 +85,14 @@ class RankContext:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.topology.pp_size - 1
 
+    def close(self) -> None:
+        """Leave the process group and drop this process's last references to its groups, so that each group's
+        threads are joined now. Left to exit, a gloo thread still releasing a collective's tensors needs the GIL
+        while the interpreter finalizes, and the process aborts ("terminate called without an active exception")."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.control_group = self.compute_group = self.tp_group = None
+
 
 def init_rank(rank: int, topology: Topology, init_method: str, device: torch.device, timeout: float) -> RankContext:
     """Join the process group and build the groups; collectives then wait at most `timeout` s for a rank (joining

@@ -62,7 +62,7 @@ class RankWorker:
         layers = stage_layers(KVShape.of(model.config).num_layers, topology.pp_size, ctx.pp_rank)
         self.linear_shapes = linear_shapes(model)  # the whole model's, which adapters are checked against
         self.stage = PipelineStage(ctx, model, layers, model.config.get_text_config().hidden_size)
-        self.model = shard_model(model.eval(), ctx.tp_rank, topology.tp_size, group=ctx.tp_group)
+        self.model = shard_model(model.eval(), ctx.tp_rank, topology.tp_size, ctx)
         self.lora_layers = SlotLayers(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         self.backend = None if config.attention_backend == "auto" else config.attention_backend
         plan = plan_pool(model, cache, ctx.device, tp_size=topology.tp_size, layers=layers, split_windows=False,
@@ -139,4 +139,4 @@ def worker_main(
     if model is None:
         model, _ = load_model(config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=str(device))
     serve_steps(RankWorker(ctx, config, model.to(device)))
-    dist.destroy_process_group()
+    ctx.close()
