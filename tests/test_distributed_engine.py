@@ -27,6 +27,7 @@ from tests._distributed_helpers import (
     MODELS,
     OTHER_LAUNCHES,
     PROMPTS,
+    assert_groups_closed,
     assert_no_children,
     close_and_check,
     engine_processes,
@@ -163,6 +164,7 @@ def test_worker_that_dies_while_starting_fails_the_start(model_dirs):
         killed.set()
         killer.join()
     assert_no_children()
+    assert_groups_closed()
 
 
 def test_hung_worker_fails_after_the_timeout(model_dirs):
@@ -175,6 +177,7 @@ def test_hung_worker_fails_after_the_timeout(model_dirs):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4))
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks - 1
     assert_no_children()
+    assert_groups_closed()
 
 
 def test_unsupported_layouts_are_refused_before_starting(model_dirs):

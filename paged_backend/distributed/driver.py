@@ -8,6 +8,7 @@ A worker that dies, stops answering within `distributed_timeout_seconds` or fail
 from __future__ import annotations
 
 import logging
+import traceback
 import weakref
 from dataclasses import dataclass
 
@@ -147,6 +148,9 @@ class ParallelDriver:
         return logits
 
     def _fail(self, error: Exception, what: str) -> WorkerFailed:
+        # The error's frames (a collective's own among them) hold process groups in their locals, and the failure
+        # kept here would keep them, and their threads, past close: keep the traceback, drop the locals.
+        traceback.clear_frames(error.__traceback__)
         self.state.failure = WorkerFailed(
             f"{what}: {self.executor.describe()} ({type(error).__name__}: {str(error).splitlines()[0]}); "
             "the requests in flight are failed and this parallel engine is stopped"
