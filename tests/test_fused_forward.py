@@ -6,9 +6,11 @@ Mistral (test_engine_greedy.py, test_sliding_window.py, ...), which now run it b
 import pytest
 import torch
 from _engine_helpers import MAX_TOKENS, hf_greedy, make_llm_fixture, ragged_prompts, reference_model  # noqa: F401
+from _hf_models import tiny_model as hf_tiny_model
 
 from paged_backend.engine import SamplingParams
-from paged_backend.worker.fused_forward import SWITCH
+from paged_backend.ops.decoder_layers import DecoderLayers
+from paged_backend.worker.fused_forward import NATIVE_SWITCH, SWITCH
 from paged_backend.worker.models import tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
@@ -70,3 +72,44 @@ def test_other_architectures_name_themselves_as_the_reason(make_llm):
 def test_a_torch_attention_backend_keeps_the_oracle_path(make_llm):
     llm = make_llm(attention_backend="torch")
     assert llm.engine.runner.fused is None and "attention backend" in llm.engine.runner.unfused_reason
+
+
+@pytest.mark.parametrize(
+    "arch, overrides, dtype",
+    [
+        ("llama", {}, torch.float32),
+        ("llama", {}, torch.bfloat16),
+        ("qwen2", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1), torch.float32),  # 2 groups
+        ("mistral", {}, torch.bfloat16),  # a window of 6
+    ],
+    ids=["llama-fp32", "llama-bf16", "qwen2-windowed-layer", "mistral-window-bf16"],
+)
+def test_the_native_layer_loop_equals_the_python_loop_bitwise(arch, overrides, dtype, make_llm, monkeypatch):
+    """csrc/cpu/decoder_layers_cpu.cpp calls the Python loop's kernels in its order: same tokens, same logprobs
+    to the bit, over chunked prefills beside decodes, biases (Qwen2), windows and per-layer window groups."""
+    model = hf_tiny_model(arch, seed=3, **overrides).to(dtype)
+    with torch.no_grad():  # norms start at ones: make each its own, so a swapped norm shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
+    prompts = [[token % 120 + 3 for token in prompt] for prompt in ragged_prompts(12, seed=4, longest=30)]
+    loops = []
+    native_call = DecoderLayers.__call__
+    monkeypatch.setattr(DecoderLayers, "__call__", lambda self, *args: loops.append(1) or native_call(self, *args))
+    native_tokens, native_logprobs = run(make_llm(model=model, max_num_batched_tokens=32), prompts)
+    native_steps = len(loops)
+    monkeypatch.setenv(NATIVE_SWITCH, "0")
+    python_tokens, python_logprobs = run(make_llm(model=model, max_num_batched_tokens=32), prompts)
+    assert native_steps > MAX_TOKENS and len(loops) == native_steps  # every step went native, then none did
+    assert native_tokens == python_tokens
+    assert torch.equal(native_logprobs, python_logprobs)
+
+
+def test_a_bad_head_dim_is_refused_with_the_kernels_words():
+    """The loop checks its shapes before any kernel runs (a zero head_dim would divide by zero)."""
+    loop = DecoderLayers.__new__(DecoderLayers)
+    loop.layers, loop.groups, loop.dtype = (), [], torch.float32
+    loop.q_size, loop.kv_size, loop.head_dim, loop.hidden, loop.intermediate = 64, 32, 0, 64, 128
+    rows = torch.zeros(2, 64)
+    with pytest.raises(RuntimeError, match="decoder layer loop failed: bad shape .*even head_dim"):
+        loop(rows, rows.clone(), [], [], [])

@@ -1,4 +1,4 @@
-// What the CPU attention kernel's two paths share: the argument struct, dtype conversion, the per-thread
+// What the CPU attention kernel's two paths share: dtype conversion, the per-thread
 // scratch, 16-float vectors and the tile of query rows. Included by paged_attention_cpu.cpp only.
 #pragma once
 
@@ -10,37 +10,10 @@
 #include <vector>
 
 #include "bf16.h"
+#include "kernels.h"
 #include "vector_exp.h"
 
-extern "C" {
-
-enum PbCpuDtype : int32_t { PB_F32 = 0, PB_F16 = 1, PB_BF16 = 2, PB_FP8_E4M3 = 3, PB_FP8_E5M2 = 4 };
-
-struct PbCpuAttentionArgs {
-  const void* query;  // [T, Hq, D]
-  int64_t q_stride_token, q_stride_head;
-  const void* key_cache;  // [N, block_size, Hkv, D]
-  const void* value_cache;
-  int64_t k_stride_block, k_stride_slot, k_stride_head;
-  int64_t v_stride_block, v_stride_slot, v_stride_head;
-  const int32_t* block_tables;  // [B, table_stride]
-  int64_t table_stride;
-  const int32_t* seq_lens;         // [B]
-  const int32_t* query_start_loc;  // [B + 1]
-  void* out;                       // [T, Hq, D], dtype of the query
-  int64_t o_stride_token, o_stride_head;
-  int32_t num_seqs, num_q_heads, num_kv_heads, head_dim, block_size;
-  int32_t q_dtype, kv_dtype;  // PbCpuDtype (the query and output share one)
-  int32_t sliding_window;     // 0: off
-  int32_t num_threads;
-  int32_t invariant;  // 1: batch-invariant rows (one query token per task)
-  float scale, softcap, k_scale, v_scale;  // softcap 0: off
-};
-
-}  // extern "C"
-
 namespace {
-
 
 constexpr int kMaxRowsPerTask = 128;  // query rows (tokens x q heads) sharing one pass over the context
 constexpr int kPanel = 16;            // keys per transposed panel in the many-rows score path

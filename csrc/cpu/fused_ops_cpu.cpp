@@ -17,6 +17,7 @@
 
 #include <omp.h>
 
+#include "kernels.h"
 #include "vector_exp.h"
 
 namespace {
@@ -86,24 +87,6 @@ inline void rotate(const T* x, const T* cos, const T* sin, int32_t half, T* y) {
     store(y, i + half, round_to<T>(b * load(cos, i + half)) + round_to<T>(a * load(sin, i + half)));
   }
 }
-
-struct RotaryCacheArgs {
-  const void* query;  // [T, Hq * D] rows of q_proj's output
-  int64_t q_stride;
-  const void* key;  // [T, Hkv * D]
-  int64_t k_stride;
-  const void* value;
-  int64_t v_stride;
-  const void* cos;  // [T, D]
-  const void* sin;
-  void* query_out;  // [T, Hq, D] contiguous
-  void* key_cache;  // [N, block_size, Hkv, D]
-  void* value_cache;
-  int64_t k_stride_block, k_stride_slot, k_stride_head;
-  int64_t v_stride_block, v_stride_slot, v_stride_head;
-  const int64_t* slot_mapping;  // [T], -1: not stored
-  int32_t num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, num_threads;
-};
 
 template <typename T>
 void rotary_cache(const RotaryCacheArgs& a) {

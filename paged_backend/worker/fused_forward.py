@@ -27,11 +27,13 @@ from torch import nn
 from paged_backend.core.kv_cache import PagedKVCache
 from paged_backend.ops import resolve_backend
 from paged_backend.ops.cpu import AttentionPlan
+from paged_backend.ops.decoder_layers import DecoderLayers, LayerParts
 from paged_backend.ops.fused_cpu import FUSED_DTYPES, RotaryCache, add_rms_norm, silu_mul
 from paged_backend.worker.attention import PagedMetadata
 
 FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SWITCH = "PAGED_BACKEND_FUSED_FORWARD"
+NATIVE_SWITCH = "PAGED_BACKEND_NATIVE_LAYERS"  # "0": the layer loop in Python, not csrc/cpu/decoder_layers_cpu.cpp
 
 
 class StepCut(Exception):
@@ -106,10 +108,11 @@ class FusedForward:
         q, k, v, _, gate, up, _ = self.modules[0]
         self.qkv_sizes = [q.out_features, k.out_features, v.out_features]
         self.gate_up_sizes = [gate.out_features, up.out_features]
+        self._native, self._native_key = None, None  # the C++ layer loop and what it was built from
 
-    def _calls(self) -> tuple[list[tuple], object] | None:
-        """This step's callable for each layer's linear layers and for the LM head, or None when they must run as
-        modules inside `active()`."""
+    def _calls(self) -> tuple[list[tuple], object, DecoderLayers | None] | None:
+        """This step's callable for each layer's linear layers and for the LM head, and the C++ layer loop when
+        every layer can run in it; None when they must run as modules inside `active()`."""
         forwards = getattr(self.linears, "forwards", None)
         if self.linears is not None and forwards is None:
             return None  # a swap-in that only works through active()
@@ -122,14 +125,36 @@ class FusedForward:
             return None
         packed = forwards() if forwards is not None else {}
         stacked = getattr(self.linears, "stacked", None)
-        layers = []
+        layers, natives = [], []
         for modules in self.modules:
             q, k, v, o, gate, up, down = (packed.get(module) or module.forward for module in modules)
             qkv = stacked(modules[:3]) if stacked is not None else None
             gate_up = stacked(modules[4:6]) if stacked is not None else None
             layers.append((_split(qkv, self.qkv_sizes) if qkv is not None else _each(q, k, v), o,
                            _split(gate_up, self.gate_up_sizes) if gate_up is not None else _each(gate, up), down))  # fmt: skip
-        return layers, packed.get(head) or head.forward
+            natives.append((qkv, o, gate_up, down))
+        return layers, packed.get(head) or head.forward, self._native_loop(natives)
+
+    def _native_loop(self, forwards: list[tuple]) -> DecoderLayers | None:
+        """The C++ loop over these layers' packed forwards (stacked q|k|v and gate|up, o, down), built once per
+        packing and pool; None where a layer is not all panels or `PAGED_BACKEND_NATIVE_LAYERS=0`."""
+        if os.environ.get(NATIVE_SWITCH, "1") == "0":
+            return None
+        if any(getattr(forward, "panel", None) is None for layer in forwards for forward in layer):
+            return None
+        pools = [self.kv_cache.layer(index) for index in range(len(self.layers))]
+        key = (
+            *(forward for layer in forwards for forward in layer),
+            *(pool.data_ptr() for pair in pools for pool in pair),
+        )
+        if key != self._native_key:
+            parts = [
+                LayerParts(qkv.panel, qkv.bias, o.panel, o.bias, gate_up.panel, gate_up.bias, down.panel, down.bias,
+                           *self.norms[index], *pools[index], self.windows[index])
+                for index, (qkv, o, gate_up, down) in enumerate(forwards)
+            ]  # fmt: skip
+            self._native, self._native_key = DecoderLayers(parts, *self.qkv_sizes[:2], self.head_dim), key
+        return self._native
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, metadata: PagedMetadata, rows: list[int],
                  cut: Callable[[], bool] | None = None):  # fmt: skip
@@ -140,30 +165,59 @@ class FusedForward:
             return self._run(*calls, ids, positions, metadata, rows, cut)
         modules = [(_each(q, k, v), o, _each(gate, up), down) for q, k, v, o, gate, up, down in self.modules]
         with self.linears.active() if self.linears is not None else nullcontext():
-            return self._run(modules, self.lm_head, ids, positions, metadata, rows, cut)
+            return self._run(modules, self.lm_head, None, ids, positions, metadata, rows, cut)
 
-    def _run(self, calls, lm_head, ids, positions, metadata: PagedMetadata, rows: list[int], cut) -> torch.Tensor:
-        base, cache, head_dim = self.base, self.kv_cache, self.head_dim
+    def _group_args(self, metadata: PagedMetadata, index: int, cos, sin, q_width: int, kv_width: int, dtype) -> tuple:
+        """Layer `index`'s group (sliding-window layers keep their own tables and slots) and its step arguments:
+        (group, RotaryCache, AttentionPlan)."""
+        group, head_dim = metadata.for_layer(index), self.head_dim
+        rotary = RotaryCache(cos, sin, group.slot_mapping, self.kv_cache.block_size)
+        plan = AttentionPlan(
+            group.block_tables, group.seq_lens, group.query_start_loc, num_q_heads=q_width // head_dim,
+            num_kv_heads=kv_width // head_dim, head_dim=head_dim, block_size=self.kv_cache.block_size, dtype=dtype,
+            scale=self.scale,
+        )  # fmt: skip
+        return group, rotary, plan
+
+    def _run(self, calls, lm_head, native, ids, positions, metadata: PagedMetadata, rows: list[int], cut):
+        base = self.base
         residual = base.embed_tokens(ids)  # [1, T, H]
         cos, sin = (t[0].contiguous() for t in base.rotary_emb(residual, positions))
         residual = residual[0]
-        steps = {}  # per layer group (sliding-window layers keep their own tables and slots): rotary, attention
         x = add_rms_norm(None, residual, *self.norms[0][0])
-        last = len(self.layers) - 1
+        if native is not None:
+            out = self._native_layers(native, residual, x, cos, sin, metadata, cut)
+        else:
+            out = self._python_layers(calls, residual, x, cos, sin, metadata, cut)
+        # only the kept rows need the last residual add, the final norm and the LM head
+        kept = torch.tensor(rows, dtype=torch.long)
+        x = add_rms_norm(out.index_select(0, kept), residual.index_select(0, kept), *self.final_norm)
+        return lm_head(x).float()
+
+    def _native_layers(self, native: DecoderLayers, residual, x, cos, sin, metadata, cut) -> torch.Tensor:
+        positions, rotaries, plans, groups = {}, [], [], []
+        for index in range(len(self.layers)):
+            group = metadata.for_layer(index)
+            if id(group) not in positions:
+                _, rotary, plan = self._group_args(metadata, index, cos, sin, *self.qkv_sizes[:2], x.dtype)
+                positions[id(group)] = len(rotaries)
+                rotaries.append(rotary)
+                plans.append(plan)
+            groups.append(positions[id(group)])
+        out = native(residual, x, groups, rotaries, plans, cut)
+        if out is None:
+            raise StepCut("stopped between two layers")
+        return out
+
+    def _python_layers(self, calls, residual, x, cos, sin, metadata, cut) -> torch.Tensor:
+        cache, steps, last = self.kv_cache, {}, len(self.layers) - 1
         for index, (qkv_proj, o_proj, gate_up_proj, down_proj) in enumerate(calls):
             if cut is not None and cut():
                 raise StepCut(f"stopped before layer {index}")
             q, k, v = qkv_proj(x)
             group = metadata.for_layer(index)
             if id(group) not in steps:
-                steps[id(group)] = (
-                    RotaryCache(cos, sin, group.slot_mapping, cache.block_size),
-                    AttentionPlan(
-                        group.block_tables, group.seq_lens, group.query_start_loc, num_q_heads=q.shape[1] // head_dim,
-                        num_kv_heads=k.shape[1] // head_dim, head_dim=head_dim, block_size=cache.block_size,
-                        dtype=q.dtype, scale=self.scale,
-                    ),
-                )  # fmt: skip
+                steps[id(group)] = self._group_args(metadata, index, cos, sin, q.shape[1], k.shape[1], q.dtype)[1:]
             rotary, plan = steps[id(group)]
             key_cache, value_cache = cache.layer(index)
             q = rotary(q, k, v, key_cache, value_cache)
@@ -172,10 +226,7 @@ class FusedForward:
             out = down_proj(silu_mul(*gate_up_proj(x)))
             if index < last:
                 x = add_rms_norm(out, residual, *self.norms[index + 1][0])
-        # only the kept rows need the last residual add, the final norm and the LM head
-        kept = torch.tensor(rows, dtype=torch.long)
-        x = add_rms_norm(out.index_select(0, kept), residual.index_select(0, kept), *self.final_norm)
-        return lm_head(x).float()
+        return out
 
 
 def _each(*projections):

@@ -72,7 +72,8 @@ def packs(dtype: torch.dtype) -> bool:
 @torch.no_grad()
 def packed_forward(module: nn.Linear):
     """A forward for `module` on a packed copy of its current weight (and its bias as it is): panels, or oneDNN's
-    reordered weight where the panel kernel cannot be built. A panel forward carries its `PanelWeight` as `panel`."""
+    reordered weight where the panel kernel cannot be built. A panel forward carries its `PanelWeight` as `panel` and
+    its bias as `bias`."""
     bias = module.bias
     if panels_build():
         panel = PanelWeight(module.weight.detach())
@@ -80,7 +81,7 @@ def packed_forward(module: nn.Linear):
         def panel_forward(x: torch.Tensor) -> torch.Tensor:
             return panel(x, bias)
 
-        panel_forward.panel = panel
+        panel_forward.panel, panel_forward.bias = panel, bias
         return panel_forward
     packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
 
@@ -162,6 +163,7 @@ class PackedLinears:
         def stacked_forward(x: torch.Tensor) -> torch.Tensor:
             return group(x, bias)
 
+        stacked_forward.panel, stacked_forward.bias = group, bias
         self._stacks[modules] = forwards, stacked_forward
         return stacked_forward
 

@@ -1,0 +1,60 @@
+// The C ABI of the csrc/cpu kernels: the argument structs and entry points, for the ctypes mirrors in
+// paged_backend/ops/ and for C++ callers in this library (decoder_layers_cpu.cpp runs a step's layers on them).
+#pragma once
+
+#include <cstdint>
+
+extern "C" {
+
+enum PbCpuDtype : int32_t { PB_F32 = 0, PB_F16 = 1, PB_BF16 = 2, PB_FP8_E4M3 = 3, PB_FP8_E5M2 = 4 };
+
+struct PbCpuAttentionArgs {
+  const void* query;  // [T, Hq, D]
+  int64_t q_stride_token, q_stride_head;
+  const void* key_cache;  // [N, block_size, Hkv, D]
+  const void* value_cache;
+  int64_t k_stride_block, k_stride_slot, k_stride_head;
+  int64_t v_stride_block, v_stride_slot, v_stride_head;
+  const int32_t* block_tables;  // [B, table_stride]
+  int64_t table_stride;
+  const int32_t* seq_lens;         // [B]
+  const int32_t* query_start_loc;  // [B + 1]
+  void* out;                       // [T, Hq, D], dtype of the query
+  int64_t o_stride_token, o_stride_head;
+  int32_t num_seqs, num_q_heads, num_kv_heads, head_dim, block_size;
+  int32_t q_dtype, kv_dtype;  // PbCpuDtype (the query and output share one)
+  int32_t sliding_window;     // 0: off
+  int32_t num_threads;
+  int32_t invariant;  // 1: batch-invariant rows (one query token per task)
+  float scale, softcap, k_scale, v_scale;  // softcap 0: off
+};
+
+struct RotaryCacheArgs {
+  const void* query;  // [T, Hq * D] rows of q_proj's output
+  int64_t q_stride;
+  const void* key;  // [T, Hkv * D]
+  int64_t k_stride;
+  const void* value;
+  int64_t v_stride;
+  const void* cos;  // [T, D]
+  const void* sin;
+  void* query_out;  // [T, Hq, D] contiguous
+  void* key_cache;  // [N, block_size, Hkv, D]
+  void* value_cache;
+  int64_t k_stride_block, k_stride_slot, k_stride_head;
+  int64_t v_stride_block, v_stride_slot, v_stride_head;
+  const int64_t* slot_mapping;  // [T], -1: not stored
+  int32_t num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, num_threads;
+};
+
+int pb_cpu_paged_attention(const PbCpuAttentionArgs* args);
+int pb_cpu_rotary_cache(const RotaryCacheArgs* args, int32_t dtype);
+int pb_cpu_add_rms_norm(const void* x, int64_t x_stride, void* residual, int64_t r_stride, const void* weight,
+                        void* out, int64_t o_stride, int32_t rows, int32_t hidden, int32_t dtype, float eps,
+                        int32_t num_threads);
+int pb_cpu_silu_mul(const void* gate, int64_t g_stride, const void* up, int64_t u_stride, void* out,
+                    int64_t o_stride, int32_t rows, int32_t width, int32_t dtype, int32_t num_threads);
+int32_t pb_cpu_panel_linear(const void* x, int64_t x_stride, const void* packed, const void* bias, void* y,
+                            int64_t y_stride, int64_t m, int64_t n, int64_t k, int32_t dtype, int32_t num_threads);
+
+}  // extern "C"
