@@ -6,8 +6,13 @@ GFLOP/s of all three and the panel / oneDNN speed ratio, in float32 and bfloat16
 real model's layers (q 576x576, k/v 192x576, gate/up 1536x576, down 576x1536, the tied LM head 49152x576), where a
 decode step is a stream over the weights; `throughput` (the default) the throughput benchmark's model.
 
+`--model-pass` times instead what a decode step's linear layers cost: one pass over the real model's 30 layers
+(stacked q|k|v, o, stacked gate|up, down, as the fused forward calls them) and the LM head, each with its own
+weights, so they stream from memory as in the engine.
+
     OMP_NUM_THREADS=1 python benchmarks/packed_linear.py
     python benchmarks/packed_linear.py --shapes smollm2 --threads 2 --rows 1,2,4,16,64,256
+    python benchmarks/packed_linear.py --model-pass --threads 2 --rows 1,16
 """
 
 from __future__ import annotations
@@ -26,6 +31,23 @@ SHAPES = {
     "smollm2": {"q/o": (576, 576), "k/v": (192, 576), "gate/up": (1536, 576), "down": (576, 1536),
                 "lm_head": (49152, 576)},
 }  # fmt: skip
+# SmolLM2-135M's calls per layer as the fused forward makes them, and its layer count and LM head
+MODEL_PASS_LAYER = {"q|k|v": (960, 576), "o": (576, 576), "gate|up": (3072, 576), "down": (576, 1536)}
+MODEL_PASS_LAYERS, MODEL_PASS_HEAD = 30, (49152, 576)
+
+
+def model_pass(rows: list[int], dtypes: list[torch.dtype], repeats: int) -> None:
+    """ms per pass over the model's linear calls, and the GFLOP/s that makes."""
+    print("\n| dtype | rows | ms per pass | GFLOP/s |\n|---|---:|---:|---:|")
+    for dtype in dtypes:
+        shapes = [*MODEL_PASS_LAYER.values()] * MODEL_PASS_LAYERS + [MODEL_PASS_HEAD]
+        weights = [PanelWeight(torch.randn(n, k, dtype=dtype) * 0.02) for n, k in shapes]
+        for count in rows:
+            inputs = {k: torch.randn(count, k, dtype=dtype) for k in {k for _, k in shapes}}
+            seconds = best_seconds(lambda: [w(inputs[w.in_features]) for w in weights], repeats)  # noqa: B023
+            flops = 2 * count * sum(n * k for n, k in shapes)
+            name = str(dtype).removeprefix("torch.")
+            print(f"| {name} | {count} | {seconds * 1e3:.2f} | {flops / seconds / 1e9:.0f} |")
 
 
 @torch.no_grad()
@@ -36,10 +58,14 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--model-pass", action="store_true", help="time one pass over the real model's linear calls")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows = [int(r) for r in args.rows.split(",")]
+    if args.model_pass:
+        model_pass(rows, [getattr(torch, name) for name in args.dtypes.split(",")], min(args.repeats, 10))
+        return
     for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
         onednn = dtype_packs(dtype)
         print(f"\n{dtype}, {args.threads} thread(s), best of {args.repeats}: GFLOP/s of dense / oneDNN / panel "
