@@ -57,6 +57,25 @@ struct PbCpuDecoderStep {
   int32_t failed;  // out: which kernel returned the status (PbCpuLayerKernel)
 };
 
+}  // extern "C"
+
+namespace {
+
+// The layer's pools into a kernel's arguments (the rotary and attention structs name these fields alike).
+template <typename Args>
+void point_at_pools(Args& args, const PbCpuDecoderLayer& layer) {
+  args.key_cache = layer.key_cache;
+  args.value_cache = layer.value_cache;
+  args.k_stride_block = layer.k_stride_block, args.k_stride_slot = layer.k_stride_slot;
+  args.k_stride_head = layer.k_stride_head;
+  args.v_stride_block = layer.v_stride_block, args.v_stride_slot = layer.v_stride_slot;
+  args.v_stride_head = layer.v_stride_head;
+}
+
+}  // namespace
+
+extern "C" {
+
 enum PbCpuLayerKernel : int32_t { PB_LINEAR = 1, PB_ROTARY = 2, PB_ATTENTION = 3, PB_NORM = 4, PB_SILU_MUL = 5 };
 constexpr int32_t kStopped = 1;  // pb_cpu_decoder_layers: the step stopped before a layer
 
@@ -94,12 +113,7 @@ int32_t pb_cpu_decoder_layers(PbCpuDecoderStep* step) {
     rotary.value = qkv + (s.q_size + s.kv_size) * element;
     rotary.q_stride = rotary.k_stride = rotary.v_stride = qkv_width;
     rotary.query_out = s.query;
-    rotary.key_cache = layer.key_cache;
-    rotary.value_cache = layer.value_cache;
-    rotary.k_stride_block = layer.k_stride_block, rotary.k_stride_slot = layer.k_stride_slot;
-    rotary.k_stride_head = layer.k_stride_head;
-    rotary.v_stride_block = layer.v_stride_block, rotary.v_stride_slot = layer.v_stride_slot;
-    rotary.v_stride_head = layer.v_stride_head;
+    point_at_pools(rotary, layer);
     rotary.num_q_heads = static_cast<int32_t>(s.q_size / s.head_dim);
     rotary.num_kv_heads = static_cast<int32_t>(s.kv_size / s.head_dim);
     if (failed(pb_cpu_rotary_cache(&rotary, s.dtype), PB_ROTARY)) return status;
@@ -109,12 +123,7 @@ int32_t pb_cpu_decoder_layers(PbCpuDecoderStep* step) {
     attention.out = s.attention_out;
     attention.q_stride_token = attention.o_stride_token = s.q_size;
     attention.q_stride_head = attention.o_stride_head = s.head_dim;
-    attention.key_cache = layer.key_cache;
-    attention.value_cache = layer.value_cache;
-    attention.k_stride_block = layer.k_stride_block, attention.k_stride_slot = layer.k_stride_slot;
-    attention.k_stride_head = layer.k_stride_head;
-    attention.v_stride_block = layer.v_stride_block, attention.v_stride_slot = layer.v_stride_slot;
-    attention.v_stride_head = layer.v_stride_head;
+    point_at_pools(attention, layer);
     attention.sliding_window = layer.sliding_window;
     if (failed(pb_cpu_paged_attention(&attention), PB_ATTENTION)) return status;
 
