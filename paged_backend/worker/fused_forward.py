@@ -12,7 +12,9 @@ arguments prepared once (`AttentionPlan`, `RotaryCache`):
                x = add_rms_norm(o, residual); x = down(silu_mul(*gate_up(x))); x = add_rms_norm(x, residual)
 
 It takes the architectures whose layers are exactly that (`FAMILIES`) when nothing hooks the modules it bypasses;
-anything else, or `PAGED_BACKEND_FUSED_FORWARD=0`, runs transformers' forward over the paged bridge.
+anything else, or `PAGED_BACKEND_FUSED_FORWARD=0`, runs transformers' forward over the paged bridge. When every
+layer's linear calls are panels, the per-layer loop is one call into C++ (`ops/decoder_layers.py`: the same kernels
+in the same order, so the same bits; `PAGED_BACKEND_NATIVE_LAYERS=0` keeps it in Python).
 """
 
 from __future__ import annotations
@@ -167,17 +169,17 @@ class FusedForward:
         with self.linears.active() if self.linears is not None else nullcontext():
             return self._run(modules, self.lm_head, None, ids, positions, metadata, rows, cut)
 
-    def _group_args(self, metadata: PagedMetadata, index: int, cos, sin, q_width: int, kv_width: int, dtype) -> tuple:
-        """Layer `index`'s group (sliding-window layers keep their own tables and slots) and its step arguments:
-        (group, RotaryCache, AttentionPlan)."""
-        group, head_dim = metadata.for_layer(index), self.head_dim
+    def _group_args(self, group, cos, sin, q_width: int, kv_width: int, dtype) -> tuple[RotaryCache, AttentionPlan]:
+        """The step's rotary and attention arguments for a layer group (sliding-window layers keep their own tables
+        and slots: `metadata.for_layer`)."""
+        head_dim = self.head_dim
         rotary = RotaryCache(cos, sin, group.slot_mapping, self.kv_cache.block_size)
         plan = AttentionPlan(
             group.block_tables, group.seq_lens, group.query_start_loc, num_q_heads=q_width // head_dim,
             num_kv_heads=kv_width // head_dim, head_dim=head_dim, block_size=self.kv_cache.block_size, dtype=dtype,
             scale=self.scale,
         )  # fmt: skip
-        return group, rotary, plan
+        return rotary, plan
 
     def _run(self, calls, lm_head, native, ids, positions, metadata: PagedMetadata, rows: list[int], cut):
         base = self.base
@@ -199,7 +201,7 @@ class FusedForward:
         for index in range(len(self.layers)):
             group = metadata.for_layer(index)
             if id(group) not in positions:
-                _, rotary, plan = self._group_args(metadata, index, cos, sin, *self.qkv_sizes[:2], x.dtype)
+                rotary, plan = self._group_args(group, cos, sin, *self.qkv_sizes[:2], x.dtype)
                 positions[id(group)] = len(rotaries)
                 rotaries.append(rotary)
                 plans.append(plan)
@@ -217,7 +219,7 @@ class FusedForward:
             q, k, v = qkv_proj(x)
             group = metadata.for_layer(index)
             if id(group) not in steps:
-                steps[id(group)] = self._group_args(metadata, index, cos, sin, q.shape[1], k.shape[1], q.dtype)[1:]
+                steps[id(group)] = self._group_args(group, cos, sin, q.shape[1], k.shape[1], q.dtype)
             rotary, plan = steps[id(group)]
             key_cache, value_cache = cache.layer(index)
             q = rotary(q, k, v, key_cache, value_cache)
