@@ -31,16 +31,21 @@ SHAPES = {
     "smollm2": {"q/o": (576, 576), "k/v": (192, 576), "gate/up": (1536, 576), "down": (576, 1536),
                 "lm_head": (49152, 576)},
 }  # fmt: skip
-# SmolLM2-135M's calls per layer as the fused forward makes them, and its layer count and LM head
-MODEL_PASS_LAYER = {"q|k|v": (960, 576), "o": (576, 576), "gate|up": (3072, 576), "down": (576, 1536)}
-MODEL_PASS_LAYERS, MODEL_PASS_HEAD = 30, (49152, 576)
+MODEL_PASS_LAYERS = 30  # SmolLM2-135M's layers
+
+
+def model_pass_shapes() -> list[tuple[int, int]]:
+    """SmolLM2-135M's linear calls as the fused forward makes them (q|k|v and gate|up stacked), then the LM head."""
+    (q, hidden), (kv, _), (gate, _), down = (SHAPES["smollm2"][name] for name in ("q/o", "k/v", "gate/up", "down"))
+    layer = [(q + 2 * kv, hidden), (q, hidden), (2 * gate, hidden), down]
+    return layer * MODEL_PASS_LAYERS + [SHAPES["smollm2"]["lm_head"]]
 
 
 def model_pass(rows: list[int], dtypes: list[torch.dtype], repeats: int) -> None:
     """ms per pass over the model's linear calls, and the GFLOP/s that makes."""
     print("\n| dtype | rows | ms per pass | GFLOP/s |\n|---|---:|---:|---:|")
     for dtype in dtypes:
-        shapes = [*MODEL_PASS_LAYER.values()] * MODEL_PASS_LAYERS + [MODEL_PASS_HEAD]
+        shapes = model_pass_shapes()
         weights = [PanelWeight(torch.randn(n, k, dtype=dtype) * 0.02) for n, k in shapes]
         for count in rows:
             inputs = {k: torch.randn(count, k, dtype=dtype) for k in {k for _, k in shapes}}

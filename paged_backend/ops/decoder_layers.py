@@ -17,7 +17,7 @@ import torch
 from paged_backend.ops._c_abi import F32, I32, I64, PTR, check_layouts
 from paged_backend.ops.cpu import QUERY_DTYPES, AttentionArgs, AttentionPlan, _library
 from paged_backend.ops.fused_cpu import RotaryCache, RotaryCacheArgs, _fused
-from paged_backend.ops.panel_linear import PanelWeight, _panel
+from paged_backend.ops.panel_linear import PanelWeight, _panel, panel_bias
 
 
 class DecoderLayer(ctypes.Structure):
@@ -108,7 +108,8 @@ class DecoderLayers:
         self.keep = []  # everything the structs point into
         layers = []
         for part in parts:
-            biases = [self._bias(bias) for bias in (part.qkv_bias, part.o_bias, part.gate_up_bias, part.down_bias)]
+            own = (part.qkv_bias, part.o_bias, part.gate_up_bias, part.down_bias)
+            biases = [panel_bias(bias, self.dtype) for bias in own]
             k_strides, v_strides = part.key_cache.stride()[:3], part.value_cache.stride()[:3]
             layers.append(DecoderLayer(
                 part.qkv.packed.data_ptr(), _pointer(biases[0]), part.o.packed.data_ptr(), _pointer(biases[1]),
@@ -121,13 +122,6 @@ class DecoderLayers:
             # when a pool moves.
             self.keep += [part.qkv, part.o, part.gate_up, part.down, part.attention_norm[0], part.mlp_norm[0], *biases]
         self.layers = (DecoderLayer * len(layers))(*layers)
-        self.groups = [0] * len(layers)
-
-    def _bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """The bias as the panel call would pass it: in the weights' dtype, contiguous."""
-        if bias is None:
-            return None
-        return bias.detach().to(self.dtype).contiguous()
 
     def __call__(self, residual: torch.Tensor, x: torch.Tensor, groups: list[int], rotaries: list[RotaryCache],
                  plans: list[AttentionPlan], stop=None) -> torch.Tensor | None:  # fmt: skip
@@ -137,10 +131,8 @@ class DecoderLayers:
         tokens, dtype = residual.shape[0], self.dtype
         if residual.dtype != dtype or not (residual.is_contiguous() and x.is_contiguous()):
             raise ValueError(f"the layer loop takes contiguous {dtype} rows, not {residual.dtype}")
-        if groups != self.groups:
-            for layer, group in zip(self.layers, groups, strict=True):
-                layer.group = group
-            self.groups = list(groups)
+        for layer, group in zip(self.layers, groups, strict=True):
+            layer.group = group
         empty = lambda width: torch.empty(tokens, width, dtype=dtype)  # noqa: E731
         qkv_width = self.q_size + 2 * self.kv_size
         buffers = qkv, query, attention_out, o, gate_up, act, out = (

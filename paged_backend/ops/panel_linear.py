@@ -88,8 +88,7 @@ class PanelWeight:
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
-        if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):  # nn.Linear's own bias: as is
-            bias = bias.to(x.dtype).contiguous()
+        bias = panel_bias(bias, x.dtype)
         _check(
             _panel().pb_cpu_panel_linear(
                 rows.data_ptr(), rows.stride(0), self.packed.data_ptr(), None if bias is None else bias.data_ptr(),
@@ -99,6 +98,13 @@ class PanelWeight:
             "panel linear",
         )  # fmt: skip
         return out.view(*x.shape[:-1], self.out_features)
+
+
+def panel_bias(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The bias as the kernel reads it: contiguous, in the weights' dtype (nn.Linear's own bias passes as is)."""
+    if bias is None or (bias.dtype == dtype and bias.is_contiguous()):
+        return bias
+    return bias.detach().to(dtype).contiguous()
 
 
 def _packed_elements(out_features: int, in_features: int, dtype: torch.dtype) -> int:

@@ -169,17 +169,24 @@ class FusedForward:
         with self.linears.active() if self.linears is not None else nullcontext():
             return self._run(modules, self.lm_head, None, ids, positions, metadata, rows, cut)
 
-    def _group_args(self, group, cos, sin, q_width: int, kv_width: int, dtype) -> tuple[RotaryCache, AttentionPlan]:
-        """The step's rotary and attention arguments for a layer group (sliding-window layers keep their own tables
-        and slots: `metadata.for_layer`)."""
-        head_dim = self.head_dim
-        rotary = RotaryCache(cos, sin, group.slot_mapping, self.kv_cache.block_size)
-        plan = AttentionPlan(
-            group.block_tables, group.seq_lens, group.query_start_loc, num_q_heads=q_width // head_dim,
-            num_kv_heads=kv_width // head_dim, head_dim=head_dim, block_size=self.kv_cache.block_size, dtype=dtype,
-            scale=self.scale,
-        )  # fmt: skip
-        return rotary, plan
+    def _step_groups(self, metadata: PagedMetadata, cos, sin, dtype) -> tuple[list[int], list, list]:
+        """The step's rotary and attention arguments per layer group (sliding-window layers keep their own tables
+        and slots: `metadata.for_layer`): each layer's group index, and each group's RotaryCache and AttentionPlan."""
+        head_dim, block_size = self.head_dim, self.kv_cache.block_size
+        q_width, kv_width = self.qkv_sizes[:2]
+        index_of, groups, rotaries, plans = {}, [], [], []
+        for layer in range(len(self.layers)):
+            group = metadata.for_layer(layer)
+            if id(group) not in index_of:
+                index_of[id(group)] = len(rotaries)
+                rotaries.append(RotaryCache(cos, sin, group.slot_mapping, block_size))
+                plans.append(AttentionPlan(
+                    group.block_tables, group.seq_lens, group.query_start_loc, num_q_heads=q_width // head_dim,
+                    num_kv_heads=kv_width // head_dim, head_dim=head_dim, block_size=block_size, dtype=dtype,
+                    scale=self.scale,
+                ))  # fmt: skip
+            groups.append(index_of[id(group)])
+        return groups, rotaries, plans
 
     def _run(self, calls, lm_head, native, ids, positions, metadata: PagedMetadata, rows: list[int], cut):
         base = self.base
@@ -187,40 +194,25 @@ class FusedForward:
         cos, sin = (t[0].contiguous() for t in base.rotary_emb(residual, positions))
         residual = residual[0]
         x = add_rms_norm(None, residual, *self.norms[0][0])
+        groups = self._step_groups(metadata, cos, sin, x.dtype)
         if native is not None:
-            out = self._native_layers(native, residual, x, cos, sin, metadata, cut)
+            out = native(residual, x, *groups, cut)
+            if out is None:
+                raise StepCut("stopped between two layers")
         else:
-            out = self._python_layers(calls, residual, x, cos, sin, metadata, cut)
+            out = self._python_layers(calls, residual, x, *groups, cut)
         # only the kept rows need the last residual add, the final norm and the LM head
         kept = torch.tensor(rows, dtype=torch.long)
         x = add_rms_norm(out.index_select(0, kept), residual.index_select(0, kept), *self.final_norm)
         return lm_head(x).float()
 
-    def _native_layers(self, native: DecoderLayers, residual, x, cos, sin, metadata, cut) -> torch.Tensor:
-        positions, rotaries, plans, groups = {}, [], [], []
-        for index in range(len(self.layers)):
-            group = metadata.for_layer(index)
-            if id(group) not in positions:
-                rotary, plan = self._group_args(group, cos, sin, *self.qkv_sizes[:2], x.dtype)
-                positions[id(group)] = len(rotaries)
-                rotaries.append(rotary)
-                plans.append(plan)
-            groups.append(positions[id(group)])
-        out = native(residual, x, groups, rotaries, plans, cut)
-        if out is None:
-            raise StepCut("stopped between two layers")
-        return out
-
-    def _python_layers(self, calls, residual, x, cos, sin, metadata, cut) -> torch.Tensor:
-        cache, steps, last = self.kv_cache, {}, len(self.layers) - 1
+    def _python_layers(self, calls, residual, x, groups, rotaries, plans, cut) -> torch.Tensor:
+        cache, last = self.kv_cache, len(self.layers) - 1
         for index, (qkv_proj, o_proj, gate_up_proj, down_proj) in enumerate(calls):
             if cut is not None and cut():
                 raise StepCut(f"stopped before layer {index}")
             q, k, v = qkv_proj(x)
-            group = metadata.for_layer(index)
-            if id(group) not in steps:
-                steps[id(group)] = self._group_args(group, cos, sin, q.shape[1], k.shape[1], q.dtype)
-            rotary, plan = steps[id(group)]
+            rotary, plan = rotaries[groups[index]], plans[groups[index]]
             key_cache, value_cache = cache.layer(index)
             q = rotary(q, k, v, key_cache, value_cache)
             out = o_proj(plan(q, key_cache, value_cache, self.windows[index]).view(q.shape[0], -1))
