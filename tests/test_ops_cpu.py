@@ -22,6 +22,10 @@ LONG_CASES = [
     # after the query's scale, short drafts; then bf16 keys under a float32 query (widened, not paired)
     AttentionCase("decode-bf16-pairs-tail", q_lens=(1, 1, 2, 1), seq_lens=(40, 77, 200, 16), group=3, head_dim=48,
                   dtype=torch.bfloat16, softcap=6.0),
+    # the bf16 value pairs: a 64-wide chunk, a 16-wide one and an 8-element tail; odd key counts pair the last key
+    # with a zero weight; four rows per kv head
+    AttentionCase("decode-bf16-value-pairs", q_lens=(1, 1, 1), seq_lens=(31, 64, 97), group=4, head_dim=88,
+                  dtype=torch.bfloat16),
     AttentionCase("decode-fp32q-bf16kv", q_lens=(1, 1), seq_lens=(45, 130), group=2, head_dim=48,
                   kv_dtype=torch.bfloat16),
 ]

@@ -14,7 +14,8 @@ namespace {
 // Keys go sixteen at a time. Scores come from sixteen accumulators (R rows x 16/R keys) whose lanes are summed by
 // one shuffle tree, so sixteen dot products share one horizontal sum and a row's sixteen scores land in one
 // vector; the online softmax then runs on that vector, and values are accumulated R rows x 4 chunks at a time
-// with the rescale folded into the accumulators' load. K/V elements are widened to fp32 as they are loaded.
+// with the rescale folded into the accumulators' load. K/V elements are widened to fp32 as they are loaded, except
+// bf16 K/V under a bf16 query: AVX512-BF16's pair dot products take them raw (the weights rounded to bf16 for V).
 // Every row's arithmetic is the same whichever rows share its pass, which batch-invariant mode relies on.
 
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -255,6 +256,62 @@ void accumulate_head_rows(float* const* acc, const float* const* p, const float*
   }
 }
 
+#if defined(__AVX512BF16__)
+// accumulate_values() for bf16 values with the weights rounded to bf16, as torch's CPU flash attention rounds them
+// for its bf16 value product: two keys per `vdpbf16ps`, so V is not widened. One two-source permute interleaves
+// two value rows element by element (row 2k in the even halves, 2k + 1 in the odd), for sixteen elements;
+// `pairs[r][k]` holds row r's weights of keys 2k and 2k + 1 in the same order.
+template <int R, int C>
+inline void accumulate_value_pairs(float* const* acc, const uint32_t (*pairs)[8], const float* correction,
+                                   const char* const* value, int m, int d0, Ahead& ahead) {
+  static const __m512i kEven = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                                38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  static const __m512i kOdd = _mm512_add_epi16(kEven, _mm512_set1_epi16(16));
+  constexpr __mmask32 kLoad = C == 1 ? 0xFFFF : 0xFFFFFFFF;  // one chunk reads sixteen elements, not past the row
+  v16f c[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < C; ++x) c[r][x] = load16(acc[r] + d0 + 16 * x) * correction[r];
+  for (int k = 0; 2 * k < m; ++k) {  // key 2k + 1 past m has weight 0 and repeats the last key's row
+    ahead.step();  // twice: as many steps as accumulate_values, which takes one key per step
+    ahead.step();
+    const uint16_t* even = reinterpret_cast<const uint16_t*>(value[2 * k]) + d0;
+    const uint16_t* odd = reinterpret_cast<const uint16_t*>(value[2 * k + 1]) + d0;
+    __m512bh v[C];
+    for (int x = 0; x < C; x += 2) {
+      const __m512i a = _mm512_maskz_loadu_epi16(kLoad, even + 16 * x), b = _mm512_maskz_loadu_epi16(kLoad, odd + 16 * x);
+      v[x] = (__m512bh)_mm512_permutex2var_epi16(a, kEven, b);
+      if (x + 1 < C) v[x + 1] = (__m512bh)_mm512_permutex2var_epi16(a, kOdd, b);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r][k]));
+      for (int x = 0; x < C; ++x) c[r][x] = (v16f)_mm512_dpbf16_ps((__m512)c[r][x], w, v[x]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < C; ++x) store16(acc[r] + d0 + 16 * x, c[r][x]);
+}
+
+// accumulate_head_rows() for bf16 values: the weights rounded to bf16 pairs once, then accumulate_value_pairs.
+template <int R>
+void accumulate_head_pairs(float* const* acc, const float* const* p, const float* correction,
+                           const char* const* value, int m, int dim, Ahead& ahead) {
+  alignas(64) uint32_t pairs[R][8];
+  for (int r = 0; r < R; ++r) _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r]), (__m256i)_mm512_cvtneps_pbh((__m512)load16(p[r])));
+  int d = 0;
+  for (; d + 64 <= dim; d += 64) accumulate_value_pairs<R, 4>(acc, pairs, correction, value, m, d, ahead);
+  for (; d + 16 <= dim; d += 16) accumulate_value_pairs<R, 1>(acc, pairs, correction, value, m, d, ahead);
+  for (int r = 0; r < R; ++r) {  // head_dim % 16 tail
+    const uint16_t* weights = reinterpret_cast<const uint16_t*>(pairs[r]);
+    for (int e = d; e < dim; ++e) {
+      float x = acc[r][e] * correction[r];
+      for (int j = 0; j < m; ++j)
+        x += bf16_to_float(weights[j]) * bf16_to_float(reinterpret_cast<const uint16_t*>(value[j])[e]);
+      acc[r][e] = x;
+    }
+  }
+}
+#endif
+
 // Scores of R rows against sixteen keys, into s.probs[row * 16 + j]: R passes of R rows x 16 / R keys.
 template <int R, class L>
 void score_rows(Scratch& s, const int* rows, const char* const* keys, int dim, size_t elem, Ahead& ahead) {
@@ -362,6 +419,17 @@ void decode_blocks(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, co
             probs[r] = s.probs.data() + row * 16;
             correction[r] = s.correction[row];
           }
+#if defined(__AVX512BF16__)
+          if constexpr (kPairs<L>) {
+            switch (r_count) {
+              case 4: accumulate_head_pairs<4>(acc, probs, correction, values, m, dim, ahead); break;
+              case 3: accumulate_head_pairs<3>(acc, probs, correction, values, m, dim, ahead); break;
+              case 2: accumulate_head_pairs<2>(acc, probs, correction, values, m, dim, ahead); break;
+              default: accumulate_head_pairs<1>(acc, probs, correction, values, m, dim, ahead); break;
+            }
+            continue;
+          }
+#endif
           switch (r_count) {
             case 4: accumulate_head_rows<4, L>(acc, probs, correction, values, m, dim, elem, ahead); break;
             case 3: accumulate_head_rows<3, L>(acc, probs, correction, values, m, dim, elem, ahead); break;
