@@ -19,7 +19,7 @@ constexpr int kMaxRowsPerTask = 128;  // query rows (tokens x q heads) sharing o
 constexpr int kPanel = 16;            // keys per transposed panel in the many-rows score path
 constexpr int kPanelMinRows = 8;      // rows per kv head from which the panel path beats the decode path
 constexpr int kAheadGroups = 2;       // decode asks for the K/V this many groups of sixteen keys ahead
-constexpr int kAheadMaxLines = 4;     // cache lines of K and of V asked for per step of the decode loops, at most
+constexpr int kAheadLines = 2;        // cache lines of K and of V asked for per step of the decode loops
 
 float fp8_e4m3_to_float(uint8_t bits) {
   const int sign = bits >> 7, exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;

@@ -142,19 +142,17 @@ inline V in_register(V v) {
   return v;
 }
 
-// The next keys' K and V, asked for a few lines at a time from inside the compute loops, so the loads overlap the
-// math without a burst of prefetches filling the miss buffers (which stalled the core as much as the misses did).
-// `lines` per step spreads a head's share over all of its steps: bf16 halves the bytes per step of math, and
-// two lines per step had bf16 ask for everything during the scores, stalled on the prefetches.
+// The next keys' K and V, asked for a line at a time from inside the compute loops, so the loads overlap the math
+// without a burst of prefetches filling the miss buffers (which stalled the core as much as the misses did).
+// The bf16 loops step once per iteration, as the fp32 ones do, over twice the elements: so a head's share is spread
+// over all of its work in both (bf16 stepping twice asked for everything during the scores, and stalled there).
 // Into L2 (hint 1): the rows are read soon after from there.
 struct Ahead {
   const char* k = nullptr;
   const char* v = nullptr;
   int64_t next = 0, end = 0;
-  int lines = 1;  // at most kAheadMaxLines
   void step() {
-    for (int i = 0; i < kAheadMaxLines; ++i, next += 64) {  // a constant bound, so the loop unrolls
-      if (i == lines || next >= end) break;
+    for (int i = 0; i < kAheadLines && next < end; ++i, next += 64) {
       __builtin_prefetch(k + next, 0, 1);
       __builtin_prefetch(v + next, 0, 1);
     }
@@ -205,7 +203,6 @@ inline v16f dots_bf16(const uint16_t* const* q, const char* const* key, int dim,
   v16f acc[16] = {};
   int d = 0;
   for (; d + 32 <= dim; d += 32) {
-    ahead.step();  // twice: half as many steps as the fp32 loop
     ahead.step();
     __m512bh qv[R];
     for (int r = 0; r < R; ++r) qv[r] = in_register((__m512bh)_mm512_loadu_si512(q[r] + d));
@@ -272,7 +269,6 @@ inline void accumulate_value_pairs(float* const* acc, const uint32_t (*pairs)[8]
   for (int r = 0; r < R; ++r)
     for (int x = 0; x < C; ++x) c[r][x] = load16(acc[r] + d0 + 16 * x) * correction[r];
   for (int k = 0; 2 * k < m; ++k) {  // key 2k + 1 past m has weight 0 and repeats the last key's row
-    ahead.step();  // twice: as many steps as accumulate_values, which takes one key per step
     ahead.step();
     const uint16_t* even = reinterpret_cast<const uint16_t*>(value[2 * k]) + d0;
     const uint16_t* odd = reinterpret_cast<const uint16_t*>(value[2 * k + 1]) + d0;
@@ -361,10 +357,6 @@ void decode_blocks(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, co
   float* acc[4];
   const float* probs[4];
   float correction[4];
-  // Ahead::step calls per kv head and sixteen keys: dim / 16 per row in the scores, one per key and value chunk
-  // for each four rows in the values
-  const int value_chunks = dim / 64 + dim % 64 / 16;
-  const int steps_per_head = std::max(1, count * (dim / 16) + (count + 3) / 4 * value_chunks * 16);
   for (int block_start = lo - lo % bs; block_start < hi; block_start += bs) {
     const int64_t block = table[block_start / bs];
     const int t0 = std::max(lo, block_start), n = std::min(hi, block_start + bs) - t0;
@@ -377,9 +369,8 @@ void decode_blocks(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, co
       const int64_t share = (ahead_bytes / a.num_kv_heads + 63) & ~int64_t{63};
       const char* ahead_k = k_base + (ahead_block * a.k_stride_block + ahead_slot * a.k_stride_slot) * elem;
       const char* ahead_v = v_base + (ahead_block * a.v_stride_block + ahead_slot * a.v_stride_slot) * elem;
-      const int ahead_lines = std::min<int64_t>(kAheadMaxLines, (share / 64 + steps_per_head - 1) / steps_per_head);
       for (int h = 0; h < a.num_kv_heads; ++h) {
-        Ahead ahead{ahead_k, ahead_v, h * share, std::min(ahead_bytes, (h + 1) * share), ahead_lines};
+        Ahead ahead{ahead_k, ahead_v, h * share, std::min(ahead_bytes, (h + 1) * share)};
         for (int j = 0; j < 16; ++j) {  // keys past m repeat the last one (read, then masked)
           const int64_t slot = first_key + std::min(j, m - 1) - block_start;
           keys[j] = k_base + (block * a.k_stride_block + slot * a.k_stride_slot + h * a.k_stride_head) * elem;
