@@ -246,18 +246,22 @@ def pool(num_blocks=40, block_size=16, kv_heads=2, head_dim=64, dtype=torch.floa
 
 
 @pytest.mark.parametrize(
-    ("group", "dtype", "window", "softcap"),
+    ("group", "dtype", "window", "softcap", "length"),
     [
-        (4, torch.float32, None, None),
-        (8, torch.float32, None, None),
-        (4, torch.bfloat16, 20, None),
-        (1, torch.float32, None, 5.0),
+        (4, torch.float32, None, None, 70),
+        (8, torch.float32, None, None, 70),
+        (4, torch.bfloat16, 20, None, 70),
+        (1, torch.float32, None, 5.0, 70),
+        # contexts the kernel cuts into parts of 2048 keys, merged after; a window that starts inside a part
+        (4, torch.float32, None, None, 2200),
+        (4, torch.bfloat16, 600, None, 2200),
     ],  # fmt: skip
-    ids=["g4", "g8-panel", "bf16-window", "g1-softcap"],
+    ids=["g4", "g8-panel", "bf16-window", "g1-softcap", "g4-split", "bf16-window-split"],
 )
-def test_attention_rows_are_the_same_in_prefill_chunks_decode_and_batches(group, dtype, window, softcap):
-    keys, values = pool(dtype=dtype)
-    length, table = 70, torch.tensor([[3, 17, 9, 30, 1]], dtype=torch.int32)
+def test_attention_rows_are_the_same_in_prefill_chunks_decode_and_batches(group, dtype, window, softcap, length):
+    blocks = -(-length // 16)
+    keys, values = pool(num_blocks=blocks + 8, dtype=dtype)
+    table = (torch.randperm(blocks + 7, generator=torch.Generator().manual_seed(1))[:blocks] + 1).to(torch.int32)[None]
     query = torch.randn(length, 2 * group, 64).to(dtype)
     options = dict(sliding_window=window, softcap=softcap, invariant=True)
 
@@ -272,7 +276,8 @@ def test_attention_rows_are_the_same_in_prefill_chunks_decode_and_batches(group,
     # inside a batch: another sequence's prefill first, then this one's last 9 rows
     other = torch.randn(30, 2 * group, 64).to(dtype)
     batch_query = torch.cat([other, query[length - 9 :]])
-    tables = torch.tensor([[5, 6, 0, 0, 0], table[0].tolist()], dtype=torch.int32)
+    tables = torch.zeros(2, blocks, dtype=torch.int32)
+    tables[0, :2], tables[1] = torch.tensor([5, 6]), table[0]
     lens, starts = torch.tensor([30, length], dtype=torch.int32), torch.tensor([0, 30, 39], dtype=torch.int32)
     batched = cpu.paged_attention(batch_query, keys, values, tables, lens, starts, 0.125, **options)
     assert torch.equal(batched[30:], full[length - 9 :])

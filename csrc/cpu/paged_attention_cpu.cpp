@@ -1,7 +1,8 @@
 // Fused paged attention for CPUs: varlen causal prefill and decode read straight from the block pool.
 //
 // One task is (sequence, tile of query tokens) over all heads, so every key and value row loaded from the
-// pool serves its whole GQA group. Keys are visited block by block with an online softmax (one rescale per
+// pool serves its whole GQA group. A context past kSplitKeys keys is cut into parts at fixed positions, one task
+// each, merged after (flash-decoding's split), so that one long sequence decodes on every core. Keys are visited block by block with an online softmax (one rescale per
 // block), so nothing is gathered or padded: each task reads its context once, which is what bounds decode.
 // With few rows per kv head (decode), keys go sixteen at a time per kv head (attention_decode.h). With many rows
 // (prefill), scores come from transposed 16-key panels against four rows at a time (panel_blocks, here). Values
@@ -18,6 +19,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include <omp.h>
@@ -177,9 +180,43 @@ void panel_blocks(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, con
   }
 }
 
+// The running max and sum and the unnormalized value sums of each row of one part of a split context.
+struct Partial {
+  float *max, *sum, *acc;
+};
+// Every part's slot, sized for the most rows a task has; left uninitialized, as each part writes all of its rows.
+class Partials {
+ public:
+  Partials(int slots, int max_rows, int dim)
+      : slot_floats_(size_t(max_rows) * (dim + 2)), data_(new float[slots * slot_floats_]) {}
+  Partial at(int slot, int rows) const {
+    float* base = data_.get() + slot * slot_floats_;
+    return {base, base + rows, base + 2 * rows};
+  }
+
+ private:
+  size_t slot_floats_;
+  std::unique_ptr<float[]> data_;
+};
+
+// Row r's output: its value sums over its softmax sum (zero where the row saw no key), into the output tensor.
+void store_rows(const PbCpuAttentionArgs& a, const Task& task, float* acc_rows, const float* sums, int rows) {
+  const int dim = a.head_dim, heads = a.num_q_heads;
+  const size_t q_elem = element_size(a.q_dtype);
+  const int64_t first_row = a.query_start_loc[task.seq] + task.first_token;
+  for (int r = 0; r < rows; ++r) {
+    float* acc = acc_rows + r * dim;
+    const float norm = sums[r] > 0.0f ? a.v_scale / sums[r] : 0.0f;
+    for (int d = 0; d < dim; ++d) acc[d] *= norm;
+    const int64_t token = first_row + r / heads;
+    char* dst = static_cast<char*>(a.out) + (token * a.o_stride_token + (r % heads) * a.o_stride_head) * q_elem;
+    store_row(acc, a.q_dtype, dim, dst);
+  }
+}
+
 // Row r of a task is (token r / Hq, q head r % Hq); the rows of kv head h and token i are contiguous:
 // i * Hq + h * group + [0, group).
-void run_task(const PbCpuAttentionArgs& a, const Task& task, Scratch& s) {
+void run_task(const PbCpuAttentionArgs& a, const Task& task, Partials& partials, Scratch& s) {
   const int dim = a.head_dim, heads = a.num_q_heads, group = heads / a.num_kv_heads;
   const int tokens = task.num_tokens, rows = tokens * heads;
   const int64_t first_row = a.query_start_loc[task.seq] + task.first_token;
@@ -212,8 +249,8 @@ void run_task(const PbCpuAttentionArgs& a, const Task& task, Scratch& s) {
   std::fill(s.sum.begin(), s.sum.begin() + rows, 0.0f);
 
   // token i sees keys [first_pos + i - window + 1, first_pos + i]; the tile as a whole sees [lo, hi)
-  const int lo = window > 0 ? std::max(0, first_pos - window + 1) : 0;
-  const int hi = std::min(context, first_pos + tokens);
+  const int lo = std::max(task.key_lo, window > 0 ? std::max(0, first_pos - window + 1) : 0);
+  const int hi = std::min({task.key_hi, context, first_pos + tokens});
   const int32_t* table = a.block_tables + task.seq * a.table_stride;
   if (!decode) {
     panel_blocks(a, s, tile, table, lo, hi);
@@ -235,14 +272,35 @@ void run_task(const PbCpuAttentionArgs& a, const Task& task, Scratch& s) {
     }
   }
 
-  for (int r = 0; r < rows; ++r) {
-    float* acc = s.acc.data() + r * dim;
-    const float norm = s.sum[r] > 0.0f ? a.v_scale / s.sum[r] : 0.0f;
-    for (int d = 0; d < dim; ++d) acc[d] *= norm;
-    const int64_t token = first_row + r / heads;
-    char* dst = static_cast<char*>(a.out) + (token * a.o_stride_token + (r % heads) * a.o_stride_head) * q_elem;
-    store_row(acc, a.q_dtype, dim, dst);
+  if (task.partial >= 0) {  // one part of a split context: keep its running max, sum and unnormalized values
+    Partial part = partials.at(task.partial, rows);
+    std::copy(s.max.begin(), s.max.begin() + rows, part.max);
+    std::copy(s.sum.begin(), s.sum.begin() + rows, part.sum);
+    std::copy(s.acc.begin(), s.acc.begin() + rows * dim, part.acc);
+    return;
   }
+  store_rows(a, task, s.acc.data(), s.sum.data(), rows);
+}
+
+// Merges the parts of a split context in key order: each part's sums rescaled to the overall max.
+void merge_parts(const PbCpuAttentionArgs& a, const Task& task, int parts, const Partials& partials, Scratch& s) {
+  const int dim = a.head_dim, rows = task.num_tokens * a.num_q_heads;
+  for (int r = 0; r < rows; ++r) {
+    float max = kNegInf;
+    for (int p = 0; p < parts; ++p) max = std::max(max, partials.at(task.partial + p, rows).max[r]);
+    float* acc = s.acc.data() + r * dim;
+    std::fill(acc, acc + dim, 0.0f);
+    float sum = 0.0f;
+    for (int p = 0; p < parts && max != kNegInf; ++p) {
+      const Partial part = partials.at(task.partial + p, rows);
+      if (part.max[r] == kNegInf) continue;  // the part saw none of this row's keys
+      const float weight = std::exp(part.max[r] - max);
+      sum += part.sum[r] * weight;
+      for (int d = 0; d < dim; ++d) acc[d] += part.acc[r * dim + d] * weight;
+    }
+    s.sum[r] = sum;
+  }
+  store_rows(a, task, s.acc.data(), s.sum.data(), rows);
 }
 
 }  // namespace
@@ -253,18 +311,38 @@ extern "C" int pb_cpu_paged_attention(const PbCpuAttentionArgs* args) {
   if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 || a.head_dim <= 0 || a.block_size <= 0) return -2;
   const int tile_tokens = a.invariant ? 1 : std::max(1, kMaxRowsPerTask / a.num_q_heads);
 
+  // tiles, each cut into parts at multiples of kSplitKeys of the key positions it sees; `split` holds the first
+  // part and the count of each tile cut in more than one
   std::vector<Task> tasks;
+  std::vector<std::pair<Task, int>> split;
+  int slots = 0;
   for (int b = 0; b < a.num_seqs; ++b) {
-    const int q_len = a.query_start_loc[b + 1] - a.query_start_loc[b];
-    for (int first = 0; first < q_len; first += tile_tokens) tasks.push_back({b, first, std::min(tile_tokens, q_len - first)});
+    const int q_len = a.query_start_loc[b + 1] - a.query_start_loc[b], context = a.seq_lens[b];
+    for (int first = 0; first < q_len; first += tile_tokens) {
+      const int tokens = std::min(tile_tokens, q_len - first), first_pos = context - q_len + first;
+      const int lo = a.sliding_window > 0 ? std::max(0, first_pos - a.sliding_window + 1) : 0;
+      const int hi = std::min(context, first_pos + tokens);
+      const int cut_lo = lo - lo % kSplitKeys, parts = std::max(1, (hi - cut_lo + kSplitKeys - 1) / kSplitKeys);
+      if (parts == 1) {
+        tasks.push_back({b, first, tokens, 0, context, -1});
+        continue;
+      }
+      split.push_back({{b, first, tokens, 0, context, slots}, parts});
+      for (int p = 0; p < parts; ++p)
+        tasks.push_back({b, first, tokens, cut_lo + p * kSplitKeys, cut_lo + (p + 1) * kSplitKeys, slots++});
+    }
   }
   const int threads = std::max(1, std::min<int>(a.num_threads, static_cast<int>(tasks.size())));
   const int rows = tile_tokens * a.num_q_heads;
+  Partials partials(slots, rows, a.head_dim);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     Scratch scratch(rows, a.head_dim, a.block_size);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < static_cast<int64_t>(tasks.size()); ++i) run_task(a, tasks[i], scratch);
+    for (int64_t i = 0; i < static_cast<int64_t>(tasks.size()); ++i) run_task(a, tasks[i], partials, scratch);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < static_cast<int64_t>(split.size()); ++i)
+      merge_parts(a, split[i].first, split[i].second, partials, scratch);
   }
   return 0;
 }
