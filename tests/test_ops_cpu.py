@@ -26,12 +26,12 @@ LONG_CASES = [
     # with a zero weight; four rows per kv head
     AttentionCase("decode-bf16-value-pairs", q_lens=(1, 1, 1), seq_lens=(31, 64, 97), group=4, head_dim=88,
                   dtype=torch.bfloat16),
-    # contexts past 2048 keys, cut into parts that are merged after: a 1-key last part, a window starting inside a
+    # contexts cut into parts of 512-2048 keys that are merged after: a 1-key last part, a window starting inside a
     # part, and a prefill tile whose first rows see none of the last part's keys
     AttentionCase("split-decode-long", q_lens=(1, 1, 1), seq_lens=(4500, 2049, 40), group=4),
     AttentionCase("split-decode-bf16-window", q_lens=(1, 2), seq_lens=(4200, 3000), group=3, head_dim=64,
                   dtype=torch.bfloat16, sliding_window=2500),
-    AttentionCase("split-prefill-chunk", q_lens=(200,), seq_lens=(2200,), group=2),
+    AttentionCase("split-prefill-chunk", q_lens=(200,), seq_lens=(2210,), group=2),
     AttentionCase("decode-fp32q-bf16kv", q_lens=(1, 1), seq_lens=(45, 130), group=2, head_dim=48,
                   kv_dtype=torch.bfloat16),
 ]

@@ -16,9 +16,11 @@
 namespace {
 
 constexpr int kMaxRowsPerTask = 128;  // query rows (tokens x q heads) sharing one pass over the context
-// Key positions per task at most: fixed, so a row's parts and the order they merge in depend on its own positions
-// only, never on the batch or the thread count (batch-invariant mode relies on it)
+// Key positions per task at most (see pb_cpu_paged_attention): kSplitKeys, or down to kMinSplitKeys when a step
+// has fewer than kTasksWanted tiles
 constexpr int kSplitKeys = 2048;
+constexpr int kMinSplitKeys = 512;
+constexpr int kTasksWanted = 8;
 constexpr int kPanel = 16;            // keys per transposed panel in the many-rows score path
 constexpr int kPanelMinRows = 8;      // rows per kv head from which the panel path beats the decode path
 constexpr int kAheadGroups = 2;       // decode asks for the K/V this many groups of sixteen keys ahead
@@ -103,9 +105,9 @@ inline float exp_nonpositive(float x) { return x < -87.0f ? 0.0f : exp_in_range(
 
 inline size_t element_size(int32_t code) { return code == PB_F32 ? 4 : code >= PB_FP8_E4M3 ? 1 : 2; }
 
-// A tile of a sequence's query tokens, all heads, over the key positions [key_lo, key_hi) of its context. A
-// context longer than kSplitKeys is cut at multiples of it, so that a few long sequences still fill every core;
-// the parts' unnormalized sums are merged after (`partial` is the part's slot, or -1 for a whole context).
+// A tile of a sequence's query tokens, all heads, over the key positions [key_lo, key_hi) of its context: a long
+// context is cut into parts, so that a few long sequences still fill every core, and the parts' unnormalized sums
+// are merged after (`partial` is the part's slot, or -1 for a whole context).
 struct Task {
   int32_t seq, first_token, num_tokens;
   int32_t key_lo, key_hi, partial;

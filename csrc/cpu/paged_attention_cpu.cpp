@@ -1,8 +1,8 @@
 // Fused paged attention for CPUs: varlen causal prefill and decode read straight from the block pool.
 //
 // One task is (sequence, tile of query tokens) over all heads, so every key and value row loaded from the
-// pool serves its whole GQA group. A context past kSplitKeys keys is cut into parts at fixed positions, one task
-// each, merged after (flash-decoding's split), so that one long sequence decodes on every core. Keys are visited block by block with an online softmax (one rescale per
+// pool serves its whole GQA group. Long contexts are cut into parts at multiples of a cut length, one task each,
+// merged after (flash-decoding's split), so that one long sequence decodes on every core. Keys are visited block by block with an online softmax (one rescale per
 // block), so nothing is gathered or padded: each task reads its context once, which is what bounds decode.
 // With few rows per kv head (decode), keys go sixteen at a time per kv head (attention_decode.h). With many rows
 // (prefill), scores come from transposed 16-key panels against four rows at a time (panel_blocks, here). Values
@@ -311,8 +311,15 @@ extern "C" int pb_cpu_paged_attention(const PbCpuAttentionArgs* args) {
   if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 || a.head_dim <= 0 || a.block_size <= 0) return -2;
   const int tile_tokens = a.invariant ? 1 : std::max(1, kMaxRowsPerTask / a.num_q_heads);
 
-  // tiles, each cut into parts at multiples of kSplitKeys of the key positions it sees; `split` holds the first
-  // part and the count of each tile cut in more than one
+  // Tiles, each cut into parts at multiples of `cut` of the key positions it sees; `split` holds the first part and
+  // the count of each tile cut in more than one. A step of few tiles is cut finer, so that they fill the cores
+  // (never by the thread count: results stay the same at any). Batch-invariant mode keeps the fixed cut: a row's
+  // parts then depend on its own positions only.
+  int tiles = 0;
+  for (int b = 0; b < a.num_seqs; ++b)
+    tiles += (a.query_start_loc[b + 1] - a.query_start_loc[b] + tile_tokens - 1) / tile_tokens;
+  int cut = kSplitKeys;  // halved while the step has fewer parts than kTasksWanted, so parts end on block edges
+  while (!a.invariant && cut > kMinSplitKeys && tiles * (kSplitKeys / cut) < kTasksWanted) cut /= 2;
   std::vector<Task> tasks;
   std::vector<std::pair<Task, int>> split;
   int slots = 0;
@@ -322,14 +329,14 @@ extern "C" int pb_cpu_paged_attention(const PbCpuAttentionArgs* args) {
       const int tokens = std::min(tile_tokens, q_len - first), first_pos = context - q_len + first;
       const int lo = a.sliding_window > 0 ? std::max(0, first_pos - a.sliding_window + 1) : 0;
       const int hi = std::min(context, first_pos + tokens);
-      const int cut_lo = lo - lo % kSplitKeys, parts = std::max(1, (hi - cut_lo + kSplitKeys - 1) / kSplitKeys);
+      const int cut_lo = lo - lo % cut, parts = std::max(1, (hi - cut_lo + cut - 1) / cut);
       if (parts == 1) {
         tasks.push_back({b, first, tokens, 0, context, -1});
         continue;
       }
       split.push_back({{b, first, tokens, 0, context, slots}, parts});
       for (int p = 0; p < parts; ++p)
-        tasks.push_back({b, first, tokens, cut_lo + p * kSplitKeys, cut_lo + (p + 1) * kSplitKeys, slots++});
+        tasks.push_back({b, first, tokens, cut_lo + p * cut, cut_lo + (p + 1) * cut, slots++});
     }
   }
   const int threads = std::max(1, std::min<int>(a.num_threads, static_cast<int>(tasks.size())));
