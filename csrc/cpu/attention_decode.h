@@ -274,7 +274,8 @@ inline void accumulate_value_pairs(float* const* acc, const uint32_t (*pairs)[8]
     const uint16_t* odd = reinterpret_cast<const uint16_t*>(value[2 * k + 1]) + d0;
     __m512bh v[C];
     for (int x = 0; x < C; x += 2) {
-      const __m512i a = _mm512_maskz_loadu_epi16(kLoad, even + 16 * x), b = _mm512_maskz_loadu_epi16(kLoad, odd + 16 * x);
+      const __m512i a = _mm512_maskz_loadu_epi16(kLoad, even + 16 * x);
+      const __m512i b = _mm512_maskz_loadu_epi16(kLoad, odd + 16 * x);
       v[x] = (__m512bh)_mm512_permutex2var_epi16(a, kEven, b);
       if (x + 1 < C) v[x + 1] = (__m512bh)_mm512_permutex2var_epi16(a, kOdd, b);
     }
@@ -292,7 +293,8 @@ template <int R>
 void accumulate_head_pairs(float* const* acc, const float* const* p, const float* correction,
                            const char* const* value, int m, int dim, Ahead& ahead) {
   alignas(64) uint32_t pairs[R][8];
-  for (int r = 0; r < R; ++r) _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r]), (__m256i)_mm512_cvtneps_pbh((__m512)load16(p[r])));
+  for (int r = 0; r < R; ++r)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r]), (__m256i)_mm512_cvtneps_pbh((__m512)load16(p[r])));
   int d = 0;
   for (; d + 64 <= dim; d += 64) accumulate_value_pairs<R, 4>(acc, pairs, correction, value, m, d, ahead);
   for (; d + 16 <= dim; d += 16) accumulate_value_pairs<R, 1>(acc, pairs, correction, value, m, d, ahead);

@@ -2,8 +2,9 @@
 //
 // One task is (sequence, tile of query tokens) over all heads, so every key and value row loaded from the
 // pool serves its whole GQA group. Long contexts are cut into parts at multiples of a cut length, one task each,
-// merged after (flash-decoding's split), so that one long sequence decodes on every core. Keys are visited block by block with an online softmax (one rescale per
-// block), so nothing is gathered or padded: each task reads its context once, which is what bounds decode.
+// merged after (flash-decoding's split), so that one long sequence decodes on every core. Keys are visited block
+// by block with an online softmax (one rescale per block), so nothing is gathered or padded: each task reads its
+// context once, which is what bounds decode.
 // With few rows per kv head (decode), keys go sixteen at a time per kv head (attention_decode.h). With many rows
 // (prefill), scores come from transposed 16-key panels against four rows at a time (panel_blocks, here). Values
 // are accumulated four rows at a time with the accumulators in registers. Math is fp32; the argument struct, the
