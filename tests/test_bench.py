@@ -71,6 +71,15 @@ def test_latency_quick(tmp_path):
     assert png_path.read_bytes()[:8] == PNG
 
 
+def test_latency_times_hf_generate_in_the_engines_dtype(tmp_path):
+    json_path = tmp_path / "latency.json"
+    result = CliRunner().invoke(app, ["bench", "latency", "--quick", "--vocab-size", "256", "--input-len", "8",
+                                      "--output-len", "2", "--num-iters", "1", "--skip", "engine", "--dtype", "bfloat16",
+                                      "--output-json", str(json_path), "--plot", ""])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads(json_path.read_text())["model"].endswith("bfloat16")
+
+
 def test_jsonl_workload_names_the_bad_line(tmp_path):
     dataset = tmp_path / "bad.jsonl"
     dataset.write_text('{"prompt": "ok", "max_tokens": 2}\n{"prompt": "no budget"}\n')

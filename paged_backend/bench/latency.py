@@ -20,6 +20,7 @@ from paged_backend.bench.report import distribution_ms, markdown_table, write_js
 from paged_backend.bench.throughput import benchmarked_model, engine_options
 from paged_backend.engine import LLM, SamplingParams
 from paged_backend.engine.args import add_engine_arguments, parse_with_config
+from paged_backend.worker.models import resolve_dtype
 
 PERCENTILES = (50, 90, 99)
 OWN_ENGINE_FLAGS = frozenset({"seed"})  # seeds the prompts and the benchmark's model
@@ -84,7 +85,9 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     iterations = args.num_iters or (3 if args.quick else 10)
     skip = set(filter(None, args.skip.split(",")))
-    model, tokenizer, description = benchmarked_model(args)
+    # in the dtype the engine runs, so that HF generate is timed in the same one
+    dtype = resolve_dtype(args.dtype or "auto", torch.device("cpu"))
+    model, tokenizer, description = benchmarked_model(args, str(dtype).removeprefix("torch."))
     rng, vocab_size = random.Random(args.seed), model.config.get_text_config().vocab_size
     prompts = [[rng.randrange(vocab_size) for _ in range(args.input_len)] for _ in range(args.batch_size)]
     print(f"model: {description}; batch {args.batch_size}, input {args.input_len}, output {args.output_len} tokens, "
