@@ -53,9 +53,16 @@ def online_answers(server, lines: list[dict]) -> list[dict]:
         return [body for _, body in pool.map(lambda line: online_answer(server, line), lines)]
 
 
-def submit(client: openai.OpenAI, lines: list, endpoint: str = "/v1/chat/completions") -> openai.types.Batch:
-    uploaded = client.files.create(file=("requests.jsonl", jsonl(lines)), purpose="batch")
+def upload(client: openai.OpenAI, lines: list) -> openai.types.FileObject:
+    return client.files.create(file=("requests.jsonl", jsonl(lines)), purpose="batch")
+
+
+def create(client: openai.OpenAI, uploaded, endpoint: str = "/v1/chat/completions") -> openai.types.Batch:
     return client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
+
+
+def submit(client: openai.OpenAI, lines: list, endpoint: str = "/v1/chat/completions") -> openai.types.Batch:
+    return create(client, upload(client, lines), endpoint)
 
 
 def wait_until(client: openai.OpenAI, batch_id: str, statuses=FINISHED, timeout: float = 120) -> openai.types.Batch:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests._server_helpers import running_server
-from tests.test_batches_api import chat_line, jsonl, output_lines, summed_usage, wait_until
+from tests.test_batches_api import chat_line, create, output_lines, summed_usage, upload, wait_until
 
 WINDOW = 3  # seconds; one line at a time and 128 tokens each, the batch needs far longer
 LINES = [chat_line("quick", "Hi", max_tokens=1)] + [
@@ -29,9 +29,8 @@ def test_a_batch_that_cannot_finish_in_its_window_expires_with_openais_accountin
     # Both files first, then the two batches back to back: the queued one waits out the first, and its window ends
     # a few ms after the first's, too soon for one of its lines to finish. (Created a file upload apart, on a busy
     # box it once had time to finish a line after the first batch expired.)
-    files = [client.files.create(file=("requests.jsonl", jsonl(lines)), purpose="batch") for lines in (LINES, LINES[1:4])]
-    created, queued = (client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                             completion_window="24h") for uploaded in files)  # fmt: skip
+    files = [upload(client, lines) for lines in (LINES, LINES[1:4])]
+    created, queued = (create(client, uploaded) for uploaded in files)
     assert created.expires_at == created.created_at + WINDOW and created.expired_at is None
     batch = wait_until(client, created.id, timeout=60)
     assert batch.status == "expired" and batch.expired_at >= batch.expires_at

@@ -105,7 +105,7 @@ inline float exp_nonpositive(float x) { return x < -87.0f ? 0.0f : exp_in_range(
 
 inline size_t element_size(int32_t code) { return code == PB_F32 ? 4 : code >= PB_FP8_E4M3 ? 1 : 2; }
 
-// A tile of a sequence's query tokens, all heads, over the key positions [key_lo, key_hi) of its context: a long
+// A tile of a sequence's query tokens, all heads, over the key positions [key_lo, key_hi) it sees: a long
 // context is cut into parts, so that a few long sequences still fill every core, and the parts' unnormalized sums
 // are merged after (`partial` is the part's slot, or -1 for a whole context).
 struct Task {

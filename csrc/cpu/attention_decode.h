@@ -237,6 +237,19 @@ inline void accumulate_values(float* const* acc, const float* const* p, const fl
     for (int x = 0; x < C; ++x) store16(acc[r] + d0 + 16 * x, c[r][x]);
 }
 
+// The head_dim % 16 elements [d, dim) the vector loops leave, one product at a time, for R rows.
+template <int R>
+void accumulate_tail(float* const* acc, const float* const* p, const float* correction, const char* const* value,
+                     int m, int d, int dim, size_t elem, int32_t code) {
+  for (int r = 0; r < R; ++r) {
+    for (int e = d; e < dim; ++e) {
+      float x = acc[r][e] * correction[r];
+      for (int j = 0; j < m; ++j) x += p[r][j] * load_scalar(value[j] + e * elem, code);
+      acc[r][e] = x;
+    }
+  }
+}
+
 // acc[r] = acc[r] * correction[r] + sum_j p[r][j] * value[j] over all of head_dim, for R rows.
 template <int R, class L>
 void accumulate_head_rows(float* const* acc, const float* const* p, const float* correction,
@@ -244,13 +257,7 @@ void accumulate_head_rows(float* const* acc, const float* const* p, const float*
   int d = 0;
   for (; d + 64 <= dim; d += 64) accumulate_values<R, 4, L>(acc, p, correction, value, m, d, elem, ahead);
   for (; d + 16 <= dim; d += 16) accumulate_values<R, 1, L>(acc, p, correction, value, m, d, elem, ahead);
-  for (int r = 0; r < R; ++r) {  // head_dim % 16 tail
-    for (int e = d; e < dim; ++e) {
-      float x = acc[r][e] * correction[r];
-      for (int j = 0; j < m; ++j) x += p[r][j] * load_scalar(value[j] + e * elem, L::code);
-      acc[r][e] = x;
-    }
-  }
+  accumulate_tail<R>(acc, p, correction, value, m, d, dim, elem, L::code);
 }
 
 #if defined(__AVX512BF16__)
@@ -298,15 +305,14 @@ void accumulate_head_pairs(float* const* acc, const float* const* p, const float
   int d = 0;
   for (; d + 64 <= dim; d += 64) accumulate_value_pairs<R, 4>(acc, pairs, correction, value, m, d, ahead);
   for (; d + 16 <= dim; d += 16) accumulate_value_pairs<R, 1>(acc, pairs, correction, value, m, d, ahead);
-  for (int r = 0; r < R; ++r) {  // head_dim % 16 tail
-    const uint16_t* weights = reinterpret_cast<const uint16_t*>(pairs[r]);
-    for (int e = d; e < dim; ++e) {
-      float x = acc[r][e] * correction[r];
-      for (int j = 0; j < m; ++j)
-        x += bf16_to_float(weights[j]) * bf16_to_float(reinterpret_cast<const uint16_t*>(value[j])[e]);
-      acc[r][e] = x;
-    }
+  if (d == dim) return;
+  float rounded[R][16];  // the tail takes the same rounded weights
+  const float* weights[R];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 16; ++j) rounded[r][j] = bf16_to_float(reinterpret_cast<const uint16_t*>(pairs[r])[j]);
+    weights[r] = rounded[r];
   }
+  accumulate_tail<R>(acc, weights, correction, value, m, d, dim, 2, PB_BF16);
 }
 #endif
 

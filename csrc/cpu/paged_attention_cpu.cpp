@@ -215,17 +215,19 @@ void store_rows(const PbCpuAttentionArgs& a, const Task& task, float* acc_rows, 
   }
 }
 
+// The position of a sequence's query token `first` (its query tokens are the last of its context).
+inline int first_position(const PbCpuAttentionArgs& a, int seq, int first) {
+  return a.seq_lens[seq] - (a.query_start_loc[seq + 1] - a.query_start_loc[seq]) + first;
+}
+
 // Row r of a task is (token r / Hq, q head r % Hq); the rows of kv head h and token i are contiguous:
 // i * Hq + h * group + [0, group).
 void run_task(const PbCpuAttentionArgs& a, const Task& task, Partials& partials, Scratch& s) {
   const int dim = a.head_dim, heads = a.num_q_heads, group = heads / a.num_kv_heads;
   const int tokens = task.num_tokens, rows = tokens * heads;
   const int64_t first_row = a.query_start_loc[task.seq] + task.first_token;
-  const int q_len = a.query_start_loc[task.seq + 1] - a.query_start_loc[task.seq];
-  const int context = a.seq_lens[task.seq];
-  const int first_pos = context - q_len + task.first_token;  // position of the tile's first query token
   const int window = a.sliding_window;
-  const Tile tile{first_pos, tokens, heads, group, window};
+  const Tile tile{first_position(a, task.seq, task.first_token), tokens, heads, group, window};
   // the rows of each kv head, once per task: head_rows[h * tokens * group + i * group + g] = row of (i, g)
   for (int h = 0, n = 0; h < a.num_kv_heads; ++h)
     for (int i = 0; i < tokens; ++i)
@@ -249,9 +251,7 @@ void run_task(const PbCpuAttentionArgs& a, const Task& task, Partials& partials,
   std::fill(s.max.begin(), s.max.begin() + rows, kNegInf);
   std::fill(s.sum.begin(), s.sum.begin() + rows, 0.0f);
 
-  // token i sees keys [first_pos + i - window + 1, first_pos + i]; the tile as a whole sees [lo, hi)
-  const int lo = std::max(task.key_lo, window > 0 ? std::max(0, first_pos - window + 1) : 0);
-  const int hi = std::min({task.key_hi, context, first_pos + tokens});
+  const int lo = task.key_lo, hi = task.key_hi;
   const int32_t* table = a.block_tables + task.seq * a.table_stride;
   if (!decode) {
     panel_blocks(a, s, tile, table, lo, hi);
@@ -327,17 +327,19 @@ extern "C" int pb_cpu_paged_attention(const PbCpuAttentionArgs* args) {
   for (int b = 0; b < a.num_seqs; ++b) {
     const int q_len = a.query_start_loc[b + 1] - a.query_start_loc[b], context = a.seq_lens[b];
     for (int first = 0; first < q_len; first += tile_tokens) {
-      const int tokens = std::min(tile_tokens, q_len - first), first_pos = context - q_len + first;
+      // token i sees keys [first_pos + i - window + 1, first_pos + i]; the tile as a whole sees [lo, hi)
+      const int tokens = std::min(tile_tokens, q_len - first), first_pos = first_position(a, b, first);
       const int lo = a.sliding_window > 0 ? std::max(0, first_pos - a.sliding_window + 1) : 0;
       const int hi = std::min(context, first_pos + tokens);
       const int cut_lo = lo - lo % cut, parts = std::max(1, (hi - cut_lo + cut - 1) / cut);
       if (parts == 1) {
-        tasks.push_back({b, first, tokens, 0, context, -1});
+        tasks.push_back({b, first, tokens, lo, hi, -1});
         continue;
       }
-      split.push_back({{b, first, tokens, 0, context, slots}, parts});
+      split.push_back({{b, first, tokens, lo, hi, slots}, parts});
       for (int p = 0; p < parts; ++p)
-        tasks.push_back({b, first, tokens, cut_lo + p * cut, cut_lo + (p + 1) * cut, slots++});
+        tasks.push_back(
+            {b, first, tokens, std::max(lo, cut_lo + p * cut), std::min(hi, cut_lo + (p + 1) * cut), slots++});
     }
   }
   const int threads = std::max(1, std::min<int>(a.num_threads, static_cast<int>(tasks.size())));
