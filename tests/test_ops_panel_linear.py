@@ -15,8 +15,10 @@ from paged_backend.ops.panel_linear import PanelWeight, panel_linear_reference
 # bfloat16: both sides accumulate in float32 and round once; the order of the sums differs
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2)}
 DTYPES = list(TOLERANCE)
-SHAPES = [(576, 576), (200, 77), (49, 1536), (3, 5)]  # (N, K): whole panels, partial panels, a tiny layer
-ROWS = [1, 2, 3, 7, 64]  # the streaming tiles (1-2 rows), the row tiles of 6 and their remainders, prefill
+# (N, K): whole panels, partial panels, a tiny layer; K spans several k blocks of 64 steps (an odd K ends in the last)
+SHAPES = [(576, 576), (200, 77), (49, 1536), (3, 5), (40, 201)]
+# the streaming tiles (1-2 rows); one row tile; 12 rows as two of 6; 53 as a chunk of 48 rows and one of 5
+ROWS = [1, 2, 3, 7, 12, 53]
 
 
 def randn(*shape, dtype, seed):
