@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from paged_backend.ops import _cpu_build
-from paged_backend.ops.panel_linear import PanelWeight, panel_linear_reference
+from paged_backend.ops.panel_linear import PanelWeight, panel_bias, panel_linear_reference
 
 # bfloat16: both sides accumulate in float32 and round once; the order of the sums differs
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2)}
@@ -59,6 +59,24 @@ def test_rows_are_bitwise_independent_of_the_batch(dtype):
     batch = packed(x)
     for start, stop in [(0, 1), (1, 3), (5, 11), (0, 13)]:
         assert torch.equal(packed(x[start:stop]), batch[start:stop])
+
+
+@pytest.mark.parametrize("rows", [1, 3])  # the streaming tile and the blocked one
+def test_bfloat16_outputs_round_like_torch(rows):
+    """Each output is one input (an identity weight) plus its bias, added in float32 and rounded once: exactly
+    torch's rounding, ties to even and NaN included, in whole panels (vectors) and the partial last one (lanes)."""
+    n = 40
+    x = randn(rows, n, dtype=torch.bfloat16, seed=14)
+    x[:, :3] = x[:, 32:35] = torch.tensor([1.0, 1.0078125, -1.0078125])  # plus 2**-8: ties (and in the last panel)
+    bias = randn(n, dtype=torch.bfloat16, seed=15)
+    bias[:3] = bias[32:35] = 2.0**-8
+    bias[3] = bias[35] = float("nan")
+    out = PanelWeight(torch.eye(n, dtype=torch.bfloat16))(x, panel_bias(bias, torch.bfloat16))
+    expected = (x.float() + bias.float()).to(torch.bfloat16)
+    assert torch.equal(out.isnan(), expected.isnan())  # NaN stays NaN (its payload is the CPU's choice)
+    numbers = ~expected.isnan()
+    assert torch.equal(out[numbers].view(torch.int16), expected[numbers].view(torch.int16))
+    assert out[0, 0].item() == 1.0 and out[0, 1].item() == 1.015625  # ties went to the even neighbour
 
 
 def test_strided_rows_give_the_same_answer_as_contiguous_ones():
