@@ -80,7 +80,9 @@ void add_rms_norm(const T* x, int64_t x_stride, T* residual, int64_t r_stride, c
 
 template <typename T>
 inline void rotate(const T* x, const T* cos, const T* sin, int32_t half, T* y) {
-  // transformers: x * cos + rotate_half(x) * sin, each op rounded to T
+  // transformers: x * cos + rotate_half(x) * sin, each op rounded to T. y never overlaps x, cos or sin: the simd
+  // pragma says so, without which GCC left this loop scalar (a third of the fused ops' time at 16 decode rows).
+#pragma omp simd
   for (int32_t i = 0; i < half; ++i) {
     const float a = load(x, i), b = load(x, i + half);
     store(y, i, round_to<T>(a * load(cos, i)) + round_to<T>(-b * load(sin, i)));
