@@ -51,9 +51,11 @@ inline float round_to(float v) {
   return load(held, 0);
 }
 
-// Threads only when the work pays for waking them: a decode row is a few microseconds on one core.
+// Threads only when the work pays for waking them: one decode row (a few microseconds) stays on one core, 16 rows
+// split (silu_mul at 16 x 1536: 22.7 -> 14.5 us per call through the Python wrapper, 2 threads; 4096 elements
+// are already no slower split).
 inline int threads_for(int64_t elements, int32_t num_threads) {
-  return elements >= (int64_t{1} << 16) ? num_threads : 1;
+  return elements >= (int64_t{1} << 12) ? num_threads : 1;
 }
 
 template <typename T>
