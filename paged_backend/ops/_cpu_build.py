@@ -34,7 +34,8 @@ def find_compiler() -> str | None:
     return None
 
 
-SOURCES = ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "panel_linear_cpu.cpp", "decoder_layers_cpu.cpp")
+SOURCES = ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "panel_linear_cpu.cpp", "decoder_layers_cpu.cpp",
+           "argmax_cpu.cpp")
 HEADERS = ("kernels.h", "vector_exp.h", "bf16.h", "attention_cpu.h", "attention_decode.h")
 
 
