@@ -12,6 +12,7 @@ import torch
 
 from paged_backend.engine.request import SamplingParams, Sequence
 from paged_backend.engine.watermark import apply_watermark
+from paged_backend.ops.argmax_cpu import argmax_rows
 
 
 class Sampler:
@@ -48,7 +49,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         plain = all(p.greedy and not processes_logits(p) for p in params)
         if plain and not any(seq.grammar is not None or self._blocked_ids(seq) for seq in seqs):
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = argmax_rows(logits).tolist()
         else:
             tokens = self._sample(logits, seqs)
         logprobs: list[dict[int, float] | None] = []
@@ -68,12 +69,15 @@ class Sampler:
     def _sample(self, raw: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         logits = raw.clone()
         for i, seq in enumerate(seqs):
-            self._process_row(logits[i], seq)
+            self._mask_row(logits[i], seq)
+        _add_logit_bias(logits, [seq.request.params.logit_bias for seq in seqs])
+        for i, seq in enumerate(seqs):
+            self._adjust_row(logits[i], seq)
         grammars = [seq.grammar for seq in seqs]
         if any(grammar is not None for grammar in grammars):
             self.structured.apply_masks(logits, grammars)
             self._let_grammar_win(raw, logits, grammars)
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         sampled = [i for i, seq in enumerate(seqs) if not seq.request.params.greedy]
         if sampled:
             probs = self._probabilities(logits[sampled], [seqs[i].request.params for i in sampled])
@@ -82,8 +86,8 @@ class Sampler:
                 tokens[i] = draw[0]
         return tokens.tolist()
 
-    def _process_row(self, row: torch.Tensor, seq: Sequence) -> None:
-        """The per-sequence logits processors, in place."""
+    def _mask_row(self, row: torch.Tensor, seq: Sequence) -> None:
+        """The processors before the logit bias, in place: allowed tokens, bad words, min_tokens."""
         params = seq.request.params
         if params.allowed_token_ids is not None:
             allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=row.device)
@@ -96,9 +100,10 @@ class Sampler:
         blocked = self._blocked_ids(seq)
         if blocked:
             row[blocked] = float("-inf")
-        if params.logit_bias:
-            ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=row.device)
-            row[ids] += torch.tensor(list(params.logit_bias.values()), dtype=row.dtype, device=row.device)
+
+    def _adjust_row(self, row: torch.Tensor, seq: Sequence) -> None:
+        """The processors after the logit bias, in place: penalties, watermark."""
+        params = seq.request.params
         if params.uses_penalties:
             self._apply_penalties(row, seq)
         if params.watermark:
@@ -158,6 +163,19 @@ class Sampler:
             values, ids = row.topk(top)
             result.update(zip(ids.tolist(), values.tolist(), strict=True))
         return result
+
+
+def _add_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> None:
+    """Every row's logit bias in one indexed add (16 rows one by one took ~0.2 ms of small tensors). A row's ids
+    are distinct, so each logit gets its own bias once, the same float32 sum as row by row."""
+    rows = [i for i, bias in enumerate(biases) for _ in bias or ()]
+    if not rows:
+        return
+    ids = [token for bias in biases for token in bias or ()]
+    values = [value for bias in biases for value in (bias or {}).values()]
+    device = logits.device
+    logits.index_put_((torch.tensor(rows, device=device), torch.tensor(ids, dtype=torch.long, device=device)),
+                      torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)  # fmt: skip
 
 
 def processes_logits(params: SamplingParams) -> bool:
