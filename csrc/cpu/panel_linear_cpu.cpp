@@ -178,20 +178,26 @@ void tile_steps(const T* x, int64_t x_stride, const T* panels, int64_t k_len, in
     for (int p = 0; p < NP; ++p) std::memcpy(carry + (m * NP + p) * kLanes, &acc[m][p], sizeof(acc[m][p]));
 }
 
-// `rows` (1 to kTileRows) rows of the tile, dispatched to the template of that height.
+// `rows` (1 to kTileRows) rows of the tile, dispatched to the template of that height. The 8-panel streaming tile
+// only ever has one or two rows (linear() picks it for those), so only those heights are built for it.
 template <typename T, int NP>
 void rows_steps(int64_t rows, const T* x, int64_t x_stride, const T* panels, int64_t k_len, int64_t k_valid,
                 int64_t k0, int64_t k1, int64_t ahead, float* carry) {
-  switch (rows) {
-    case 8: tile_steps<T, 8, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
-    case 7: tile_steps<T, 7, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
-    case 6: tile_steps<T, 6, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
-    case 5: tile_steps<T, 5, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
-    case 4: tile_steps<T, 4, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
-    case 3: tile_steps<T, 3, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
-    case 2: tile_steps<T, 2, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
-    case 1: tile_steps<T, 1, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
-    default: break;
+  if constexpr (NP > kTilePanels) {
+    if (rows == 2) tile_steps<T, 2, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry);
+    if (rows == 1) tile_steps<T, 1, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry);
+  } else {
+    switch (rows) {
+      case 8: tile_steps<T, 8, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
+      case 7: tile_steps<T, 7, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
+      case 6: tile_steps<T, 6, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
+      case 5: tile_steps<T, 5, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
+      case 4: tile_steps<T, 4, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
+      case 3: tile_steps<T, 3, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
+      case 2: tile_steps<T, 2, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
+      case 1: tile_steps<T, 1, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
+      default: break;
+    }
   }
 }
 
@@ -199,8 +205,8 @@ void rows_steps(int64_t rows, const T* x, int64_t x_stride, const T* panels, int
 // every row tile of the chunk runs over a block before the next block starts: the block's weight lines come from
 // DRAM once, while the first row tile asks for the next block's, and stay in L1 for the other row tiles. Tiled
 // over all of k instead, the first row tile waited on DRAM and the others found L2 (16 rows, bf16: 1.13x faster
-// this way; 16 rows stream at ~300 GFLOP/s on 2 cores, hot weights ~390). One or two rows take k in one block
-// with the prefetch kStreamAhead steps ahead: they stream.
+// this way; now ~350 GFLOP/s on 2 cores from DRAM, ~415 on cached weights, of a measured 468 peak). One or two
+// rows take k in one block with the prefetch kStreamAhead steps ahead: they stream.
 template <typename T, int NP>
 void column(const T* x, int64_t x_stride, const T* packed, const T* bias, T* y, int64_t y_stride, int64_t m_len,
             int64_t first, int64_t n, int64_t k_len, int64_t k_valid) {
