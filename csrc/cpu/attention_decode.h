@@ -19,8 +19,6 @@ namespace {
 // Every row's arithmetic is the same whichever rows share its pass, which batch-invariant mode relies on.
 
 typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
 
 template <int32_t CODE>
 struct Kv;  // sixteen cache elements from `p` as fp32
@@ -32,14 +30,7 @@ struct Kv<PB_F32> {
 template <>
 struct Kv<PB_BF16> {
   static constexpr int32_t code = PB_BF16;
-  static v16f load(const char* p) {
-    v16h bits;
-    std::memcpy(&bits, p, sizeof(bits));
-    const v16u words = __builtin_convertvector(bits, v16u) << 16;
-    v16f out;
-    std::memcpy(&out, &words, sizeof(out));
-    return out;
-  }
+  static v16f load(const char* p) { return bf16x16_to_float(reinterpret_cast<const uint16_t*>(p)); }
 };
 template <>
 struct Kv<PB_F16> {

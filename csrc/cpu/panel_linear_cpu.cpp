@@ -40,33 +40,12 @@ constexpr int kTilePanels = 3;
 constexpr int kBlockSteps = 64;
 constexpr int64_t kRowChunk = 6 * kTileRows;
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x32 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint16_t u16x32 __attribute__((vector_size(64)));  // (f32x16 and u32x16 come with bf16.h)
 
 inline f32x16 load16(const float* p) {
   f32x16 v;
   std::memcpy(&v, p, sizeof(v));
   return v;
-}
-
-// Sixteen bfloat16 values as floats, and sixteen floats rounded to bfloat16 exactly as float_to_bf16 rounds one.
-inline f32x16 widen16(const uint16_t* p) {
-  u16x16 half;
-  std::memcpy(&half, p, sizeof(half));
-  const u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
-  f32x16 v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-
-inline u16x16 round16(f32x16 v) {
-  u32x16 word;
-  std::memcpy(&word, &v, sizeof(word));
-  const u32x16 nan = (word & 0x7fffffffu) > 0x7f800000u;  // all ones where NaN
-  const u32x16 rounded = (word + 0x7fffu + ((word >> 16) & 1u)) >> 16, quiet = (word >> 16) | 0x40u;
-  return __builtin_convertvector((rounded & ~nan) | (quiet & nan), u16x16);
 }
 
 inline int64_t panels_of(int64_t n) { return (n + kLanes - 1) / kLanes; }
@@ -143,9 +122,8 @@ inline void store_row(const float* sums, const T* bias, T* out, int64_t n0, int6
         if (bias != nullptr) v += load16(bias + col0);
         std::memcpy(out + col0, &v, sizeof(v));
       } else {
-        if (bias != nullptr) v += widen16(bias + col0);
-        const u16x16 rounded = round16(v);
-        std::memcpy(out + col0, &rounded, sizeof(rounded));
+        if (bias != nullptr) v += bf16x16_to_float(bias + col0);
+        float_to_bf16x16(v, out + col0);
       }
       continue;
     }
