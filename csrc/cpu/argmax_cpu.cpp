@@ -67,7 +67,7 @@ int64_t argmax_row(const float* x, int64_t n) {
 
 extern "C" {
 
-// out[r] = argmax of row r (rows x cols, row r at x + r * stride). Returns 0, or 1 for an empty row.
+// out[r] = argmax of row r (rows x cols, row r at x + r * stride). Returns 0, or 1 for empty rows or a negative count.
 int32_t pb_cpu_argmax_rows(const float* x, int64_t rows, int64_t cols, int64_t stride, int64_t* out,
                            int32_t num_threads) {
   if (cols < 1 || rows < 0) return 1;

@@ -168,11 +168,14 @@ class Sampler:
 def _add_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> None:
     """Every row's logit bias in one indexed add (16 rows one by one took ~0.2 ms of small tensors). A row's ids
     are distinct, so each logit gets its own bias once, the same float32 sum as row by row."""
-    rows = [i for i, bias in enumerate(biases) for _ in bias or ()]
+    rows, ids, values = [], [], []
+    for row, bias in enumerate(biases):
+        for token, value in (bias or {}).items():
+            rows.append(row)
+            ids.append(token)
+            values.append(value)
     if not rows:
         return
-    ids = [token for bias in biases for token in bias or ()]
-    values = [value for bias in biases for value in (bias or {}).values()]
     device = logits.device
     logits.index_put_((torch.tensor(rows, device=device), torch.tensor(ids, dtype=torch.long, device=device)),
                       torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)  # fmt: skip

@@ -32,6 +32,8 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     if kernel is None:
         return logits.argmax(dim=-1)
     out = torch.empty(logits.shape[0], dtype=torch.long)
-    kernel(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr(),
-           torch.get_num_threads())  # fmt: skip
+    status = kernel(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr(),
+                    torch.get_num_threads())  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"argmax over logits of shape {tuple(logits.shape)} failed: the kernel takes non-empty rows")
     return out
