@@ -105,6 +105,31 @@ def test_the_native_layer_loop_equals_the_python_loop_bitwise(arch, overrides, d
     assert torch.equal(native_logprobs, python_logprobs)
 
 
+def test_calls_are_built_once_and_again_after_a_weight_or_hook_changes(make_llm, monkeypatch):
+    """A step reuses the layer calls and the native loop until a layer is repacked (a weight written in place) or
+    the pool is replaced; the next step then runs the new weights, and a hook added later runs too."""
+    from paged_backend.worker.fused_forward import FusedForward
+
+    builds = []
+    build = FusedForward._build_calls
+    monkeypatch.setattr(FusedForward, "_build_calls", lambda self: builds.append(1) or build(self))
+    llm = make_llm(model=tiny_model("llama", seed=7))
+    model = llm.engine.runner.fused.model  # the engine's copy, which it packed
+    prompts = ragged_prompts(4, seed=6, longest=20)
+    before, _ = run(llm, prompts)
+    assert len(builds) == 1  # every step of that run reused the first build
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(-1.0)
+    changed_tokens, changed_logprobs = run(llm, prompts)
+    assert len(builds) == 2
+    fresh_tokens, fresh_logprobs = run(make_llm(model=model), prompts)
+    assert changed_tokens == fresh_tokens != before
+    assert torch.equal(changed_logprobs, fresh_logprobs)
+    seen = []
+    model.model.layers[0].mlp.down_proj.register_forward_hook(lambda module, args, output: seen.append(1))
+    assert run(llm, prompts)[0] == fresh_tokens and seen
+
+
 def test_a_bad_head_dim_is_refused_with_the_kernels_words():
     """The loop checks its shapes before any kernel runs (a zero head_dim would divide by zero)."""
     loop = DecoderLayers.__new__(DecoderLayers)

@@ -95,11 +95,13 @@ class PagedKVCache:
         self.k_scales = [1.0] * num_layers
         self.v_scales = [1.0] * num_layers
         self.scales_pending: set[int] = set()  # layers whose scales come from their next write (kv_scales.py)
+        self.generation = 0  # changes whenever the pool tensors are replaced (callers holding raw pointers rebuild)
         self.allocate()
 
     def allocate(self) -> None:
         """(Re)allocate the zeroed pool tensors and the per-layer views into them (`kvs`; `kv` / `cpu_kv` when
         there is one device)."""
+        self.generation += 1
         block = (self.block_size, self.num_kv_heads, self.head_dim)
         self.kvs = [torch.zeros((len(slots), 2, self.num_blocks, *block), dtype=self.dtype, device=d)
                     for d, slots in self.slots_on.items()]  # fmt: skip
@@ -122,6 +124,7 @@ class PagedKVCache:
         contents are gone and `allocate()` brings zeroed tensors of the same layout back."""
         self.kvs, self.cpu_kvs, self.key_caches, self.value_caches = [], [], [], []
         self.kv = self.cpu_kv = None
+        self.generation += 1
 
     @property
     def allocated(self) -> bool:

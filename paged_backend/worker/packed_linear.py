@@ -92,14 +92,20 @@ def packed_forward(module: nn.Linear):
 
 
 def _stamp(module: nn.Module) -> tuple:
-    """What a packed copy was made from: the weight and bias objects and their in-place version counters (read from
-    `_parameters` directly: this runs for every layer at every step)."""
-    weight, bias = module._parameters["weight"], module._parameters["bias"]
-    return weight, bias, (weight._version, None if bias is None else bias._version)
+    """What a packed copy was made from: the module's parameter dict, the weight and bias objects in it, and their
+    in-place version counters (`_unchanged` checks every layer at every step, so it touches no more than these)."""
+    params = module._parameters
+    weight, bias = params["weight"], params["bias"]
+    return params, weight, bias, _versions(weight, bias)
 
 
-def _same(stamp: tuple, other: tuple) -> bool:
-    return stamp[0] is other[0] and stamp[1] is other[1] and stamp[2] == other[2]
+def _versions(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    return weight._version, None if bias is None else bias._version
+
+
+def _unchanged(stamp: tuple) -> bool:
+    params, weight, bias, versions = stamp
+    return params["weight"] is weight and params["bias"] is bias and _versions(weight, bias) == versions
 
 
 class PackedLinears:
@@ -112,6 +118,7 @@ class PackedLinears:
     def __init__(self, model: nn.Module, release: bool = False) -> None:
         self.layers: dict[nn.Module, tuple] = {}  # module -> (packed forward, stamp of what it was packed from)
         self._stacks: dict[tuple, tuple] = {}  # modules -> (their packed forwards when stacked, stacked forward)
+        self.generation = 0  # changes whenever a layer is packed again or dropped (what callers' caches key on)
         shared = _shared_weights(model)
         for module in model.modules():
             if not packable(module) or module in self.layers:
@@ -124,19 +131,21 @@ class PackedLinears:
     def __len__(self) -> int:
         return len(self.layers)
 
-    def _refresh(self) -> None:
-        for module, (_, stamp) in list(self.layers.items()):
-            if _same(stamp, _stamp(module)):
-                continue
+    def refresh(self) -> int:
+        """Pack again every layer that changed since it was packed; the generation after."""
+        changed = [module for module, (_, stamp) in self.layers.items() if not _unchanged(stamp)]
+        for module in changed:
+            self.generation += 1
             if packable(module):
                 self.layers[module] = packed_forward(module), _stamp(module)
             else:  # quantized or hooked since: its own forward runs
                 del self.layers[module]
+        return self.generation
 
     def forwards(self) -> dict[nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
         """Each packed layer's packed forward, repacked first where the layer changed: for a caller that calls them
         itself (the fused forward) instead of swapping them in with `active()`. Hooks are the caller's to run."""
-        self._refresh()
+        self.refresh()
         return {module: forward for module, (forward, _) in self.layers.items()}
 
     def stacked(self, modules: tuple[nn.Module, ...]) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -170,7 +179,7 @@ class PackedLinears:
     @contextmanager
     def active(self) -> Iterator[None]:
         """Packed forwards on every packed layer for the duration (forward hooks, e.g. LoRA's, still run)."""
-        self._refresh()
+        self.refresh()
         for module, (forward, _) in self.layers.items():
             module.forward = forward
         try:
