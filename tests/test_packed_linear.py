@@ -89,6 +89,34 @@ def test_a_loaded_model_gives_up_its_dense_weights_but_a_tied_head_keeps_the_emb
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks - 1
 
 
+def test_only_the_layers_that_kept_their_weights_are_watched(tmp_path):
+    """A loaded model's released layers are not checked each step; its tied head still is, with the embedding."""
+    model = tiny_model("llama", seed=6)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), num_blocks=64)
+    packed = llm.engine.runner.packed
+    loaded = llm.engine.model
+    assert packed._watched == [loaded.lm_head]
+    prompts = ragged_prompts(4, seed=4)
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert packed.generation == 0
+    rows = torch.linspace(0.2, 3.0, model.config.vocab_size)[:, None]  # favours the last ids in the head
+    with torch.no_grad():
+        loaded.model.embed_tokens.weight.mul_(rows.to(loaded.dtype))  # the head's weight too: it is one tensor
+    assert llm.reset_prefix_cache()
+    after = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(rows)
+    reference = LLM(model, tokenizer=byte_tokenizer(), num_blocks=64, prepack_weights=False).generate(prompts, GREEDY)
+    assert after == [o.outputs[0].token_ids for o in reference] and after != before
+    assert packed.generation == 1  # the head alone was packed again
+    x = torch.randn(3, model.config.hidden_size, dtype=loaded.dtype)
+    torch.testing.assert_close(packed.forwards()[loaded.lm_head](x), nn.functional.linear(x, loaded.lm_head.weight))
+
+
 def test_weights_the_caller_changes_between_calls_are_packed_again():
     model, other = tiny_model("llama", seed=7), tiny_model("llama", seed=8)
     prompts = ragged_prompts(4, seed=4)

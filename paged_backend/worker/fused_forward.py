@@ -111,6 +111,11 @@ class FusedForward:
         self.qkv_sizes = [q.out_features, k.out_features, v.out_features]
         self.gate_up_sizes = [gate.out_features, up.out_features]
         self._built, self._built_key = None, None  # _calls()'s result, and the generations it was built at
+        # the forward hooks of every module the calls bypass, checked each step (a caller's, LoRA's as it loads)
+        bypassed = [*(module for layer in self.modules for module in layer), self.lm_head]
+        self._hook_dicts = [
+            hooks for module in bypassed for hooks in (module._forward_hooks, module._forward_pre_hooks)
+        ]
 
     def _calls(self) -> tuple[list[tuple], object, DecoderLayers | None] | None:
         """This step's callable for each layer's linear layers and for the LM head, and the C++ layer loop when
@@ -119,12 +124,7 @@ class FusedForward:
         (rebuilding them every step cost ~0.4 ms of a 7-10 ms one-stream step: the module objects are cold in cache)."""
         if self.linears is not None and not hasattr(self.linears, "forwards"):
             return None  # a swap-in that only works through active()
-        head = self.lm_head
-        if (
-            head._forward_hooks
-            or head._forward_pre_hooks
-            or any(module._forward_hooks or module._forward_pre_hooks for layer in self.modules for module in layer)
-        ):
+        if any(self._hook_dicts):
             return None
         key = (
             self.linears.refresh() if self.linears is not None else None,
