@@ -130,6 +130,24 @@ def test_calls_are_built_once_and_again_after_a_weight_or_hook_changes(make_llm,
     assert run(llm, prompts)[0] == fresh_tokens and seen
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rope", [None, {"rope_type": "dynamic", "factor": 2.0}], ids=["table", "dynamic"])
+def test_rotary_rows_are_the_rotary_modules_bits(dtype, rope, make_llm):
+    """cos/sin come from a table by position, grown as positions pass its end, with the bits the model's rotary module
+    gives for those positions; a rope that changes with the length is computed per step instead."""
+    overrides = {} if rope is None else {"rope_scaling": rope, "max_position_embeddings": 64}
+    fused = make_llm(model=hf_tiny_model("llama", seed=7, **overrides).to(dtype)).engine.runner.fused
+    rotary, x = fused.base.rotary_emb, torch.zeros(1, 1, 8, dtype=dtype)
+    for positions in ([[0, 1, 2]], [[4095]], [[17, 5000, 9000, 3]], [[12000]]):
+        positions = torch.tensor(positions)
+        expected = [t[0] for t in rotary(x, positions)]
+        got = fused._rotary(x, positions)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert (fused._rotary_table is None) == (rope is not None)
+    if rope is None:
+        assert fused._rotary_table[0].shape[0] >= 12001
+
+
 def test_a_bad_head_dim_is_refused_with_the_kernels_words():
     """The loop checks its shapes before any kernel runs (a zero head_dim would divide by zero)."""
     loop = DecoderLayers.__new__(DecoderLayers)

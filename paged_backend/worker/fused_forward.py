@@ -111,6 +111,7 @@ class FusedForward:
         self.qkv_sizes = [q.out_features, k.out_features, v.out_features]
         self.gate_up_sizes = [gate.out_features, up.out_features]
         self._built, self._built_key = None, None  # _calls()'s result, and the generations it was built at
+        self._rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos and sin by position (_rotary)
         # the forward hooks of every module the calls bypass, checked each step (a caller's, LoRA's as it loads)
         bypassed = [*(module for layer in self.modules for module in layer), self.lm_head]
         self._hook_dicts = [
@@ -173,6 +174,23 @@ class FusedForward:
         with self.linears.active() if self.linears is not None else nullcontext():
             return self._run(modules, self.lm_head, None, ids, positions, metadata, rows, cut)
 
+    def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[T, D]` of the step's positions: rows of a table the model's rotary module computed once for
+        positions 0..n (elementwise, so the same bits as computing them per step, which cost ~0.1 ms); a rope that
+        changes with the sequence length (dynamic, longrope) is computed per step."""
+        rotary = self.base.rotary_emb
+        if any(kind in str(getattr(rotary, "rope_type", "default")) for kind in ("dynamic", "longrope")):
+            return tuple(t[0].contiguous() for t in rotary(x, positions))
+        needed = int(positions.max()) + 1
+        if (
+            self._rotary_table is None
+            or self._rotary_table[0].shape[0] < needed
+            or self._rotary_table[0].dtype != x.dtype
+        ):
+            size = max(needed, 2 * (self._rotary_table[0].shape[0] if self._rotary_table else 0), 4096)
+            self._rotary_table = tuple(t[0] for t in rotary(x, torch.arange(size, device=x.device)[None]))
+        return tuple(t.index_select(0, positions[0]) for t in self._rotary_table)
+
     def _step_groups(self, metadata: PagedMetadata, cos, sin, dtype) -> tuple[list[int], list, list]:
         """The step's rotary and attention arguments per layer group (sliding-window layers keep their own tables
         and slots: `metadata.for_layer`): each layer's group index, and each group's RotaryCache and AttentionPlan."""
@@ -195,7 +213,7 @@ class FusedForward:
     def _run(self, calls, lm_head, native, ids, positions, metadata: PagedMetadata, rows: list[int], cut):
         base = self.base
         residual = base.embed_tokens(ids)  # [1, T, H]
-        cos, sin = (t[0].contiguous() for t in base.rotary_emb(residual, positions))
+        cos, sin = self._rotary(residual, positions)
         residual = residual[0]
         x = add_rms_norm(None, residual, *self.norms[0][0])
         groups = self._step_groups(metadata, cos, sin, x.dtype)
