@@ -69,12 +69,18 @@ def test_a_callers_model_keeps_its_weights_and_forward():
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks - 1
 
 
-def test_a_loaded_model_gives_up_its_dense_weights_but_a_tied_head_keeps_the_embedding(tmp_path):
+def saved_tied_model(path) -> nn.Module:
+    """A tiny Llama whose LM head shares the embedding, saved with its tokenizer to `path` (loaded: the engine's own)."""
     model = tiny_model("llama", seed=6)
     model.config.tie_word_embeddings = True
     model.lm_head.weight = model.model.embed_tokens.weight
-    model.save_pretrained(tmp_path)
-    byte_tokenizer().save_pretrained(tmp_path)
+    model.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return model
+
+
+def test_a_loaded_model_gives_up_its_dense_weights_but_a_tied_head_keeps_the_embedding(tmp_path):
+    model = saved_tied_model(tmp_path)
     prompts = ragged_prompts(5, seed=3)
     reference = LLM(model, tokenizer=byte_tokenizer(), num_blocks=64, prepack_weights=False).generate(prompts, GREEDY)
 
@@ -91,11 +97,7 @@ def test_a_loaded_model_gives_up_its_dense_weights_but_a_tied_head_keeps_the_emb
 
 def test_only_the_layers_that_kept_their_weights_are_watched(tmp_path):
     """A loaded model's released layers are not checked each step; its tied head still is, with the embedding."""
-    model = tiny_model("llama", seed=6)
-    model.config.tie_word_embeddings = True
-    model.lm_head.weight = model.model.embed_tokens.weight
-    model.save_pretrained(tmp_path)
-    byte_tokenizer().save_pretrained(tmp_path)
+    model = saved_tied_model(tmp_path)
     llm = LLM(str(tmp_path), num_blocks=64)
     packed = llm.engine.runner.packed
     loaded = llm.engine.model
