@@ -93,7 +93,7 @@ def packed_forward(module: nn.Linear):
 
 def _stamp(module: nn.Module) -> tuple:
     """What a packed copy was made from: the module's parameter dict, the weight and bias objects in it, and their
-    in-place version counters (`_unchanged` checks every layer at every step, so it touches no more than these)."""
+    in-place version counters (`_unchanged` checks every watched layer at every step, so it touches no more)."""
     params = module._parameters
     weight, bias = params["weight"], params["bias"]
     return params, weight, bias, _versions(weight, bias)
@@ -137,7 +137,7 @@ class PackedLinears:
         return len(self.layers)
 
     def refresh(self) -> int:
-        """Pack again every layer that changed since it was packed; the generation after."""
+        """Pack again every watched layer that changed since it was packed; the generation after."""
         changed = [module for module in self._watched if not _unchanged(self.layers[module][1])]
         for module in changed:
             self.generation += 1
