@@ -10,7 +10,7 @@ from _hf_models import tiny_model as hf_tiny_model
 
 from paged_backend.engine import SamplingParams
 from paged_backend.ops.decoder_layers import DecoderLayers
-from paged_backend.worker.fused_forward import NATIVE_SWITCH, SWITCH
+from paged_backend.worker.fused_forward import NATIVE_SWITCH, SWITCH, FusedForward
 from paged_backend.worker.models import tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
@@ -108,11 +108,9 @@ def test_the_native_layer_loop_equals_the_python_loop_bitwise(arch, overrides, d
 def test_calls_are_built_once_and_again_after_a_weight_or_hook_changes(make_llm, monkeypatch):
     """A step reuses the layer calls and the native loop until a layer is repacked (a weight written in place) or
     the pool is replaced; the next step then runs the new weights, and a hook added later runs too."""
-    from paged_backend.worker.fused_forward import FusedForward
-
     builds = []
     build = FusedForward._build_calls
-    monkeypatch.setattr(FusedForward, "_build_calls", lambda self: builds.append(1) or build(self))
+    monkeypatch.setattr(FusedForward, "_build_calls", lambda self, native: builds.append(1) or build(self, native))
     llm = make_llm(model=tiny_model("llama", seed=7))
     model = llm.engine.runner.fused.model  # the engine's copy, which it packed
     prompts = ragged_prompts(4, seed=6, longest=20)

@@ -112,6 +112,9 @@ class FusedForward:
         self.gate_up_sizes = [gate.out_features, up.out_features]
         self._built, self._built_key = None, None  # _calls()'s result, and the generations it was built at
         self._rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos and sin by position (_rotary)
+        # a rope that changes with the sequence length cannot be tabled
+        rope_type = str(getattr(self.base.rotary_emb, "rope_type", "default"))
+        self._rope_varies = any(kind in rope_type for kind in ("dynamic", "longrope"))
         # the forward hooks of every module the calls bypass, checked each step (a caller's, LoRA's as it loads)
         bypassed = [*(module for layer in self.modules for module in layer), self.lm_head]
         self._hook_dicts = [
@@ -128,16 +131,13 @@ class FusedForward:
             return None  # a swap-in that only works through active()
         if any(self._hook_dicts):
             return None
-        key = (
-            self.linears.refresh() if self.linears is not None else None,
-            self.kv_cache.generation,
-            os.environ.get(NATIVE_SWITCH, "1") == "0",
-        )
+        native = os.environ.get(NATIVE_SWITCH, "1") != "0"
+        key = (self.linears.refresh() if self.linears is not None else None, self.kv_cache.generation, native)
         if key != self._built_key:
-            self._built, self._built_key = self._build_calls(), key
+            self._built, self._built_key = self._build_calls(native), key
         return self._built
 
-    def _build_calls(self) -> tuple[list[tuple], object, DecoderLayers | None]:
+    def _build_calls(self, native: bool) -> tuple[list[tuple], object, DecoderLayers | None]:
         packed = self.linears.forwards() if self.linears is not None else {}
         stacked = getattr(self.linears, "stacked", None)
         layers, natives = [], []
@@ -148,13 +148,11 @@ class FusedForward:
             layers.append((_split(qkv, self.qkv_sizes) if qkv is not None else _each(q, k, v), o,
                            _split(gate_up, self.gate_up_sizes) if gate_up is not None else _each(gate, up), down))  # fmt: skip
             natives.append((qkv, o, gate_up, down))
-        return layers, packed.get(self.lm_head) or self.lm_head.forward, self._native_loop(natives)
+        return layers, packed.get(self.lm_head) or self.lm_head.forward, self._native_loop(natives) if native else None
 
     def _native_loop(self, forwards: list[tuple]) -> DecoderLayers | None:
         """The C++ loop over these layers' packed forwards (stacked q|k|v and gate|up, o, down) and the pool's
-        layers; None where a layer is not all panels or `PAGED_BACKEND_NATIVE_LAYERS=0`."""
-        if os.environ.get(NATIVE_SWITCH, "1") == "0":
-            return None
+        layers; None where a layer is not all panels."""
         if any(getattr(forward, "panel", None) is None for layer in forwards for forward in layer):
             return None
         parts = [
@@ -180,7 +178,7 @@ class FusedForward:
         positions 0..n (elementwise, so the same bits as computing them per step, which cost ~0.1 ms); a rope that
         changes with the sequence length (dynamic, longrope) is computed per step."""
         rotary = self.base.rotary_emb
-        if any(kind in str(getattr(rotary, "rope_type", "default")) for kind in ("dynamic", "longrope")):
+        if self._rope_varies:
             return tuple(t[0].contiguous() for t in rotary(x, positions))
         needed = int(positions.max()) + 1
         if (
