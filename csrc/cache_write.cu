@@ -1,5 +1,8 @@
 // reshape_and_cache: one CTA per token copies its [num_heads, head_dim] key and value rows into the
-// NHD pools at slot_mapping[token]; slot < 0 (CUDA-graph padding) is skipped. fp8 pools store x / scale.
+// NHD pools at slot_mapping[token]; slot < 0 (CUDA-graph padding) is skipped. fp8 pools store x / scale, other
+// pools the rows as they are (the scales are fp8's alone, as in the torch oracle).
+#include <type_traits>
+
 #include "dtype_convert.cuh"
 #include "paged_attention.h"
 
@@ -15,8 +18,9 @@ __device__ __forceinline__ void write_row(const src_t* src, int64_t stride_token
   for (int i = threadIdx.x; i < num_heads * head_dim; i += WRITE_THREADS) {
     const int head = i / head_dim;
     const int dim = i % head_dim;
-    const float x = to_float(src[token * stride_token + head * stride_head + dim]);
-    pool[block * stride_block + offset * stride_slot + head * stride_head_pool + dim] = from_float<cache_t>(x / scale);
+    float x = to_float(src[token * stride_token + head * stride_head + dim]);
+    if constexpr (std::is_same_v<cache_t, fp8_e4m3>) x /= scale;
+    pool[block * stride_block + offset * stride_slot + head * stride_head_pool + dim] = from_float<cache_t>(x);
   }
 }
 
