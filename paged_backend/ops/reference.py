@@ -23,8 +23,10 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 
 def to_fp8(x: torch.Tensor, pool_dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """Quantize rows for an fp8 pool: divide by the scale in fp32, then torch's rounding."""
-    return (x.float() / scale).to(pool_dtype)
+    """Quantize rows for an fp8 pool: divide by the scale in fp32, saturate to the finite range (as the csrc kernel
+    does; torch's own cast saturates in some releases and gives NaN in others), then torch's rounding."""
+    limit = torch.finfo(pool_dtype).max
+    return (x.float() / scale).clamp(-limit, limit).to(pool_dtype)
 
 
 @called_as(CacheWrite)
