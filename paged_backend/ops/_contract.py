@@ -34,6 +34,8 @@ def batch_invariant(enabled: bool = True) -> Iterator[None]:
         _BATCH_INVARIANT.reset(token)
 
 
+# torch.compile cannot trace a ContextVar read: a compiled caller reads the mode once, when it is traced.
+@torch.compiler.assume_constant_result
 def batch_invariant_enabled() -> bool:
     """Whether attention calls here default to batch-invariant (inside `batch_invariant()`)."""
     return _BATCH_INVARIANT.get()
