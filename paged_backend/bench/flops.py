@@ -25,18 +25,21 @@ def model_flops(model, prompts: list[list[int]], outputs: list[int]) -> float:
 
 def matmul_peak(model, repeats: int = 20) -> float:
     """FLOP/s of this machine's best case for the model: one [256, hidden] x [hidden, intermediate] linear in the
-    model's dtype at the current thread count, dense (MKL) or prepacked (oneDNN), whichever is faster (best of
-    `repeats`)."""
+    model's dtype and on its device (at the current thread count on CPU), dense (MKL) or prepacked (oneDNN),
+    whichever is faster (best of `repeats`)."""
     from paged_backend.worker.packed_linear import packable, packed_forward
 
     config = model.config
-    x = torch.randn(256, config.hidden_size, dtype=model.dtype)
-    layer = torch.nn.Linear(config.hidden_size, config.intermediate_size, bias=False, dtype=model.dtype)
+    x = torch.randn(256, config.hidden_size, dtype=model.dtype, device=model.device)
+    layer = torch.nn.Linear(config.hidden_size, config.intermediate_size, bias=False, dtype=model.dtype,
+                            device=model.device)
     best = float("inf")
     for linear in (layer.forward, packed_forward(layer)) if packable(layer) else (layer.forward,):
         for _ in range(repeats + 3):
             started = time.perf_counter()
             with torch.no_grad():
                 linear(x)
+            if x.is_cuda:
+                torch.cuda.synchronize()
             best = min(best, time.perf_counter() - started)
     return 2 * x.shape[0] * config.hidden_size * config.intermediate_size / best

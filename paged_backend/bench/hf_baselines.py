@@ -36,8 +36,8 @@ def run_static(model, prompts, outputs, batch_size: int, eos_ids: Collection[int
     for first in range(0, len(prompts), batch_size):
         batch, longest = prompts[first : first + batch_size], max(outputs[first : first + batch_size])
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
         stopping = {"eos_token_id": sorted(eos_ids)} if eos_ids else {"min_new_tokens": longest}
         generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, do_sample=False,
                                    pad_token_id=0, **stopping)  # fmt: skip

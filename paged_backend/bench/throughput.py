@@ -33,7 +33,7 @@ from paged_backend.engine.detokenizer import eos_token_ids
 from paged_backend.errors import InvalidRequest
 from paged_backend.ops import resolve_backend
 from paged_backend.worker.default_model import served_name
-from paged_backend.worker.models import byte_tokenizer, load_model, tiny_model
+from paged_backend.worker.models import byte_tokenizer, load_model, resolve_device, tiny_model
 
 FULL_MODEL = dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12, intermediate_size=2048)
 QUICK_MODEL = dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1024)
@@ -162,13 +162,13 @@ def bench_model(quick: bool, vocab_size: int, seed: int, dtype: str = "float32")
 
 def benchmarked_model(args: argparse.Namespace, dtype: str = "float32"):
     """(model, tokenizer, description) every system runs: `--model` (a directory, hub id or GGUF file, or
-    `default` for the default model, on the CPU, with its tokenizer or `--tokenizer`), else the benchmark's Llama
-    with the byte tokenizer."""
+    `default` for the default model, with its tokenizer or `--tokenizer`), else the benchmark's Llama with the byte
+    tokenizer; on `--device` (auto: the GPU where there is one), so that every system runs there."""
     if args.model is None:
         model, description = bench_model(args.quick, args.vocab_size, args.seed, dtype)
-        return model, byte_tokenizer(), description
+        return model.to(resolve_device(args.device or "auto")), byte_tokenizer(), description
     name = None if args.model == DEFAULT_MODEL else args.model
-    model, tokenizer = load_model(name, tokenizer=args.tokenizer, dtype=dtype, device="cpu")
+    model, tokenizer = load_model(name, tokenizer=args.tokenizer, dtype=dtype, device=args.device or "auto")
     params = sum(p.numel() for p in model.parameters())
     return model, tokenizer, f"{served_name(name)} = {params / 1e6:.0f}M params, {model.dtype}"
 
@@ -270,7 +270,7 @@ def compare(args, threads: int, base, description: str, prompts, outputs, eos_id
     skip = set(filter(None, args.skip.split(",")))
     num_requests = len(prompts)
     print(f"\nmodel: {description}, {threads} threads; "
-          f"engine attention backend: {resolve_backend(None, torch.device('cpu'))}")  # fmt: skip
+          f"engine attention backend: {resolve_backend(None, base.device)}")  # fmt: skip
     results: list[dict] = []
     reference: list[list[int]] | None = None  # the engine's tokens, when greedy tokens are compared
 
