@@ -1,0 +1,70 @@
+"""Where an engine step goes on a GPU: wall time per step against GPU kernel time per step, and the host-side ops
+that cost the most (synchronising copies among them), from torch.profiler over a decode-heavy run of the throughput
+benchmark's ~134M-parameter Llama.
+
+    python benchmarks/gpu_step_profile.py --dtype bfloat16 --requests 64 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from paged_backend.bench.throughput import bench_model
+from paged_backend.engine import LLM, SamplingParams
+from paged_backend.worker.models import byte_tokenizer
+
+# host calls that wait for the GPU, or copy to or from it: each one a stall of the step's launch stream
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::_local_scalar_dense")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--device", default="cuda", help="cpu to try the script where there is no GPU")
+    parser.add_argument("--rows", type=int, default=25, help="rows of the host-op table")
+    args = parser.parse_args()
+
+    model, description = bench_model(False, 32000, 0, args.dtype)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(32000) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
+    blocks = args.requests * (args.prompt_tokens + args.max_tokens) // 16 + args.requests + 16
+    llm = LLM(model.to(args.device), tokenizer=byte_tokenizer(), block_size=16, num_blocks=blocks,
+              attention_backend=args.attention_backend)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], params)  # warm up: kernels built and loaded
+
+    steps_before = llm.engine.stats().num_steps
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    llm.generate(prompts, params)
+    wall = time.perf_counter() - started
+    steps = llm.engine.stats().num_steps - steps_before
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        llm.generate(prompts, params)
+    events = prof.key_averages()
+    gpu_ms = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+    print(f"model: {description}, backend {args.attention_backend}; {args.requests} requests x {args.prompt_tokens} "
+          f"prompt + {args.max_tokens} output tokens")  # fmt: skip
+    print(f"{steps} steps in {wall:.2f} s: {1e3 * wall / steps:.2f} ms a step wall clock, "
+          f"{gpu_ms / steps:.2f} ms a step of GPU kernels (under the profiler)")  # fmt: skip
+    for event in events:
+        if event.key in HOST_WAITS:
+            print(f"  {event.key:<28} {event.count / steps:7.1f} calls a step, "
+                  f"{event.self_cpu_time_total / 1e3 / steps:7.3f} ms a step")  # fmt: skip
+    print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=48))
+
+
+if __name__ == "__main__":
+    main()
