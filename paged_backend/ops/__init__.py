@@ -2,7 +2,9 @@
 
 Backends: ``torch`` (the oracle), ``cpu`` (the fused csrc/cpu kernel), ``triton`` and ``cuda``. Choose one
 with the ``backend=`` argument, the ``PAGED_BACKEND_ATTENTION`` environment variable, or let auto-selection
-pick (cuda for pure decode, triton otherwise; cpu on CPU, torch where the CPU kernel cannot be built).
+pick (triton on GPU, measured faster than the csrc decode kernel on every decode shape of the H200 grid in
+benchmarks/RESULTS.md, with cuda as the decode fallback where Triton is missing; cpu on CPU, torch where the CPU
+kernel cannot be built).
 ``triton`` takes CPU tensors only under Triton's interpreter (``TRITON_INTERPRET=1``). Every backend module exposes
 ``unavailable_reason() -> str | None``, ``paged_attention`` and ``reshape_and_cache``: each backend writes
 its kernels against the prepared arguments of :mod:`paged_backend.ops._contract` (``AttentionBatch``,
@@ -75,7 +77,7 @@ def resolve_backend(name: str | None, device: torch.device, *, decode_only: bool
         return "cpu" if unavailable_reason("cpu") is None else "torch"
     if device.type != "cuda":
         return "torch"
-    preferred = ("cuda", "triton") if decode_only else ("triton",)
+    preferred = ("triton", "cuda") if decode_only else ("triton",)
     for candidate in preferred:
         if unavailable_reason(candidate) is None:
             return candidate
