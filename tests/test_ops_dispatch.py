@@ -74,3 +74,16 @@ def test_auto_on_gpu_picks_triton_and_falls_back_to_cuda_for_decode_only(monkeyp
     device = torch.device("cuda")
     assert ops.resolve_backend(None, device, decode_only=True) == ("cuda" if triton_missing else "triton")
     assert ops.resolve_backend(None, device, decode_only=False) == ("torch" if triton_missing else "triton")
+
+
+def test_the_invariant_default_traces_under_torch_compile():
+    # Dynamo cannot trace the ContextVar read behind the default: a compiled caller reads it once, when traced
+    from paged_backend.ops._contract import AttentionBatch
+
+    def with_invariant_flag(x):
+        return x + AttentionBatch(x, x, x, x, x, x, 1.0).invariant
+
+    torch._dynamo.reset()
+    compiled = torch.compile(with_invariant_flag, fullgraph=True, backend="eager")
+    with ops.batch_invariant():
+        assert compiled(torch.zeros(1)).item() == 1.0
