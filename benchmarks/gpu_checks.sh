@@ -36,7 +36,8 @@ if [ -n "${BASELINE_CSRC:-}" ]; then
     step attention-baseline 90 12 env PAGED_BACKEND_CSRC="$BASELINE_CSRC" $python benchmarks/attention.py \
         --batch 8 64 256 --context 2048 32768
 fi
-step profile 60 45 $python benchmarks/gpu_step_profile.py --dtype bfloat16
+step profile 60 8 $python benchmarks/gpu_step_profile.py --dtype bfloat16
+step profile-graphs 60 8 $python benchmarks/gpu_step_profile.py --dtype bfloat16 --max-cudagraph-capture-size 64
 for dtype in ${THROUGHPUT_DTYPES:-bfloat16 float32}; do
     step "throughput-$dtype" 170 14 $python benchmarks/throughput.py --dtype "$dtype" --num-requests 256 \
         --static-batch-sizes 64,256 --cb-max-batch-tokens 512,default --skip engine-dense \

@@ -59,3 +59,26 @@ def test_scheduling_on_cuda_matches_hf_generate_on_cuda(engine_kwargs, make_llm)
     assert_matches_hf_on_cuda("llama", prompts, llm)
     stats = llm.engine.stats()
     assert stats.num_split_prefills + stats.num_preemptions + stats.prefix_cache_hits > 0
+
+
+def test_decode_graphs_on_cuda_match_hf_generate_and_replay(make_llm):
+    llm = make_llm("llama", model=cuda_model("llama"), max_cudagraph_capture_size=16, max_num_seqs=12)
+    assert_matches_hf_on_cuda("llama", ragged_prompts(), llm)
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs.capture and graphs.graphs and graphs.replays > 0  # captured and replayed, not fallen back
+
+
+def test_decode_graphs_are_captured_again_after_sleep(make_llm):
+    from paged_backend.engine.sleep import EngineSleep
+
+    llm = make_llm("llama", model=cuda_model("llama"), max_cudagraph_capture_size=8, max_num_seqs=8)
+    prompts = ragged_prompts(8, seed=3)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    graphs = llm.engine.runner.decode_graphs
+    sleep = EngineSleep(llm.engine)
+    sleep.sleep(1)
+    assert not graphs.graphs  # their memory freed with the pool
+    sleep.wake_up()
+    replays = graphs.replays
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == first
+    assert graphs.graphs and graphs.replays > replays  # captured again over the new pool

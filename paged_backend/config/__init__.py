@@ -86,8 +86,14 @@ class EngineConfig(_Config):
     attention_backend: Literal["auto", "torch", "cpu", "triton", "cuda"] = "auto"
     enforce_eager: bool = Field(
         False,
-        description="vLLM's flag, accepted so its command lines run unchanged: this engine captures no CUDA graphs and "
-        "compiles no step (torch.compile measured 1.05x on CPU and was not kept), so every step runs eagerly either way",
+        description="vLLM's flag: no CUDA graphs (this engine captures them only with max_cudagraph_capture_size) and "
+        "no compiled step (torch.compile measured 1.05x on CPU and was not kept)",
+    )
+    max_cudagraph_capture_size: int = Field(
+        0,
+        ge=0,
+        description="GPU: decode steps of up to this many sequences replay captured CUDA graphs (vLLM's name); 0, "
+        "the default until graphs are timed on a GPU: every step runs eagerly",
     )
     prepack_weights: bool = Field(
         True,

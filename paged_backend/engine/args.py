@@ -56,8 +56,9 @@ class EngineArgs(BaseModel):
     cpu_offload_gb: float | None = _option("GiB of weights moved off the device: GPU -> CPU memory (on CPU: -> disk)")
     offload_folder: str | None = _option("folder for disk-offloaded weights of non-safetensors checkpoints")
     attention_backend: str | None = _option("auto | torch | cpu | triton | cuda")
-    enforce_eager: bool | None = _option(
-        "vLLM's flag: no CUDA graphs or compiled steps (every step already runs eagerly)"
+    enforce_eager: bool | None = _option("vLLM's flag: no CUDA graphs, no compiled steps")
+    max_cudagraph_capture_size: int | None = _option(
+        "GPU: decode steps of up to this many sequences replay captured CUDA graphs (default 0: off)"
     )
     prepack_weights: bool | None = _option("CPU: linear layers on oneDNN-prepacked weights (default on)")
     batch_invariant: bool | None = _option(

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from paged_backend.engine.assembly import attach_decode_graphs
 from paged_backend.errors import InvalidRequest, PagedBackendError
 from paged_backend.worker.model_worker import model_runner
 from paged_backend.worker.models import load_configured
@@ -112,6 +113,8 @@ class EngineSleep:
     def _release_pools(self) -> None:
         # Cached prefixes would point at KV that is gone: forgotten now, so waking starts with every block free.
         self.engine.block_manager.reset_prefix_cache()
+        if self.engine.runner.decode_graphs is not None:  # their memory too; they hold the pool's addresses anyway
+            self.engine.runner.decode_graphs.drop()
         for pool in self._pools():
             pool.release()
 
@@ -127,6 +130,7 @@ class EngineSleep:
         backend = None if config.attention_backend == "auto" else config.attention_backend
         engine.runner = model_runner(model, engine.kv_cache, backend, pack=config.prepack_weights, release=True,
                                      batch_invariant=config.batch_invariant)  # fmt: skip
+        attach_decode_graphs(config, engine.runner, engine.kv_cache, engine.max_model_len)
         engine.model = model
 
 

@@ -8,8 +8,8 @@ position (`logits_to_keep`), never for the whole packed prompt.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +25,7 @@ from paged_backend.worker.attention import (
     paged_attention_enabled,
     register_paged_attention,
 )
+from paged_backend.worker.decode_graphs import DecodeGraphs
 from paged_backend.worker.fused_forward import FusedForward, StepCut, unfused_reason  # noqa: F401 (StepCut: part of execute's contract)
 from paged_backend.worker.packed_linear import PackedLinears
 
@@ -78,6 +79,15 @@ class ModelRunner:
         # Llama-family models on CPU run on the fused kernels; the reason says why another model does not
         self.unfused_reason = unfused_reason(model, kv_cache, attention_backend)
         self.fused = FusedForward(model, kv_cache, packed) if self.unfused_reason is None else None
+        self.decode_graphs: DecodeGraphs | None = None  # set by `use_decode_graphs`
+
+    def use_decode_graphs(self, max_batch: int, max_blocks: int, *, capture: bool = True) -> None:
+        """Run decode steps of up to `max_batch` sequences from captured CUDA graphs (`capture=False`: the same
+        padded static-buffer steps, eagerly). transformers' forward only: the fused CPU forward has no graphs."""
+        if self.fused is not None:
+            raise ValueError("decode graphs replay transformers' forward; this runner runs the fused CPU forward")
+        self.decode_graphs = DecodeGraphs(self._model_logits, self.kv_cache, max_batch, max_blocks,
+                                          backend=self.attention_backend, capture=capture)  # fmt: skip
 
     def prepare(self, rows: list[SequenceRows]) -> tuple[torch.Tensor, torch.Tensor, PagedMetadata, list[int]]:
         """Flatten the step into input ids, positions, paged metadata and the packed rows whose logits are kept."""
@@ -126,6 +136,8 @@ class ModelRunner:
 
         Where the fused forward runs (`cuts_steps`), `cut` is asked between layers and, once it says so, the
         forward stops with StepCut: its KV writes so far are for slots the step recomputes, so nothing is lost."""
+        if self.decode_graphs is not None and self.decode_graphs.takes(rows, extra_rows):
+            return self.decode_graphs.run(rows)
         ids, positions, metadata, logit_rows = self.prepare(rows)
         return self.forward(ids, positions, metadata, logit_rows + list(extra_rows), cut)
 
@@ -139,24 +151,36 @@ class ModelRunner:
         self, ids, positions, metadata: PagedMetadata, rows: list[int], cut: Callable[[], bool] | None = None
     ) -> torch.Tensor:
         """Run the packed batch; float32 logits of the packed `rows` only (`logits_to_keep`), in that order."""
+        if self.fused is not None:
+            with self._eval_mode():
+                return self.fused(ids, positions, metadata, rows, cut)
+        return self._model_logits(ids, positions, metadata, torch.tensor(rows, dtype=torch.long, device=self.device))
+
+    @torch.inference_mode()
+    def _model_logits(self, ids, positions, metadata: PagedMetadata, keep: torch.Tensor) -> torch.Tensor:
+        """transformers' forward over the pool: float32 logits of the packed rows `keep` (a tensor, so that a
+        decode graph captures the forward with its buffers)."""
+        with self._eval_mode(), paged_attention_enabled(self.model_configs), self._linears():
+            out = self.model(
+                input_ids=ids,
+                position_ids=positions,
+                past_key_values=StepCache(self.kv_cache, metadata),
+                use_cache=True,
+                logits_to_keep=keep,
+            )
+        return out.logits[0].float()
+
+    @contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        """A caller's model in train mode runs the forward in eval mode and gets train mode back after it."""
         training = self.model.training
-        if training:  # a caller's model in train mode gets it back after the forward
+        if training:
             self.model.eval()
         try:
-            if self.fused is not None:
-                return self.fused(ids, positions, metadata, rows, cut)
-            with paged_attention_enabled(self.model_configs), self._linears():
-                out = self.model(
-                    input_ids=ids,
-                    position_ids=positions,
-                    past_key_values=StepCache(self.kv_cache, metadata),
-                    use_cache=True,
-                    logits_to_keep=torch.tensor(rows, dtype=torch.long, device=self.device),
-                )
+            yield
         finally:
             if training:
                 self.model.train()
-        return out.logits[0].float()
 
     def _linears(self):
         return nullcontext() if self.packed is None else self.packed.active()
