@@ -30,7 +30,7 @@ step() {  # step NAME SECONDS LINES COMMAND...: run it under a time limit, its o
 step build 120 5 $python -c "from paged_backend.ops import cuda; print(cuda.unavailable_reason() or 'csrc built')"
 step tests 150 40 $python -m pytest -q -p no:cacheprovider -n 8 --timeout 150 tests/test_ops_cuda.py \
     tests/test_ops_cuda_registration.py tests/test_ops_triton.py tests/test_ops_dispatch.py tests/test_kv_fp8.py \
-    tests/test_engine_cuda.py
+    tests/test_engine_cuda.py tests/test_decode_graphs.py
 step attention 60 30 $python benchmarks/attention.py
 if [ -n "${BASELINE_CSRC:-}" ]; then
     step attention-baseline 90 12 env PAGED_BACKEND_CSRC="$BASELINE_CSRC" $python benchmarks/attention.py \
