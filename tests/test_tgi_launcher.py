@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from paged_backend.tgi.launcher.cli import register
 from paged_backend.tgi.launcher.flags import ignored_flags, parse_flags
-from paged_backend.tgi.launcher.launch import LaunchError, engine_config, router_settings
+from paged_backend.tgi.launcher.launch import LaunchError, cuda_graph_max, engine_config, router_settings
 from paged_backend.tgi.proto import generate_pb2 as pb
 from paged_backend.tgi.proto.stubs import compile_stubs, proto_path
 from paged_backend.tgi.shard.cli import app as shard_app
@@ -48,6 +48,17 @@ def test_speculate_maps_to_ngram_speculation_as_tgi_does():
     assert (config.method, config.num_speculative_tokens) == ("ngram", 2)
     sharded = engine_config(parse_flags(["--speculate", "2", "--num-shard", "2"]))  # on every shard layout
     assert (sharded.speculative_config.method, sharded.parallel.tensor_parallel_size) == ("ngram", 2)
+
+
+def test_cuda_graphs_list_sets_the_largest_capture_size_on_a_gpu_only():
+    assert [cuda_graph_max(sizes) for sizes in (None, "1,2,4,8,32", "0", "16")] == [None, 32, 0, 16]
+    with pytest.raises(LaunchError, match="--cuda-graphs takes batch sizes"):
+        cuda_graph_max("1,two")
+    with pytest.raises(LaunchError, match="--cuda-graphs takes batch sizes"):
+        cuda_graph_max("-1")
+    on_cpu = engine_config(parse_flags(["--cuda-graphs", "1,2,4,8", "--device", "cpu"]))
+    assert on_cpu.max_cudagraph_capture_size == 0  # TGI's CPU backends capture nothing either
+    assert ignored_flags(parse_flags(["--backend", "reference", "--cuda-graphs", "8"])) == ["--cuda-graphs"]
 
 
 def test_legacy_max_input_length_and_startup_checks():

@@ -91,7 +91,7 @@ def assemble(
     if config.max_cudagraph_capture_size and not config.enforce_eager:
         if reason := decode_graphs_refusal(device, kv_cache, lora, parallel):
             raise InvalidRequest(f"CUDA graphs (max_cudagraph_capture_size={config.max_cudagraph_capture_size}) "
-                                 f"{reason}; drop --max-cudagraph-capture-size")  # fmt: skip
+                                 f"{reason}; drop --max-cudagraph-capture-size (TGI's --cuda-graphs)")  # fmt: skip
         attach_decode_graphs(config, runner, kv_cache, max_model_len)
     return EngineParts(
         model, tokenizer, kv_cache, block_manager, runner, lora, parallel, device, backend, max_model_len,

@@ -117,7 +117,8 @@ FLAGS: list[Flag] = [
     Flag("--num-shard", int, None, "tensor-parallel shards (grpc: shard processes; paged: engine ranks)", SHARDED),
     Flag("--speculate", int, None, "speculative tokens per step (paged: n-gram prompt lookup)", frozenset({"paged"})),
     Flag("--trust-remote-code", None, False, "run model code from the hub", NONE),
-    Flag("--cuda-graphs", str, None, "CUDA graph batch sizes", NONE),
+    Flag("--cuda-graphs", str, None, "CUDA graph batch sizes: the largest is the engine's max_cudagraph_capture_size "
+         "(0: none)", PAGED),
     Flag("--master-addr", str, None, "torch.distributed address of the shards (default localhost)", ROUTER),
     Flag("--master-port", int, None, "torch.distributed port of the shards (default 29500)", ROUTER),
     Flag("--huggingface-hub-cache", str, None, "hub cache dir", NONE),
@@ -152,6 +153,7 @@ ENGINE_FLAG_ALIASES = {
     "gpu_memory_utilization": "--cuda-memory-fraction",
     "tensor_parallel_size": "--num-shard",
     "lora_modules": "--lora-adapters",  # TGI's form: id=path,id2=path2
+    "max_cudagraph_capture_size": "--cuda-graphs",  # TGI's batch-size list; its largest, by launch.cuda_graph_max
 }
 TGI_NAMES = {flag.name for flag in FLAGS}
 # Engine options a TGI flag sets: engine field -> that flag's dest (an alias above, or the engine's own name).

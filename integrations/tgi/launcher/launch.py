@@ -53,6 +53,8 @@ def engine_config(args: argparse.Namespace):
         tensor_parallel_size=num_shards(args) or 1,
         cache_dtype=kv_cache_dtype(args.kv_cache_dtype),
         speculative_config=_speculative_config(args),
+        # like TGI's CPU backends, no graphs to capture off a GPU
+        max_cudagraph_capture_size=cuda_graph_max(args.cuda_graphs) if _on_gpu(args.device) else None,
         **_quantization(args),
     )
     as_given = {field: getattr(args, dest) for field, dest in ENGINE_FIELDS_FROM_TGI.items() if field != "lora_modules"}
@@ -77,6 +79,26 @@ def placement_flags(args: argparse.Namespace) -> dict:
     """accelerate's placement flags (device map, memory limits, offload) that were given."""
     names = ("device_map", "max_memory", "cpu_offload_gb", "offload_folder")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def _on_gpu(device: str | None) -> bool:
+    from paged_backend.worker.models import resolve_device
+
+    return resolve_device(device or "auto").type == "cuda"
+
+
+def cuda_graph_max(sizes: str | None) -> int | None:
+    """TGI's `--cuda-graphs 1,2,4,8,...` (batch sizes to capture; 0: none) as the engine's largest capture size
+    (the engine captures its own sizes, 1, 2, 4, 8, then multiples of 16, up to it); None when not given."""
+    if sizes is None:
+        return None
+    try:
+        values = [int(size) for size in sizes.split(",") if size.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 0:
+        raise LaunchError(f"--cuda-graphs takes batch sizes like 1,2,4,8 (or 0 for none), got {sizes!r}")
+    return max(values)
 
 
 def _quantization(args: argparse.Namespace) -> dict:
