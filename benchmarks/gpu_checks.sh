@@ -3,7 +3,8 @@
 # engine on CUDA against HF generate, decode-attention GB/s, and offline throughput against HF in bf16 and fp32.
 # Each step has its own time limit, so one that hangs costs only its share. Logs go to $OUT (else ./gpu-checks).
 # BASELINE_CSRC=<another csrc/> also times that tree's decode kernel, in the same run; THROUGHPUT_DTYPES picks the
-# throughput runs (default: bfloat16 float32).
+# throughput runs (default: bfloat16 float32), THROUGHPUT_FLAGS adds flags to them (e.g. the engine's
+# --max-cudagraph-capture-size 256).
 #
 #     bash benchmarks/gpu_checks.sh            # on a machine with a CUDA GPU, torch and nvcc
 set -u
@@ -41,6 +42,6 @@ step profile-graphs 60 8 $python benchmarks/gpu_step_profile.py --dtype bfloat16
 for dtype in ${THROUGHPUT_DTYPES:-bfloat16 float32}; do
     step "throughput-$dtype" 170 14 $python benchmarks/throughput.py --dtype "$dtype" --num-requests 256 \
         --static-batch-sizes 64,256 --cb-max-batch-tokens 512,default --skip engine-dense \
-        --output-json "$out/throughput-$dtype.json" --plot ''
+        --output-json "$out/throughput-$dtype.json" --plot '' ${THROUGHPUT_FLAGS:-}
 done
 

@@ -152,7 +152,8 @@ class DecodeGraphs:
                     self.forward(*views)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: the server's other threads may use CUDA meanwhile; only this thread's calls are checked
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 logits = self.forward(*views)
         except RuntimeError as exc:  # e.g. a host sync inside the model's forward
             log.warning("CUDA graph capture failed, decode steps run eagerly: %s", exc)
