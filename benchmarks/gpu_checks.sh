@@ -3,9 +3,9 @@
 # engine on CUDA against HF generate, decode-attention GB/s, a step profile with and without decode graphs, and
 # offline throughput against HF (static batch 256, the best in the first GPU run, and continuous batching).
 # Each step has its own time limit, so one that hangs costs only its share. Logs go to $OUT (else ./gpu-checks).
-# BASELINE_CSRC=<another csrc/> also times that tree's decode kernel, in the same run; THROUGHPUT_DTYPES picks the
-# throughput runs (default: float32; HF's bf16 runs took 3-4x its fp32 time on an H200), THROUGHPUT_FLAGS adds flags to them (e.g. the engine's
-# --max-cudagraph-capture-size 256).
+# BASELINE_CSRC=<another csrc/> also times that tree's decode kernel, in the same run. THROUGHPUT_DTYPES picks the
+# throughput runs (default: float32; HF's bf16 runs took 3-4x its fp32 time on an H200); THROUGHPUT_FLAGS adds
+# flags to them (e.g. the engine's --max-cudagraph-capture-size 256).
 #
 #     bash benchmarks/gpu_checks.sh            # on a machine with a CUDA GPU, torch and nvcc
 set -u
