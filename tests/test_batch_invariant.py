@@ -245,49 +245,77 @@ def pool(num_blocks=40, block_size=16, kv_heads=2, head_dim=64, dtype=torch.floa
     return [torch.randn(shape, generator=generator).to(dtype) for _ in range(2)]
 
 
-@pytest.mark.parametrize(
-    ("group", "dtype", "window", "softcap", "length"),
-    [
-        (4, torch.float32, None, None, 70),
-        (8, torch.float32, None, None, 70),
-        (4, torch.bfloat16, 20, None, 70),
-        (1, torch.float32, None, 5.0, 70),
-        # contexts the kernel cuts into parts of 2048 keys, merged after; a window that starts inside a part
-        (4, torch.float32, None, None, 2200),
-        (4, torch.bfloat16, 600, None, 2200),
-    ],  # fmt: skip
-    ids=["g4", "g8-panel", "bf16-window", "g1-softcap", "g4-split", "bf16-window-split"],
-)
-def test_attention_rows_are_the_same_in_prefill_chunks_decode_and_batches(group, dtype, window, softcap, length):
+ATTENTION_CASES = [
+    pytest.param("cpu", 4, torch.float32, None, None, 70, id="g4"),
+    pytest.param("cpu", 8, torch.float32, None, None, 70, id="g8-panel"),
+    pytest.param("cpu", 4, torch.bfloat16, 20, None, 70, id="bf16-window"),
+    pytest.param("cpu", 1, torch.float32, None, 5.0, 70, id="g1-softcap"),
+    # contexts the kernel cuts into parts of 2048 keys, merged after; a window that starts inside a part
+    pytest.param("cpu", 4, torch.float32, None, None, 2200, id="g4-split"),
+    pytest.param("cpu", 4, torch.bfloat16, 600, None, 2200, id="bf16-window-split"),
+    # Triton's one-token programs: interpreted here, compiled on a GPU
+    pytest.param("triton", 4, torch.float32, None, None, 70, id="triton-g4"),
+    pytest.param("triton", 4, torch.bfloat16, 20, None, 70, id="triton-bf16-window"),
+    pytest.param("triton", 1, torch.float32, None, 5.0, 70, id="triton-g1-softcap"),
+]
+
+
+@pytest.mark.parametrize(("backend", "group", "dtype", "window", "softcap", "length"), ATTENTION_CASES)
+def test_attention_rows_are_the_same_in_prefill_chunks_decode_and_batches(
+    backend, group, dtype, window, softcap, length
+):
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    kernel = ops.triton.paged_attention if backend == "triton" else cpu.paged_attention
     blocks = -(-length // 16)
-    keys, values = pool(num_blocks=blocks + 8, dtype=dtype)
+    keys, values = (pool_part.to(device) for pool_part in pool(num_blocks=blocks + 8, dtype=dtype))
     table = (torch.randperm(blocks + 7, generator=torch.Generator().manual_seed(1))[:blocks] + 1).to(torch.int32)[None]
-    query = torch.randn(length, 2 * group, 64).to(dtype)
+    table = table.to(device)
+    query = torch.randn(length, 2 * group, 64).to(dtype).to(device)
     options = dict(sliding_window=window, softcap=softcap, invariant=True)
 
     def attend(first: int, end: int) -> torch.Tensor:  # rows [first, end) of the sequence, its context [0, end)
         lens, starts = torch.tensor([end], dtype=torch.int32), torch.tensor([0, end - first], dtype=torch.int32)
-        return cpu.paged_attention(query[first:end], keys, values, table, lens, starts, 0.125, **options)
+        return kernel(query[first:end], keys, values, table, lens.to(device), starts.to(device), 0.125, **options)
 
     full = attend(0, length)
     chunks = torch.cat([attend(first, min(first + 13, length)) for first in range(0, length, 13)])
     decodes = torch.cat([attend(position, position + 1) for position in range(length)])
     assert torch.equal(chunks, full) and torch.equal(decodes, full)
     # inside a batch: another sequence's prefill first, then this one's last 9 rows
-    other = torch.randn(30, 2 * group, 64).to(dtype)
+    other = torch.randn(30, 2 * group, 64).to(dtype).to(device)
     batch_query = torch.cat([other, query[length - 9 :]])
-    tables = torch.zeros(2, blocks, dtype=torch.int32)
+    tables = torch.zeros(2, blocks, dtype=torch.int32, device=device)
     tables[0, :2], tables[1] = torch.tensor([5, 6]), table[0]
     lens, starts = torch.tensor([30, length], dtype=torch.int32), torch.tensor([0, 30, 39], dtype=torch.int32)
-    batched = cpu.paged_attention(batch_query, keys, values, tables, lens, starts, 0.125, **options)
+    batched = kernel(batch_query, keys, values, tables, lens.to(device), starts.to(device), 0.125, **options)
     assert torch.equal(batched[30:], full[length - 9 :])
 
 
-def test_only_the_cpu_backend_runs_invariant_attention():
+def test_triton_keeps_one_kv_segment_for_a_lone_decode_where_its_default_splits():
+    # a lone long decode leaves GPU programs idle, so by default Triton splits its KV in segments and merges them:
+    # other bits than the same row in a prefill chunk or a full batch, which the invariant mode must not give
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    length = 1100  # past 1024 keys: two segments
+    blocks = -(-length // 16)
+    keys, values = (part.to(device) for part in pool(num_blocks=blocks + 1))
+    table = torch.arange(1, blocks + 1, dtype=torch.int32, device=device)[None]
+    query = torch.randn(8, 8, 64, device=device)  # the last 8 rows of the sequence
+    lens = torch.tensor([length], dtype=torch.int32, device=device)
+
+    def attend(rows: torch.Tensor, invariant: bool) -> torch.Tensor:
+        starts = torch.tensor([0, rows.shape[0]], dtype=torch.int32, device=device)
+        return ops.triton.paged_attention(rows, keys, values, table, lens, starts, 0.125, invariant=invariant)
+
+    chunk = attend(query, True)
+    assert torch.equal(attend(query[-1:], True), chunk[-1:])
+    assert not torch.equal(attend(query[-1:], False), chunk[-1:])  # what the mode changes
+
+
+def test_only_the_cpu_and_triton_backends_run_invariant_attention():
     keys, values = pool(num_blocks=4)
     args = (torch.randn(3, 2, 64), keys, values, torch.tensor([[1]], dtype=torch.int32),
             torch.tensor([3], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32), 0.125)  # fmt: skip
-    with pytest.raises(BackendUnavailable, match="cpu backend"):
+    with pytest.raises(BackendUnavailable, match="cpu or triton backend"):
         ops.paged_attention(*args, invariant=True, backend="torch")
     with ops.batch_invariant():
         assert torch.equal(ops.paged_attention(*args), ops.paged_attention(*args, invariant=True, backend="cpu"))

@@ -82,3 +82,30 @@ def test_decode_graphs_are_captured_again_after_sleep(make_llm):
     replays = graphs.replays
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == first
     assert graphs.graphs and graphs.replays > replays  # captured again over the new pool
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariance_on_cuda(dtype):
+    """test_batch_invariant.py's crowd, on the GPU: alone, in a chunked, preempting batch of 33 others with a prefix
+    hit, and re-scored with prompt logprobs, a request's tokens and logprobs are bitwise the same."""
+    check_batch_invariance("cuda", dtype)
+
+
+def check_batch_invariance(device: str, dtype: str) -> None:
+    from paged_backend.engine import LLM
+    from paged_backend.worker.default_model import TINY_MODEL
+    from tests.test_batch_invariant import CROWDED, TARGET, TARGETS, result, run_crowd, watch_target
+
+    def invariant_llm(**options):
+        return LLM(TINY_MODEL, device=device, dtype=dtype, batch_invariant=True, **options)
+
+    alone_llm = invariant_llm()
+    alone = [result(alone_llm.generate([prompt], params)[0]) for prompt, params in TARGETS]
+    llm = invariant_llm(**CROWDED)
+    seen = watch_target(llm)
+    assert [result(output) for output in run_crowd(llm)] == alone
+    assert seen[0][1] > 0 and any(length > len(TARGET) for length, _ in seen), seen  # a prefix hit, a preemption
+    rescoring = invariant_llm(max_num_batched_tokens=16)
+    for (prompt, _), (tokens, logprobs) in zip(TARGETS, alone, strict=True):
+        [output] = rescoring.generate([prompt + tokens], SamplingParams(max_tokens=1, prompt_logprobs=3))
+        assert output.prompt_logprobs[len(prompt) :] == logprobs

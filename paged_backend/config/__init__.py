@@ -102,7 +102,7 @@ class EngineConfig(_Config):
     )
     batch_invariant: bool = Field(
         default_factory=lambda: os.environ.get(BATCH_INVARIANT_ENV) == "1",
-        description="CPU: a request's tokens and logprobs are bitwise the same alone or in any batch, chunking, "
+        description="a request's tokens and logprobs are bitwise the same alone or in any batch, chunking, "
         "prefix-cache state or preemption (fixed-tile linear layers, one attention path per row; slower); default: "
         f"{BATCH_INVARIANT_ENV}=1",
     )

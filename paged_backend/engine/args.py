@@ -62,7 +62,7 @@ class EngineArgs(BaseModel):
     )
     prepack_weights: bool | None = _option("CPU: linear layers on oneDNN-prepacked weights (default on)")
     batch_invariant: bool | None = _option(
-        "CPU: bitwise the same tokens and logprobs for a request alone or in any batch (slower; default: "
+        "bitwise the same tokens and logprobs for a request alone or in any batch (slower; default: "
         "PAGED_BACKEND_BATCH_INVARIANT=1)"
     )
     enable_lora: bool | None = _option("serve LoRA adapters (vLLM's flag)")

@@ -11,7 +11,8 @@ its kernels against the prepared arguments of :mod:`paged_backend.ops._contract`
 ``CacheWrite``), which also give them this module's call form (without ``backend=``).
 
 Batch-invariant attention (``invariant=True``, or any call inside ``with batch_invariant():``) runs on the
-``cpu`` backend only; asking another backend for it raises `BackendUnavailable`.
+``cpu`` backend and on ``triton`` (one query token per program); asking another backend for it raises
+`BackendUnavailable`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from paged_backend.ops.triton import triton_interpreted
 BACKENDS = ("torch", "cpu", "triton", "cuda")
 ENV_VAR = "PAGED_BACKEND_ATTENTION"
 _MODULES = {"torch": "reference", "cpu": "cpu", "triton": "triton", "cuda": "cuda"}
-INVARIANT_BACKENDS = ("cpu",)  # the backends whose kernels honour `invariant` (see AttentionBatch)
+INVARIANT_BACKENDS = ("cpu", "triton")  # the backends whose kernels honour `invariant` (see AttentionBatch)
 
 
 @cache
@@ -111,7 +112,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
 
 def _why_not_cpu(chosen: str, device: torch.device) -> str:
     if device.type != "cpu":
-        return " (it is a CPU mode: run the model on CPU)"
+        return " (on a GPU: leave the attention backend on auto or triton)"
     reason = unavailable_reason("cpu")
     return f" ({reason})" if reason else " (leave the attention backend on auto or cpu)"
 

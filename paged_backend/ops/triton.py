@@ -87,6 +87,8 @@ def choose_num_segments(num_seqs: int, num_tokens: int, num_kv_heads: int, max_c
 @called_as(AttentionBatch)
 def paged_attention(batch: AttentionBatch) -> torch.Tensor:
     """Varlen causal paged attention, `[T, Hq, D]` -> `[T, Hq, D]`; the contract is `AttentionBatch`."""
+    if batch.invariant:  # one query token per program, one KV segment: a row's tiles are the same in any batch
+        return _launch(batch, 1, one_token=True)
     num_seqs, num_tokens, num_kv_heads = batch.seq_lens.shape[0], batch.query.shape[0], batch.key_cache.shape[2]
     segments = choose_num_segments(num_seqs, num_tokens, num_kv_heads, batch.max_context)
     return _launch(batch, segments)
@@ -97,8 +99,11 @@ def paged_attention_split_kv(*args, num_segments: int = 1, **kwargs) -> torch.Te
     return _launch(AttentionBatch(*args, **kwargs), num_segments)
 
 
-def _launch(batch: AttentionBatch, num_segments: int) -> torch.Tensor:
-    """Run the kernel with `num_segments` KV segments per sequence (a power of two; > 1 adds a reduction)."""
+def _launch(batch: AttentionBatch, num_segments: int, *, one_token: bool = False) -> torch.Tensor:
+    """Run the kernel with `num_segments` KV segments per sequence (a power of two; > 1 adds a reduction).
+
+    `one_token`: each program takes one query token (its GQA group of heads), whatever the query length. A row then
+    meets the same KV tiles, M tile and order in a prefill chunk, a decode step or any batch: batch-invariant."""
     if num_segments & (num_segments - 1):
         raise ValueError(f"num_segments must be a power of two, got {num_segments}")
     num_tokens, num_q_heads, head_dim = batch.query.shape
@@ -114,10 +119,10 @@ def _launch(batch: AttentionBatch, num_segments: int) -> torch.Tensor:
     head_dim_pad = max(16, _next_pow2(head_dim))
     # M tile = query tokens x the q heads of one kv head; dot needs M >= 16, prefill wants taller tiles
     # (16-bit inputs only: an fp32 64 x 256 Q tile alone would take 64 KiB of shared memory)
-    tall = query.is_cuda and num_tokens > num_seqs and query.element_size() <= 2
+    tall = query.is_cuda and num_tokens > num_seqs and query.element_size() <= 2 and not one_token
     prefill_rows = 64 if tall else 16
     block_m = max(prefill_rows, _next_pow2(group))
-    block_q = block_m // group
+    block_q = 1 if one_token else block_m // group
     if num_segments > 1:
         partial_out = torch.empty(num_tokens, num_q_heads, num_segments, head_dim_pad,
                                   dtype=torch.float32, device=query.device)

@@ -1,7 +1,7 @@
 """Batch-invariant mode (`EngineConfig.batch_invariant`, `--batch-invariant`, `PAGED_BACKEND_BATCH_INVARIANT=1`): a
 request's tokens and logprobs are bitwise the same alone or in any batch, under any prefill chunking, with or without
 prefix-cache hits or preemption, and equal to the prompt logprobs of the same text re-scored (echo). vLLM's
-VLLM_BATCH_INVARIANT does this on GPUs; this is the CPU side.
+VLLM_BATCH_INVARIANT does this on GPUs. This mode was built for the CPU; its GPU side (below) has not run on a GPU yet.
 
 A row's result must not depend on the other rows of its forward. What breaks that on CPU, and the fix for each:
 
@@ -24,6 +24,11 @@ A row's result must not depend on the other rows of its forward. What breaks tha
   (cos/sin are the same in vector and scalar code), residual adds, and the sampler's and prompt logprobs' row-wise
   softmaxes. Sampling is per request when the request has a seed.
 
+On a GPU the same rule holds with other culprits. cuBLAS picks its kernel, tiling and split of K by the GEMM's
+shape, and torch's CUDA reductions (the norms' mean) pick theirs by the number of rows. So linear layers and norms
+run on tiles of exactly `GPU_TILE_ROWS` rows: one shape per layer, one kernel. Triton's attention runs one query
+token per program with one KV segment (`ops/triton.py`). Activations, rotary and residual adds are elementwise.
+
 `BatchInvariantLinears` is a drop-in for `PackedLinears` (the runner's `packed`): the same `active()` contract, which
 swaps each layer's `forward` for the runner's forwards only, over the prepacked oneDNN forward where the layer packs
 and over its own `F.linear` where it does not.
@@ -45,6 +50,7 @@ from paged_backend.worker.packed_linear import pack_linears
 # Rows per linear call. 8 against 16 (one thread, a 20M Llama): one stream decodes 141 against 126 tok/s (default
 # 180), and 32 requests run at ~0.7x the default's tok/s either way; a larger tile pads a lone row more.
 TILE_ROWS = 8
+GPU_TILE_ROWS = 64  # on a GPU: a decode step's rows fit one tile, and a long prefill takes few GEMM launches
 ELEMENTWISE = (nn.SiLU, nn.GELU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Mish)  # with every transformers.activations class
 GRAIN = 32768  # torch's parallel grain (at::internal::GRAIN_SIZE): a smaller elementwise call runs on one thread
 LANES = 64  # elements per step of torch's widest vector loop (two AVX-512 vectors of bf16)
@@ -52,11 +58,12 @@ LANES = 64  # elements per step of torch's widest vector loop (two AVX-512 vecto
 
 def refusal(config: EngineConfig, device: torch.device) -> str | None:
     """Why this engine cannot run batch-invariant (a sentence), or None. The layers are checked when they load."""
-    if device.type != "cpu":
-        return f"batch-invariant mode runs on CPU, not {device.type} (vLLM's VLLM_BATCH_INVARIANT is the GPU one)"
+    if device.type not in ("cpu", "cuda"):
+        return f"batch-invariant mode runs on CPU or a CUDA GPU, not {device.type}"
     backend = None if config.attention_backend == "auto" else config.attention_backend
     if resolve_backend(backend, device) not in INVARIANT_BACKENDS:
-        return "batch-invariant mode needs the cpu attention kernel: leave --attention-backend on auto or cpu"
+        return ("batch-invariant mode needs the cpu attention kernel on CPU, or triton on a GPU: leave "
+                "--attention-backend on auto")  # fmt: skip
     if config.enable_lora:
         return "batch-invariant mode does not cover LoRA adapters (their deltas are computed over the whole batch)"
     if config.speculative_config is not None:
@@ -79,9 +86,18 @@ def unsupported(module: nn.Linear, packed: bool) -> str | None:
     weight = module.weight
     if type(weight.data) is not torch.Tensor:
         return "its weight is quantized"
-    if weight.device.type != "cpu":
+    if weight.device.type not in ("cpu", "cuda"):
         return f"its weight is on {weight.device.type}"
     return None
+
+
+def row_norm(module: nn.Module) -> bool:
+    """A norm over each row's features (transformers' *RMSNorm classes, torch's LayerNorm and RMSNorm)."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("RMSNorm")
+
+
+def on_gpu(module: nn.Module) -> bool:
+    return any(param.device.type == "cuda" for param in module.parameters(recurse=False))
 
 
 def elementwise(module: nn.Module) -> bool:
@@ -132,17 +148,21 @@ def tiled_elementwise(forward: Callable) -> Callable:
 
 
 class BatchInvariantLinears:
-    """The model's linear layers and activations on batch-invariant forwards (see the module doc).
+    """The model's linear layers and activations (and on a GPU its norms) on batch-invariant forwards (see the
+    module doc).
 
     `pack`/`release` as for `PackedLinears`: layers that pack run their prepacked oneDNN forward on the tiles, the
-    others their own `F.linear`. A layer neither can tile (quantized, offloaded, hooked) is refused here, at load."""
+    others their own `F.linear`. A layer neither can tile (quantized, offloaded, hooked) is refused here, at load.
+    `tile_rows`: rows per tile; default `TILE_ROWS` on CPU, `GPU_TILE_ROWS` for a model on a GPU."""
 
-    def __init__(self, model: nn.Module, *, pack: bool = True, release: bool = False, tile_rows: int = TILE_ROWS):
-        self.tile_rows = tile_rows
+    def __init__(self, model: nn.Module, *, pack: bool = True, release: bool = False, tile_rows: int | None = None):
+        gpu = any(param.device.type == "cuda" for param in model.parameters())
+        self.tile_rows = tile_rows or (GPU_TILE_ROWS if gpu else TILE_ROWS)
         self.packed = pack_linears(model, pack, release=release)
         packed = self.packed.layers if self.packed is not None else {}
         self.linears: list[nn.Module] = []
         self.activations: list[nn.Module] = []
+        self.norms: list[nn.Module] = []  # GPU only: torch's CPU norms are invariant as they are (measured)
         for name, module in model.named_modules():
             if isinstance(module, nn.Linear):
                 reason = unsupported(module, module in packed)
@@ -151,6 +171,8 @@ class BatchInvariantLinears:
                 self.linears.append(module)
             elif elementwise(module):
                 self.activations.append(module)
+            elif row_norm(module) and on_gpu(module):
+                self.norms.append(module)
 
     def __len__(self) -> int:
         return len(self.linears)
@@ -166,6 +188,7 @@ class BatchInvariantLinears:
             swapped = [(module, tiled_linear(module.forward, self.tile_rows)) for module in self.linears
                        if getattr(module.forward, "panel", None) is None]  # fmt: skip
             swapped += [(module, tiled_elementwise(module.forward)) for module in self.activations]
+            swapped += [(module, tiled_linear(module.forward, self.tile_rows)) for module in self.norms]
             stack.enter_context(_forwards(swapped))
             yield
 
