@@ -96,8 +96,8 @@ def row_norm(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("RMSNorm")
 
 
-def on_gpu(module: nn.Module) -> bool:
-    return any(param.device.type == "cuda" for param in module.parameters(recurse=False))
+def on_gpu(module: nn.Module, recurse: bool = False) -> bool:
+    return any(param.device.type == "cuda" for param in module.parameters(recurse=recurse))
 
 
 def elementwise(module: nn.Module) -> bool:
@@ -156,8 +156,7 @@ class BatchInvariantLinears:
     `tile_rows`: rows per tile; default `TILE_ROWS` on CPU, `GPU_TILE_ROWS` for a model on a GPU."""
 
     def __init__(self, model: nn.Module, *, pack: bool = True, release: bool = False, tile_rows: int | None = None):
-        gpu = any(param.device.type == "cuda" for param in model.parameters())
-        self.tile_rows = tile_rows or (GPU_TILE_ROWS if gpu else TILE_ROWS)
+        self.tile_rows = tile_rows or (GPU_TILE_ROWS if on_gpu(model, recurse=True) else TILE_ROWS)
         self.packed = pack_linears(model, pack, release=release)
         packed = self.packed.layers if self.packed is not None else {}
         self.linears: list[nn.Module] = []
