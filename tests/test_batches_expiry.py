@@ -16,9 +16,21 @@ LINES = [chat_line("quick", "Hi", max_tokens=1)] + [
 ]
 
 
+def endless_line(custom_id: str) -> dict:
+    """A line that needs ~1 s of decoding: 1500 tokens, EOS ignored (vLLM's extension)."""
+    line = chat_line(custom_id, "Keep going", max_tokens=1500)
+    line["body"]["ignore_eos"] = True
+    return line
+
+
+# The queued batch's window ends as late after the first's as its create call came: up to ~0.2 s on a busy box, and
+# the first batch's expiry is seen up to 0.1 s late. Its lines are too long to finish in that gap.
+QUEUED = [endless_line(f"queued-{i}") for i in range(3)]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    flags = ("--num-blocks", "256", "--max-model-len", "256", "--max-num-seqs", "1")
+    flags = ("--num-blocks", "256", "--max-model-len", "2048", "--max-num-seqs", "1")
     files = str(tmp_path_factory.mktemp("files"))
     with running_server(*flags, "--files-dir", files, "--batch-completion-window", str(WINDOW)) as running:
         yield running
@@ -27,9 +39,9 @@ def server(tmp_path_factory):
 def test_a_batch_that_cannot_finish_in_its_window_expires_with_openais_accounting(server):
     client = server.client()
     # Both files first, then the two batches back to back: the queued one waits out the first, and its window ends
-    # a few ms after the first's, too soon for one of its lines to finish. (Created a file upload apart, on a busy
-    # box it once had time to finish a line after the first batch expired.)
-    files = [upload(client, lines) for lines in (LINES, LINES[1:4])]
+    # soon after the first's, too soon for one of its lines (QUEUED) to finish. (With 128-token lines it once had
+    # time to finish one after the first batch expired.)
+    files = [upload(client, lines) for lines in (LINES, QUEUED)]
     created, queued = (create(client, uploaded) for uploaded in files)
     assert created.expires_at == created.created_at + WINDOW and created.expired_at is None
     batch = wait_until(client, created.id, timeout=60)
