@@ -28,6 +28,11 @@ from paged_backend.errors import InvalidRequest, OutOfBlocks
 __all__ = ["CPU_NULL_BLOCK", "NULL_BLOCK", "BlockManager", "BlockStats", "GroupStats", "SequenceBlocks"]
 
 
+def slot_of(table: Sequence[int], position: int, block_size: int) -> int:
+    """The pool slot of token `position` of a sequence whose blocks are `table`."""
+    return table[position // block_size] * block_size + position % block_size
+
+
 @dataclass
 class SequenceBlocks:
     """Per-sequence state: one block table per group, the token ids it stored, its committed block hashes."""
@@ -122,8 +127,8 @@ class BlockManager:
 
     def slot_mapping(self, seq_id: Hashable, start: int, end: int, group: int = 0) -> list[int]:
         """Physical slots of positions [start, end) of `seq_id` in `group`'s blocks."""
-        table, bs = self.seqs[seq_id].block_tables[group], self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+        table = self.seqs[seq_id].block_tables[group]
+        return [slot_of(table, position, self.block_size) for position in range(start, end)]
 
     def slot(self, seq_id: Hashable, position: int, group: int = 0) -> int:
         return self.slot_mapping(seq_id, position, position + 1, group)[0]

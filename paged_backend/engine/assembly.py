@@ -88,15 +88,18 @@ def assemble(
         sliding_windows=[group.sliding_window for group in kv_cache.groups],
     )  # fmt: skip
     max_model_len = _max_model_len(config, block_manager, KVShape.of(model.config).max_positions)
-    if config.max_cudagraph_capture_size and not config.enforce_eager:
-        if reason := decode_graphs_refusal(device, kv_cache, lora, parallel):
-            raise InvalidRequest(f"CUDA graphs (max_cudagraph_capture_size={config.max_cudagraph_capture_size}) "
-                                 f"{reason}; drop --max-cudagraph-capture-size (TGI's --cuda-graphs)")  # fmt: skip
-        attach_decode_graphs(config, runner, kv_cache, max_model_len)
+    if decode_graphs_asked(config) and (reason := decode_graphs_refusal(device, kv_cache, lora, parallel)):
+        raise InvalidRequest(f"CUDA graphs (max_cudagraph_capture_size={config.max_cudagraph_capture_size}) "
+                             f"{reason}; drop --max-cudagraph-capture-size (TGI's --cuda-graphs)")  # fmt: skip
+    attach_decode_graphs(config, runner, kv_cache, max_model_len)
     return EngineParts(
         model, tokenizer, kv_cache, block_manager, runner, lora, parallel, device, backend, max_model_len,
         _prefill_chunk_limit(config, block_manager, max_model_len),
     )  # fmt: skip
+
+
+def decode_graphs_asked(config: EngineConfig) -> bool:
+    return config.max_cudagraph_capture_size > 0 and not config.enforce_eager
 
 
 def decode_graphs_refusal(device: torch.device, kv_cache: PagedKVCache, lora, parallel) -> str | None:
@@ -115,7 +118,7 @@ def decode_graphs_refusal(device: torch.device, kv_cache: PagedKVCache, lora, pa
 def attach_decode_graphs(config: EngineConfig, runner: ModelRunner, kv_cache: PagedKVCache, max_model_len: int) -> None:
     """Give `runner` decode graphs for up to `max_cudagraph_capture_size` sequences (at most `max_num_seqs`) of
     up to `max_model_len` tokens; no-op when the config asks for none."""
-    if config.max_cudagraph_capture_size and not config.enforce_eager:
+    if decode_graphs_asked(config):
         max_batch = min(config.max_cudagraph_capture_size, config.scheduler.max_num_seqs)
         runner.use_decode_graphs(max_batch, -(-max_model_len // kv_cache.block_size))
 

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from paged_backend.core.block_manager import slot_of
 from paged_backend.core.kv_cache import PagedKVCache
 from paged_backend.worker.attention import PagedMetadata
 
@@ -88,18 +89,10 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= count)
         self._fill(rows, size)
         self.steps += 1
-        views = self._views(size)
-        if not self.capture:
-            return self.forward(*views)[:count]
-        if self.graphs_generation != self.kv_cache.generation:  # the pool moved: its addresses are in the graphs
-            self.drop()
-            self.graphs_generation = self.kv_cache.generation
-        if size not in self.graphs:
-            captured = self._capture(views)
-            if captured is None:
-                return self.forward(*views)[:count]
-            self.graphs[size] = captured
-        graph, logits = self.graphs[size]
+        captured = self._graph(size) if self.capture else None
+        if captured is None:
+            return self.forward(*self._views(size))[:count]
+        graph, logits = captured
         graph.replay()
         self.replays += 1
         return logits[:count].clone()  # the graph's output buffer is overwritten by the next replay
@@ -116,7 +109,7 @@ class DecodeGraphs:
             table, start = row.block_tables[0], row.start
             tokens.append(row.token_ids[0])
             positions.append(start)
-            slots.append(table[start // block_size] * block_size + start % block_size)
+            slots.append(slot_of(table, start, block_size))
             lengths.append(start + 1)
             tables.append(table)
         width = max(map(len, tables))
@@ -141,6 +134,19 @@ class DecodeGraphs:
             backend=self.backend,
         )
         return self.ids[:, :size], self.positions[:, :size], metadata, self.keep[:size]
+
+    def _graph(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+        """The graph of `size` and its logits, captured now if it is not yet (or the pool moved since); None when a
+        capture fails."""
+        if self.graphs_generation != self.kv_cache.generation:  # the pool moved: its addresses are in the graphs
+            self.drop()
+            self.graphs_generation = self.kv_cache.generation
+        if size not in self.graphs:
+            captured = self._capture(self._views(size))
+            if captured is None:
+                return None
+            self.graphs[size] = captured
+        return self.graphs[size]
 
     def _capture(self, views) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
         """Warm up, then capture the forward over `views`; None (and eager steps from then on) when it fails."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, PreTrainedModel
 
+from paged_backend.core.block_manager import slot_of
 from paged_backend.core.kv_cache import PagedKVCache
 from paged_backend.core.kv_scales import calibrate_layer
 from paged_backend.worker.attention import (
@@ -108,9 +109,9 @@ class ModelRunner:
                 if row.slots is not None:
                     slots[group] += row.slots[group]
                 elif end - start == 1:  # the decode hot path: one slot, no list building
-                    slots[group].append(table[start // block_size] * block_size + start % block_size)
+                    slots[group].append(slot_of(table, start, block_size))
                 else:
-                    slots[group] += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+                    slots[group] += [slot_of(table, position, block_size) for position in range(start, end)]
                 tables[group].append(table)
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + end - start)

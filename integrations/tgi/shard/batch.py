@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from paged_backend.core.block_manager import slot_of
 from paged_backend.engine.request import Request, Sequence
 from paged_backend.errors import InvalidRequest
 from paged_backend.tgi.backends.sampling import sampling_params
@@ -100,8 +101,7 @@ def input_text(request) -> str:
 def check_slots(blocks: list[int], slots: list[int], block_size: int) -> None:
     """The runner derives decode slots from the block table, so the router's slots must agree with it."""
     for position, slot in enumerate(slots):
-        expected = blocks[position // block_size] * block_size + position % block_size
-        if slot != expected:
+        if slot != slot_of(blocks, position, block_size):
             raise InvalidRequest(
                 f"slot {slot} at position {position} is not block {blocks[position // block_size]} offset "
                 f"{position % block_size}; slots must follow the block table"
