@@ -16,7 +16,7 @@ def assert_matches_hf(arch, prompts, outputs):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])  # the fused kernel (auto on CPU) and the oracle
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_greedy_batch_matches_hf_generate(arch, backend, make_llm):
     prompts = ragged_prompts()
     llm = make_llm(arch, attention_backend=backend)
@@ -40,7 +40,7 @@ def test_greedy_under_swap_preemption_matches_hf(make_llm):
     assert llm.engine.block_manager.stats().cpu_blocks_used == 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_chunked_prefill_splits_long_prompts_and_matches_hf(arch, make_llm):
     prompts = ragged_prompts()
     llm = make_llm(arch, max_num_batched_tokens=16)

@@ -1,7 +1,9 @@
 """Which models the fused CPU forward takes, and that it gives transformers' forward's tokens and logprobs.
 
-Greedy equality with HF generate on the fused path is also checked by every engine test on Llama, Qwen2 and
+Greedy equality with HF generate on the fused path is also checked by every engine test on Llama, Qwen2, Qwen3 and
 Mistral (test_engine_greedy.py, test_sliding_window.py, ...), which now run it by default."""
+
+import zlib
 
 import pytest
 import torch
@@ -25,7 +27,7 @@ def run(llm, prompts):
     return tokens, torch.tensor(sum(logprobs, []))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_llama_family_runs_fused_and_equals_transformers_forward(arch, make_llm, monkeypatch):
     prompts = ragged_prompts(12, longest=30)
     fused = make_llm(arch, max_num_batched_tokens=32)  # chunked prefill beside decodes
@@ -39,8 +41,9 @@ def test_llama_family_runs_fused_and_equals_transformers_forward(arch, make_llm,
     torch.testing.assert_close(fused_logprobs, plain_logprobs, rtol=1e-4, atol=1e-5)
 
 
-def test_bfloat16_fused_forward_equals_transformers_forward(make_llm, monkeypatch):
-    model = tiny_model("llama", seed=7, hidden_size=128, intermediate_size=256, dtype=torch.bfloat16)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bfloat16_fused_forward_equals_transformers_forward(arch, make_llm, monkeypatch):
+    model = tiny_model(arch, seed=7, hidden_size=128, intermediate_size=256, dtype=torch.bfloat16)
     prompts = ragged_prompts(8, seed=3, longest=24)
     fused = make_llm(model=model)
     assert fused.engine.runner.fused is not None
@@ -64,9 +67,17 @@ def test_a_hooked_layer_runs_transformers_forward_and_says_why(make_llm):
 
 
 def test_other_architectures_name_themselves_as_the_reason(make_llm):
-    llm = make_llm("qwen3", model=tiny_model("qwen3", seed=7))
+    llm = make_llm(model=hf_tiny_model("phi3", seed=7))
     assert llm.engine.runner.fused is None
-    assert "Qwen3ForCausalLM is not one of" in llm.engine.runner.unfused_reason
+    assert "Phi3ForCausalLM is not one of" in llm.engine.runner.unfused_reason
+
+
+def test_a_hooked_head_norm_runs_transformers_forward(make_llm):
+    """Qwen3's q/k norms are modules the fused forward bypasses too: a hook on one keeps transformers' forward."""
+    model = tiny_model("qwen3", seed=7)
+    model.model.layers[0].self_attn.k_norm.register_forward_hook(lambda module, args, output: None)
+    llm = make_llm("qwen3", model=model)
+    assert llm.engine.runner.fused is None and "hooks" in llm.engine.runner.unfused_reason
 
 
 def test_a_torch_attention_backend_keeps_the_oracle_path(make_llm):
@@ -81,17 +92,21 @@ def test_a_torch_attention_backend_keeps_the_oracle_path(make_llm):
         ("llama", {}, torch.bfloat16),
         ("qwen2", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1), torch.float32),  # 2 groups
         ("mistral", {}, torch.bfloat16),  # a window of 6
+        ("qwen3", {}, torch.bfloat16),  # per-head q/k norms
+        ("qwen3", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1), torch.float32),
     ],
-    ids=["llama-fp32", "llama-bf16", "qwen2-windowed-layer", "mistral-window-bf16"],
+    ids=["llama-fp32", "llama-bf16", "qwen2-windowed-layer", "mistral-window-bf16", "qwen3-bf16",
+         "qwen3-windowed-layer"],
 )
 def test_the_native_layer_loop_equals_the_python_loop_bitwise(arch, overrides, dtype, make_llm, monkeypatch):
     """csrc/cpu/decoder_layers_cpu.cpp calls the Python loop's kernels in its order: same tokens, same logprobs
-    to the bit, over chunked prefills beside decodes, biases (Qwen2), windows and per-layer window groups."""
+    to the bit, over chunked prefills beside decodes, biases (Qwen2), q/k norms (Qwen3), windows and per-layer window
+    groups."""
     model = hf_tiny_model(arch, seed=3, **overrides).to(dtype)
     with torch.no_grad():  # norms start at ones: make each its own, so a swapped norm shows
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
+                param.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
     prompts = [[token % 120 + 3 for token in prompt] for prompt in ragged_prompts(12, seed=4, longest=30)]
     loops = []
     native_call = DecoderLayers.__call__

@@ -82,6 +82,28 @@ def test_rotary_cache_rotates_q_and_k_and_stores_k_and_v_at_their_slots(dtype, r
     assert torch.equal(value_cache, ref_values)  # values are copied, not computed
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_rotary_cache_norms_each_q_and_k_head_first_as_qwen3_does(dtype, rows):
+    """Qwen3's q_norm and k_norm (an RMSNorm over each head) run inside the rotary kernel, before the rotation."""
+    q, k, v, cos, sin, slots, (key_cache, value_cache, ref_keys, ref_values) = rotary_case(rows, dtype)
+    q_norm, k_norm = (randn(64, dtype=dtype, seed=seed) for seed in (13, 14))  # different weights: a swap shows
+    norms = (q_norm, 1e-6), (k_norm, 1e-5)
+    expected = fused_cpu.rotary_cache_reference(q, k, v, cos, sin, ref_keys, ref_values, slots, *norms)
+    out = RotaryCache(cos, sin, slots, block_size=16)(q, k, v, key_cache, value_cache, *norms)
+    close(out, expected, dtype)
+    close(key_cache, ref_keys, dtype)
+    assert torch.equal(value_cache, ref_values)
+    plain = RotaryCache(cos, sin, slots, block_size=16)(q, k, v, key_cache.clone(), value_cache.clone())
+    assert not torch.allclose(plain.float(), out.float())  # the norms changed the result
+
+
+def test_a_head_too_wide_for_the_norm_buffer_is_refused():
+    q, k, v, cos, sin, slots, (key_cache, value_cache, *_) = rotary_case(2, torch.float32, 2, 1, 1024, 16, 4)
+    with pytest.raises(RuntimeError, match="head_dim <= 512 with q/k norms"):
+        RotaryCache(cos, sin, slots, 16)(q, k, v, key_cache, value_cache, (torch.ones(1024), 1e-6), None)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_kernel_gives_a_row_the_same_bits_alone_or_in_a_batch(dtype):
     rows, hidden = 300, 576

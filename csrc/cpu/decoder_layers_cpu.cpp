@@ -3,7 +3,8 @@
 // Per layer it calls the same kernels as the Python loop, in the same order, on the same buffers and with the same
 // arguments, so its output is bitwise the Python loop's:
 //
-//   qkv = x @ Wqkv^T; q = rotary(q), rotary(k) and v -> pool; o = attention(q) @ Wo^T
+//   qkv = x @ Wqkv^T; q = rotary(q), rotary(k) and v -> pool (q and k heads normed first where the layer has
+//   q/k norms); o = attention(q) @ Wo^T
 //   x = add_rms_norm(o, residual); out = silu_mul(x @ Wgate_up^T) @ Wdown^T; x = add_rms_norm(out, residual) (next)
 //
 // What it saves is Python: ~7 us per kernel call from ctypes, eight calls per layer. A deep, narrow model pays that
@@ -34,6 +35,9 @@ struct PbCpuDecoderLayer {
   int64_t v_stride_block, v_stride_slot, v_stride_head;
   int32_t group;  // which of the step's rotary/attention arguments (its window group's tables and slots)
   int32_t sliding_window;  // 0: off
+  const void* q_norm;  // or null: per-head RMSNorm weights applied before rotary (Qwen3)
+  const void* k_norm;
+  float q_norm_eps, k_norm_eps;
 };
 
 struct PbCpuDecoderStep {
@@ -116,6 +120,8 @@ int32_t pb_cpu_decoder_layers(PbCpuDecoderStep* step) {
     point_at_pools(rotary, layer);
     rotary.num_q_heads = static_cast<int32_t>(s.q_size / s.head_dim);
     rotary.num_kv_heads = static_cast<int32_t>(s.kv_size / s.head_dim);
+    rotary.q_norm = layer.q_norm, rotary.k_norm = layer.k_norm;
+    rotary.q_norm_eps = layer.q_norm_eps, rotary.k_norm_eps = layer.k_norm_eps;
     if (failed(pb_cpu_rotary_cache(&rotary, s.dtype), PB_ROTARY)) return status;
 
     PbCpuAttentionArgs attention = s.attention[layer.group];

@@ -3,7 +3,8 @@
 // to six ops with an intermediate tensor each and a dispatch each.
 //
 //   add_rms_norm:  residual += x (optional), out = weight * rms_normalize(residual)
-//   rotary_cache:  rotary on q (written to a [T, Hq, D] buffer) and on k, then k and v stored into the pool
+//   rotary_cache:  rotary on q (written to a [T, Hq, D] buffer) and on k, then k and v stored into the pool;
+//                  optionally each q and k head RMS-normed first (Qwen3's q_norm and k_norm)
 //   silu_mul:      out = silu(gate) * up
 //
 // Rounding follows transformers' modules step by step (fp32 statistics in RMSNorm, each bf16/fp16 op
@@ -92,6 +93,23 @@ inline void rotate(const T* x, const T* cos, const T* sin, int32_t half, T* y) {
   }
 }
 
+// RMSNorm of one head `x [d]` into `scratch`, as transformers' RMSNorm module: fp32 statistics, the normalized
+// value rounded to T, then times the weight in T. Without a weight, `x` itself.
+template <typename T>
+inline const T* norm_head(const T* x, const void* weight, float eps, int32_t d, T* scratch) {
+  if (weight == nullptr) return x;
+  const T* w = static_cast<const T*>(weight);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)  // the order add_rms_norm uses: fixed per head_dim, the same for every row
+  for (int32_t i = 0; i < d; ++i) {
+    const float v = load(x, i);
+    sum += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(d) + eps);
+  for (int32_t i = 0; i < d; ++i) store(scratch, i, load(w, i) * round_to<T>(load(x, i) * inv));
+  return scratch;
+}
+
 template <typename T>
 void rotary_cache(const RotaryCacheArgs& a) {
   const int32_t d = a.head_dim, half = d / 2;
@@ -102,7 +120,9 @@ void rotary_cache(const RotaryCacheArgs& a) {
     const T* sin = static_cast<const T*>(a.sin) + int64_t{t} * d;
     const T* q = static_cast<const T*>(a.query) + t * a.q_stride;
     T* q_out = static_cast<T*>(a.query_out) + int64_t{t} * a.num_q_heads * d;
-    for (int32_t h = 0; h < a.num_q_heads; ++h) rotate(q + int64_t{h} * d, cos, sin, half, q_out + int64_t{h} * d);
+    T normed[kMaxNormedHeadDim];
+    for (int32_t h = 0; h < a.num_q_heads; ++h)
+      rotate(norm_head(q + int64_t{h} * d, a.q_norm, a.q_norm_eps, d, normed), cos, sin, half, q_out + int64_t{h} * d);
     const int64_t slot = a.slot_mapping[t];
     if (slot < 0) continue;
     const int64_t block = slot / a.block_size, offset = slot % a.block_size;
@@ -111,7 +131,8 @@ void rotary_cache(const RotaryCacheArgs& a) {
     const T* k = static_cast<const T*>(a.key) + t * a.k_stride;
     const T* v = static_cast<const T*>(a.value) + t * a.v_stride;
     for (int32_t h = 0; h < a.num_kv_heads; ++h) {
-      rotate(k + int64_t{h} * d, cos, sin, half, k_dst + h * a.k_stride_head);
+      rotate(norm_head(k + int64_t{h} * d, a.k_norm, a.k_norm_eps, d, normed), cos, sin, half,
+             k_dst + h * a.k_stride_head);
       std::memcpy(v_dst + h * a.v_stride_head, v + int64_t{h} * d, sizeof(T) * d);
     }
   }
@@ -169,6 +190,7 @@ int pb_cpu_add_rms_norm(const void* x, int64_t x_stride, void* residual, int64_t
 
 int pb_cpu_rotary_cache(const RotaryCacheArgs* args, int32_t dtype) {
   if (args->head_dim <= 0 || args->head_dim % 2 != 0 || args->block_size <= 0) return -2;
+  if ((args->q_norm != nullptr || args->k_norm != nullptr) && args->head_dim > kMaxNormedHeadDim) return -2;
   switch (dtype) {
     case F32: rotary_cache<float>(*args); return 0;
     case F16: rotary_cache<_Float16>(*args); return 0;
@@ -202,7 +224,7 @@ const char* pb_cpu_fused_error_string(int code) {
   switch (code) {
     case 0: return "ok";
     case -1: return "unsupported dtype code (f32, f16 or bf16)";
-    case -2: return "bad shape (rows >= 0, hidden/width > 0, even head_dim, block_size > 0)";
+    case -2: return "bad shape (rows >= 0, hidden/width > 0, even head_dim, block_size > 0, head_dim <= 512 with q/k norms)";
     default: return "unknown error";
   }
 }

@@ -45,7 +45,12 @@ struct RotaryCacheArgs {
   int64_t v_stride_block, v_stride_slot, v_stride_head;
   const int64_t* slot_mapping;  // [T], -1: not stored
   int32_t num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, num_threads;
+  const void* q_norm;  // or null: an RMSNorm weight [D] applied to each q head before rotary (Qwen3's q_norm)
+  const void* k_norm;  // likewise for each k head (k_norm); the stored keys are normed and rotated
+  float q_norm_eps, k_norm_eps;
 };
+
+constexpr int32_t kMaxNormedHeadDim = 512;  // a normed head is staged in a stack buffer of this many elements
 
 int pb_cpu_paged_attention(const PbCpuAttentionArgs* args);
 int pb_cpu_rotary_cache(const RotaryCacheArgs* args, int32_t dtype);

@@ -30,6 +30,7 @@ class RotaryCacheArgs(ctypes.Structure):
         ("slot_mapping", PTR),
         ("num_tokens", I32), ("num_q_heads", I32), ("num_kv_heads", I32), ("head_dim", I32),
         ("block_size", I32), ("num_threads", I32),
+        ("q_norm", PTR), ("k_norm", PTR), ("q_norm_eps", ctypes.c_float), ("k_norm_eps", ctypes.c_float),
     ]  # fmt: skip
 
 
@@ -80,6 +81,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+Norm = tuple[torch.Tensor, float]  # an RMSNorm's (weight, eps)
+
+
+def _norm_args(norm: Norm | None) -> tuple[int | None, float]:
+    return (None, 0.0) if norm is None else (norm[0].data_ptr(), norm[1])
+
+
 class RotaryCache:
     """Rotary on q and k, and the pool write of k and v, for every layer of one step.
 
@@ -95,9 +103,12 @@ class RotaryCache:
         )  # fmt: skip
         self.dtype = QUERY_DTYPES[cos.dtype]
 
-    def __call__(self, query, key, value, key_cache, value_cache) -> torch.Tensor:
-        """Rotated `query [T, Hq, D]` (a new tensor) after storing rotated keys and the values in the pools."""
+    def __call__(self, query, key, value, key_cache, value_cache, q_norm: Norm | None = None,
+                 k_norm: Norm | None = None) -> torch.Tensor:  # fmt: skip
+        """Rotated `query [T, Hq, D]` (a new tensor) after storing rotated keys and the values in the pools. With
+        `q_norm`/`k_norm` ((weight [D], eps)), each q/k head is RMS-normed before its rotary (Qwen3's q/k norms)."""
         args, head_dim = self.args, self.args.head_dim
+        (args.q_norm, args.q_norm_eps), (args.k_norm, args.k_norm_eps) = _norm_args(q_norm), _norm_args(k_norm)
         out = torch.empty(query.shape[0], query.shape[1] // head_dim, head_dim, dtype=query.dtype)
         args.query, args.q_stride = query.data_ptr(), query.stride(0)
         args.key, args.k_stride = key.data_ptr(), key.stride(0)
@@ -125,14 +136,18 @@ def silu_mul_reference(gate, up) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def rotary_cache_reference(query, key, value, cos, sin, key_cache, value_cache, slot_mapping) -> torch.Tensor:
+def rotary_cache_reference(query, key, value, cos, sin, key_cache, value_cache, slot_mapping, q_norm=None,
+                           k_norm=None) -> torch.Tensor:  # fmt: skip
     def rotate(x):  # [T, H, D] with cos/sin [T, 1, D]
         half = x.shape[-1] // 2
         return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
 
+    def normed(x, norm):  # Qwen3's q_norm/k_norm: an RMSNorm over each head
+        return x if norm is None else add_rms_norm_reference(None, x, *norm)
+
     head_dim = cos.shape[1]
-    q = rotate(query.reshape(query.shape[0], -1, head_dim))
-    k = rotate(key.reshape(key.shape[0], -1, head_dim))
+    q = rotate(normed(query.reshape(query.shape[0], -1, head_dim), q_norm))
+    k = rotate(normed(key.reshape(key.shape[0], -1, head_dim), k_norm))
     v = value.reshape(value.shape[0], -1, head_dim)
     stored = slot_mapping >= 0
     for source, pool in ((k, key_cache), (v, value_cache)):

@@ -9,6 +9,7 @@ arguments prepared once (`AttentionPlan`, `RotaryCache`):
 
     residual = embed(ids); x = norm(residual)
     per layer: q, k, v = qkv(x); q = rotary_cache(q, k, v -> pool); o = o_proj(attention(q))
+               (Qwen3: rotary_cache RMS-norms each q and k head first, its q_norm and k_norm)
                x = add_rms_norm(o, residual); x = down(silu_mul(*gate_up(x))); x = add_rms_norm(x, residual)
 
 It takes the architectures whose layers are exactly that (`FAMILIES`) when nothing hooks the modules it bypasses;
@@ -33,7 +34,7 @@ from paged_backend.ops.decoder_layers import DecoderLayers, LayerParts
 from paged_backend.ops.fused_cpu import FUSED_DTYPES, RotaryCache, add_rms_norm, silu_mul
 from paged_backend.worker.attention import PagedMetadata
 
-FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SWITCH = "PAGED_BACKEND_FUSED_FORWARD"
 NATIVE_SWITCH = "PAGED_BACKEND_NATIVE_LAYERS"  # "0": the layer loop in Python, not csrc/cpu/decoder_layers_cpu.cpp
 
@@ -67,7 +68,8 @@ def unfused_reason(model: nn.Module, kv_cache: PagedKVCache, attention_backend: 
         return "the model's layers do not match its pool (pipeline stages run transformers' forward)"
     bypassed = [model, base, base.embed_tokens, base.norm, base.rotary_emb]
     for layer in layers:
-        bypassed += [layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm]
+        bypassed += [layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm,
+                     *_head_norm_modules(layer.self_attn)]
     if any(_hooked(module) for module in bypassed):
         return "hooks on modules the fused forward bypasses (offloading, or a caller's own)"
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
@@ -107,6 +109,11 @@ class FusedForward:
             for layer in self.layers
         ]  # fmt: skip
         self.final_norm = (self.base.norm.weight, self.base.norm.variance_epsilon)
+        # Qwen3 RMS-norms each q and k head before rotary: (q norm, k norm) per layer, each (weight, eps) or None
+        self.head_norms = [
+            tuple((norm.weight, norm.variance_epsilon) for norm in _head_norm_modules(layer.self_attn)) or (None, None)
+            for layer in self.layers
+        ]
         q, k, v, _, gate, up, _ = self.modules[0]
         self.qkv_sizes = [q.out_features, k.out_features, v.out_features]
         self.gate_up_sizes = [gate.out_features, up.out_features]
@@ -157,7 +164,7 @@ class FusedForward:
             return None
         parts = [
             LayerParts(qkv.panel, qkv.bias, o.panel, o.bias, gate_up.panel, gate_up.bias, down.panel, down.bias,
-                       *self.norms[index], *self.kv_cache.layer(index), self.windows[index])
+                       *self.norms[index], *self.kv_cache.layer(index), self.windows[index], *self.head_norms[index])
             for index, (qkv, o, gate_up, down) in enumerate(forwards)
         ]  # fmt: skip
         return DecoderLayers(parts, *self.qkv_sizes[:2], self.head_dim)
@@ -235,13 +242,18 @@ class FusedForward:
             q, k, v = qkv_proj(x)
             rotary, plan = rotaries[groups[index]], plans[groups[index]]
             key_cache, value_cache = cache.layer(index)
-            q = rotary(q, k, v, key_cache, value_cache)
+            q = rotary(q, k, v, key_cache, value_cache, *self.head_norms[index])
             out = o_proj(plan(q, key_cache, value_cache, self.windows[index]).view(q.shape[0], -1))
             x = add_rms_norm(out, residual, *self.norms[index][1])
             out = down_proj(silu_mul(*gate_up_proj(x)))
             if index < last:
                 x = add_rms_norm(out, residual, *self.norms[index + 1][0])
         return out
+
+
+def _head_norm_modules(attention: nn.Module) -> tuple[nn.Module, ...]:
+    """Qwen3's per-head RMSNorms of q and k (before rotary), or () for the families without them."""
+    return (attention.q_norm, attention.k_norm) if hasattr(attention, "q_norm") else ()
 
 
 def _each(*projections):
