@@ -41,6 +41,35 @@ def test_llama_family_runs_fused_and_equals_transformers_forward(arch, make_llm,
     torch.testing.assert_close(fused_logprobs, plain_logprobs, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [("smollm3", {}), ("phi3", {}), ("phi3", {"partial_rotary_factor": 0.5}), ("phi3", {"sliding_window": 6})],
+    ids=["smollm3-nope-layer", "phi3-stacked-modules", "phi3-partial-rotary", "phi3-window"],
+)
+@torch.no_grad()
+def test_other_llama_shaped_families_run_fused_and_equal_transformers_forward(arch, overrides, make_llm, monkeypatch):
+    """SmolLM3 is Llama with no rotary on every n-th layer; Phi-3 keeps q|k|v and gate|up in one module each, and
+    Phi-4-mini rotates only the leading dims of a head. The fused forward gives transformers' tokens on each."""
+    model = hf_tiny_model(arch, seed=5, **overrides)
+    prompts = [[token % 120 + 3 for token in prompt] for prompt in ragged_prompts(8, seed=2, longest=30)]
+    fused = make_llm(model=model, max_num_batched_tokens=32)
+    assert fused.engine.runner.fused is not None, fused.engine.runner.unfused_reason
+    monkeypatch.setenv(SWITCH, "0")
+    fused_tokens, fused_logprobs = run(fused, prompts)
+    plain_tokens, plain_logprobs = run(make_llm(model=model, max_num_batched_tokens=32), prompts)
+    expected = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)
+        expected.append(out[0, len(prompt) :].tolist())
+    assert fused_tokens == plain_tokens == expected
+    torch.testing.assert_close(fused_logprobs, plain_logprobs, rtol=1e-4, atol=1e-5)
+
+
+def test_smollm3_tiny_model_has_a_nope_layer():
+    assert [layer.self_attn.use_rope for layer in hf_tiny_model("smollm3").model.layers] == [1, 0]
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_bfloat16_fused_forward_equals_transformers_forward(arch, make_llm, monkeypatch):
     model = tiny_model(arch, seed=7, hidden_size=128, intermediate_size=256, dtype=torch.bfloat16)
@@ -67,9 +96,9 @@ def test_a_hooked_layer_runs_transformers_forward_and_says_why(make_llm):
 
 
 def test_other_architectures_name_themselves_as_the_reason(make_llm):
-    llm = make_llm(model=hf_tiny_model("phi3", seed=7))
+    llm = make_llm(model=hf_tiny_model("gemma2", attn_implementation="eager", seed=7))
     assert llm.engine.runner.fused is None
-    assert "Phi3ForCausalLM is not one of" in llm.engine.runner.unfused_reason
+    assert "Gemma2ForCausalLM is not one of" in llm.engine.runner.unfused_reason
 
 
 def test_a_hooked_head_norm_runs_transformers_forward(make_llm):
@@ -94,14 +123,16 @@ def test_a_torch_attention_backend_keeps_the_oracle_path(make_llm):
         ("mistral", {}, torch.bfloat16),  # a window of 6
         ("qwen3", {}, torch.bfloat16),  # per-head q/k norms
         ("qwen3", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1), torch.float32),
+        ("smollm3", {}, torch.bfloat16),  # a NoPE layer
+        ("phi3", {"partial_rotary_factor": 0.5}, torch.bfloat16),  # stacked modules, partial rotary
     ],
     ids=["llama-fp32", "llama-bf16", "qwen2-windowed-layer", "mistral-window-bf16", "qwen3-bf16",
-         "qwen3-windowed-layer"],
+         "qwen3-windowed-layer", "smollm3-nope-bf16", "phi3-partial-rotary-bf16"],
 )
 def test_the_native_layer_loop_equals_the_python_loop_bitwise(arch, overrides, dtype, make_llm, monkeypatch):
     """csrc/cpu/decoder_layers_cpu.cpp calls the Python loop's kernels in its order: same tokens, same logprobs
-    to the bit, over chunked prefills beside decodes, biases (Qwen2), q/k norms (Qwen3), windows and per-layer window
-    groups."""
+    to the bit, over chunked prefills beside decodes, biases (Qwen2), q/k norms (Qwen3), NoPE layers (SmolLM3),
+    stacked modules and partial rotary (Phi-3), windows and per-layer window groups."""
     model = hf_tiny_model(arch, seed=3, **overrides).to(dtype)
     with torch.no_grad():  # norms start at ones: make each its own, so a swapped norm shows
         for name, param in model.named_parameters():

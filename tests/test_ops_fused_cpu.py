@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from paged_backend.ops import fused_cpu
-from paged_backend.ops.fused_cpu import RotaryCache
+from paged_backend.ops.fused_cpu import HeadPrep, RotaryCache
 
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
 DTYPES = list(TOLERANCE)
@@ -88,9 +88,9 @@ def test_rotary_cache_norms_each_q_and_k_head_first_as_qwen3_does(dtype, rows):
     """Qwen3's q_norm and k_norm (an RMSNorm over each head) run inside the rotary kernel, before the rotation."""
     q, k, v, cos, sin, slots, (key_cache, value_cache, ref_keys, ref_values) = rotary_case(rows, dtype)
     q_norm, k_norm = (randn(64, dtype=dtype, seed=seed) for seed in (13, 14))  # different weights: a swap shows
-    norms = (q_norm, 1e-6), (k_norm, 1e-5)
-    expected = fused_cpu.rotary_cache_reference(q, k, v, cos, sin, ref_keys, ref_values, slots, *norms)
-    out = RotaryCache(cos, sin, slots, block_size=16)(q, k, v, key_cache, value_cache, *norms)
+    prep = HeadPrep((q_norm, 1e-6), (k_norm, 1e-5))
+    expected = fused_cpu.rotary_cache_reference(q, k, v, cos, sin, ref_keys, ref_values, slots, prep)
+    out = RotaryCache(cos, sin, slots, block_size=16)(q, k, v, key_cache, value_cache, prep)
     close(out, expected, dtype)
     close(key_cache, ref_keys, dtype)
     assert torch.equal(value_cache, ref_values)
@@ -101,7 +101,31 @@ def test_rotary_cache_norms_each_q_and_k_head_first_as_qwen3_does(dtype, rows):
 def test_a_head_too_wide_for_the_norm_buffer_is_refused():
     q, k, v, cos, sin, slots, (key_cache, value_cache, *_) = rotary_case(2, torch.float32, 2, 1, 1024, 16, 4)
     with pytest.raises(RuntimeError, match="head_dim <= 512 with q/k norms"):
-        RotaryCache(cos, sin, slots, 16)(q, k, v, key_cache, value_cache, (torch.ones(1024), 1e-6), None)
+        RotaryCache(cos, sin, slots, 16)(q, k, v, key_cache, value_cache, HeadPrep(q_norm=(torch.ones(1024), 1e-6)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_rotary_cache_rotates_only_the_leading_dims_of_a_partial_rotary(dtype, rows):
+    """Phi-4-mini rotates the first 3/4 of each head (cos/sin that wide) and passes the rest through."""
+    q, k, v, cos, sin, slots, (key_cache, value_cache, ref_keys, ref_values) = rotary_case(rows, dtype)
+    cos, sin = cos[:, :48].contiguous(), sin[:, :48].contiguous()  # rotary_dim 48 of head_dim 64
+    expected = fused_cpu.rotary_cache_reference(q, k, v, cos, sin, ref_keys, ref_values, slots, head_dim=64)
+    out = RotaryCache(cos, sin, slots, block_size=16, head_dim=64)(q, k, v, key_cache, value_cache)
+    close(out, expected, dtype)
+    close(key_cache, ref_keys, dtype)
+    assert torch.equal(out[..., 48:], q.reshape(rows, -1, 64)[..., 48:])  # the passed dims are copied
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_cache_on_a_nope_layer_copies_q_and_k_unrotated(dtype):
+    """SmolLM3's NoPE layers: q comes back as it went in, and k and v are stored as they are."""
+    q, k, v, cos, sin, slots, (key_cache, value_cache, ref_keys, ref_values) = rotary_case(5, dtype)
+    prep = HeadPrep(rotary=False)
+    expected = fused_cpu.rotary_cache_reference(q, k, v, cos, sin, ref_keys, ref_values, slots, prep)
+    out = RotaryCache(cos, sin, slots, block_size=16)(q, k, v, key_cache, value_cache, prep)
+    assert torch.equal(out, q.reshape(5, -1, 64)) and torch.equal(out, expected)
+    assert torch.equal(key_cache, ref_keys) and torch.equal(value_cache, ref_values)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -4,7 +4,7 @@
 // arguments, so its output is bitwise the Python loop's:
 //
 //   qkv = x @ Wqkv^T; q = rotary(q), rotary(k) and v -> pool (q and k heads normed first where the layer has
-//   q/k norms); o = attention(q) @ Wo^T
+//   q/k norms, no rotary on NoPE layers); o = attention(q) @ Wo^T
 //   x = add_rms_norm(o, residual); out = silu_mul(x @ Wgate_up^T) @ Wdown^T; x = add_rms_norm(out, residual) (next)
 //
 // What it saves is Python: ~7 us per kernel call from ctypes, eight calls per layer. A deep, narrow model pays that
@@ -38,6 +38,7 @@ struct PbCpuDecoderLayer {
   const void* q_norm;  // or null: per-head RMSNorm weights applied before rotary (Qwen3)
   const void* k_norm;
   float q_norm_eps, k_norm_eps;
+  int32_t skip_rotary;  // 1: a NoPE layer (SmolLM3)
 };
 
 struct PbCpuDecoderStep {
@@ -122,6 +123,7 @@ int32_t pb_cpu_decoder_layers(PbCpuDecoderStep* step) {
     rotary.num_kv_heads = static_cast<int32_t>(s.kv_size / s.head_dim);
     rotary.q_norm = layer.q_norm, rotary.k_norm = layer.k_norm;
     rotary.q_norm_eps = layer.q_norm_eps, rotary.k_norm_eps = layer.k_norm_eps;
+    rotary.skip_rotary = layer.skip_rotary;
     if (failed(pb_cpu_rotary_cache(&rotary, s.dtype), PB_ROTARY)) return status;
 
     PbCpuAttentionArgs attention = s.attention[layer.group];

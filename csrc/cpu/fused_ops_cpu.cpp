@@ -4,7 +4,8 @@
 //
 //   add_rms_norm:  residual += x (optional), out = weight * rms_normalize(residual)
 //   rotary_cache:  rotary on q (written to a [T, Hq, D] buffer) and on k, then k and v stored into the pool;
-//                  optionally each q and k head RMS-normed first (Qwen3's q_norm and k_norm)
+//                  optionally each q and k head RMS-normed first (Qwen3's q_norm and k_norm), rotary on the
+//                  leading dims of each head only (Phi-4-mini's partial rotary), or none (SmolLM3's NoPE layers)
 //   silu_mul:      out = silu(gate) * up
 //
 // Rounding follows transformers' modules step by step (fp32 statistics in RMSNorm, each bf16/fp16 op
@@ -110,19 +111,29 @@ inline const T* norm_head(const T* x, const void* weight, float eps, int32_t d, 
   return scratch;
 }
 
+// A head into the output: its first `rotary_dim` dims rotated and the rest copied (partial rotary), or all of it
+// copied on a NoPE layer (rotary_dim 0).
+template <typename T>
+inline void place(const T* x, const T* cos, const T* sin, int32_t d, int32_t rotary_dim, T* y) {
+  if (rotary_dim > 0) rotate(x, cos, sin, rotary_dim / 2, y);
+  if (rotary_dim < d) std::memcpy(y + rotary_dim, x + rotary_dim, sizeof(T) * (d - rotary_dim));
+}
+
 template <typename T>
 void rotary_cache(const RotaryCacheArgs& a) {
-  const int32_t d = a.head_dim, half = d / 2;
+  const int32_t d = a.head_dim, rotary_width = a.rotary_dim > 0 ? a.rotary_dim : d;
+  const int32_t rotary_dim = a.skip_rotary != 0 ? 0 : rotary_width;
   const int64_t work = int64_t{a.num_tokens} * (a.num_q_heads + 2 * a.num_kv_heads) * d;
 #pragma omp parallel for schedule(static) num_threads(threads_for(work, a.num_threads))
   for (int32_t t = 0; t < a.num_tokens; ++t) {
-    const T* cos = static_cast<const T*>(a.cos) + int64_t{t} * d;
-    const T* sin = static_cast<const T*>(a.sin) + int64_t{t} * d;
+    const T* cos = static_cast<const T*>(a.cos) + int64_t{t} * rotary_width;
+    const T* sin = static_cast<const T*>(a.sin) + int64_t{t} * rotary_width;
     const T* q = static_cast<const T*>(a.query) + t * a.q_stride;
     T* q_out = static_cast<T*>(a.query_out) + int64_t{t} * a.num_q_heads * d;
     T normed[kMaxNormedHeadDim];
     for (int32_t h = 0; h < a.num_q_heads; ++h)
-      rotate(norm_head(q + int64_t{h} * d, a.q_norm, a.q_norm_eps, d, normed), cos, sin, half, q_out + int64_t{h} * d);
+      place(norm_head(q + int64_t{h} * d, a.q_norm, a.q_norm_eps, d, normed), cos, sin, d, rotary_dim,
+            q_out + int64_t{h} * d);
     const int64_t slot = a.slot_mapping[t];
     if (slot < 0) continue;
     const int64_t block = slot / a.block_size, offset = slot % a.block_size;
@@ -131,8 +142,8 @@ void rotary_cache(const RotaryCacheArgs& a) {
     const T* k = static_cast<const T*>(a.key) + t * a.k_stride;
     const T* v = static_cast<const T*>(a.value) + t * a.v_stride;
     for (int32_t h = 0; h < a.num_kv_heads; ++h) {
-      rotate(norm_head(k + int64_t{h} * d, a.k_norm, a.k_norm_eps, d, normed), cos, sin, half,
-             k_dst + h * a.k_stride_head);
+      place(norm_head(k + int64_t{h} * d, a.k_norm, a.k_norm_eps, d, normed), cos, sin, d, rotary_dim,
+            k_dst + h * a.k_stride_head);
       std::memcpy(v_dst + h * a.v_stride_head, v + int64_t{h} * d, sizeof(T) * d);
     }
   }
@@ -190,6 +201,7 @@ int pb_cpu_add_rms_norm(const void* x, int64_t x_stride, void* residual, int64_t
 
 int pb_cpu_rotary_cache(const RotaryCacheArgs* args, int32_t dtype) {
   if (args->head_dim <= 0 || args->head_dim % 2 != 0 || args->block_size <= 0) return -2;
+  if (args->rotary_dim < 0 || args->rotary_dim % 2 != 0 || args->rotary_dim > args->head_dim) return -2;
   if ((args->q_norm != nullptr || args->k_norm != nullptr) && args->head_dim > kMaxNormedHeadDim) return -2;
   switch (dtype) {
     case F32: rotary_cache<float>(*args); return 0;
@@ -224,7 +236,9 @@ const char* pb_cpu_fused_error_string(int code) {
   switch (code) {
     case 0: return "ok";
     case -1: return "unsupported dtype code (f32, f16 or bf16)";
-    case -2: return "bad shape (rows >= 0, hidden/width > 0, even head_dim, block_size > 0, head_dim <= 512 with q/k norms)";
+    case -2:
+      return "bad shape (rows >= 0, hidden/width > 0, even head_dim, even rotary_dim <= head_dim, block_size > 0, "
+             "head_dim <= 512 with q/k norms)";
     default: return "unknown error";
   }
 }

@@ -36,7 +36,7 @@ struct RotaryCacheArgs {
   int64_t k_stride;
   const void* value;
   int64_t v_stride;
-  const void* cos;  // [T, D]
+  const void* cos;  // [T, rotary_dim]
   const void* sin;
   void* query_out;  // [T, Hq, D] contiguous
   void* key_cache;  // [N, block_size, Hkv, D]
@@ -48,6 +48,8 @@ struct RotaryCacheArgs {
   const void* q_norm;  // or null: an RMSNorm weight [D] applied to each q head before rotary (Qwen3's q_norm)
   const void* k_norm;  // likewise for each k head (k_norm); the stored keys are normed and rotated
   float q_norm_eps, k_norm_eps;
+  int32_t skip_rotary;  // 1: a NoPE layer (SmolLM3): q and k pass unrotated (after any norm)
+  int32_t rotary_dim;   // the leading dims of each head that rotate, the rest pass (Phi-4-mini); 0: all of head_dim
 };
 
 constexpr int32_t kMaxNormedHeadDim = 512;  // a normed head is staged in a stack buffer of this many elements

@@ -16,7 +16,7 @@ import torch
 
 from paged_backend.ops._c_abi import F32, I32, I64, PTR, check_layouts
 from paged_backend.ops.cpu import QUERY_DTYPES, AttentionArgs, AttentionPlan, _library
-from paged_backend.ops.fused_cpu import Norm, RotaryCache, RotaryCacheArgs, _fused, _norm_args
+from paged_backend.ops.fused_cpu import PLAIN, HeadPrep, RotaryCache, RotaryCacheArgs, _fused
 from paged_backend.ops.panel_linear import PanelWeight, _panel, panel_bias
 
 
@@ -30,7 +30,7 @@ class DecoderLayer(ctypes.Structure):
         ("k_stride_block", I64), ("k_stride_slot", I64), ("k_stride_head", I64),
         ("v_stride_block", I64), ("v_stride_slot", I64), ("v_stride_head", I64),
         ("group", I32), ("sliding_window", I32),
-        ("q_norm", PTR), ("k_norm", PTR), ("q_norm_eps", F32), ("k_norm_eps", F32),
+        ("q_norm", PTR), ("k_norm", PTR), ("q_norm_eps", F32), ("k_norm_eps", F32), ("skip_rotary", I32),
     ]  # fmt: skip
 
 
@@ -75,8 +75,8 @@ def _error(kernel: int, status: int) -> str:
 @dataclass
 class LayerParts:
     """One layer as the loop reads it: stacked q|k|v and gate|up panels, o and down, biases (or None), the two
-    norms' (weight, eps), the layer's pools, its sliding window (None: off) and its per-head q and k norms (Qwen3;
-    None: none)."""
+    norms' (weight, eps), the layer's pools, its sliding window (None: off) and what it does to q and k heads besides
+    the rotary (`HeadPrep`: Qwen3's norms, SmolLM3's NoPE layers)."""
 
     qkv: PanelWeight
     qkv_bias: torch.Tensor | None
@@ -91,8 +91,7 @@ class LayerParts:
     key_cache: torch.Tensor
     value_cache: torch.Tensor
     sliding_window: int | None
-    q_norm: Norm | None = None
-    k_norm: Norm | None = None
+    head_prep: HeadPrep = PLAIN
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
@@ -115,18 +114,17 @@ class DecoderLayers:
             own = (part.qkv_bias, part.o_bias, part.gate_up_bias, part.down_bias)
             biases = [panel_bias(bias, self.dtype) for bias in own]
             k_strides, v_strides = part.key_cache.stride()[:3], part.value_cache.stride()[:3]
-            (q_norm, q_eps), (k_norm, k_eps) = _norm_args(part.q_norm), _norm_args(part.k_norm)
             layers.append(DecoderLayer(
                 part.qkv.packed.data_ptr(), _pointer(biases[0]), part.o.packed.data_ptr(), _pointer(biases[1]),
                 part.gate_up.packed.data_ptr(), _pointer(biases[2]), part.down.packed.data_ptr(), _pointer(biases[3]),
                 part.attention_norm[0].data_ptr(), part.mlp_norm[0].data_ptr(), part.attention_norm[1],
                 part.mlp_norm[1], part.key_cache.data_ptr(), part.value_cache.data_ptr(), *k_strides, *v_strides,
-                0, part.sliding_window or 0, q_norm, k_norm, q_eps, k_eps,
+                0, part.sliding_window or 0, **part.head_prep.fields(),
             ))  # fmt: skip
             # The weights are kept alive here; the pools are not (sleep mode frees them): the caller rebuilds this
             # when a pool moves.
             self.keep += [part.qkv, part.o, part.gate_up, part.down, part.attention_norm[0], part.mlp_norm[0], *biases,
-                          *(norm[0] for norm in (part.q_norm, part.k_norm) if norm is not None)]
+                          part.head_prep]
         self.layers = (DecoderLayer * len(layers))(*layers)
 
     def __call__(self, residual: torch.Tensor, x: torch.Tensor, groups: list[int], rotaries: list[RotaryCache],

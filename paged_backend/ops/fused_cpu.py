@@ -9,6 +9,7 @@ float32, float16 or bfloat16.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -31,6 +32,7 @@ class RotaryCacheArgs(ctypes.Structure):
         ("num_tokens", I32), ("num_q_heads", I32), ("num_kv_heads", I32), ("head_dim", I32),
         ("block_size", I32), ("num_threads", I32),
         ("q_norm", PTR), ("k_norm", PTR), ("q_norm_eps", ctypes.c_float), ("k_norm_eps", ctypes.c_float),
+        ("skip_rotary", I32), ("rotary_dim", I32),
     ]  # fmt: skip
 
 
@@ -84,31 +86,49 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 Norm = tuple[torch.Tensor, float]  # an RMSNorm's (weight, eps)
 
 
-def _norm_args(norm: Norm | None) -> tuple[int | None, float]:
-    return (None, 0.0) if norm is None else (norm[0].data_ptr(), norm[1])
+@dataclass(frozen=True)
+class HeadPrep:
+    """What a layer does to each q and k head on the way to attention besides the step's rotary: Qwen3's per-head
+    RMSNorms before it (q_norm, k_norm: (weight [D], eps)), and SmolLM3's NoPE layers, which skip it."""
+
+    q_norm: Norm | None = None
+    k_norm: Norm | None = None
+    rotary: bool = True
+
+    def fields(self) -> dict:
+        """This prep as the kernels' struct fields (RotaryCacheArgs, and each PbCpuDecoderLayer)."""
+        (q_norm, q_eps), (k_norm, k_eps) = (
+            (None, 0.0) if norm is None else (norm[0].data_ptr(), norm[1]) for norm in (self.q_norm, self.k_norm)
+        )
+        return dict(q_norm=q_norm, k_norm=k_norm, q_norm_eps=q_eps, k_norm_eps=k_eps, skip_rotary=int(not self.rotary))
+
+
+PLAIN = HeadPrep()  # Llama's: rotary only
 
 
 class RotaryCache:
     """Rotary on q and k, and the pool write of k and v, for every layer of one step.
 
-    The step's cos/sin `[T, D]`, slot mapping and shapes go into the kernel's argument struct once; each layer
-    then sets only its own tensors, which keeps the per-layer cost to the call itself."""
+    The step's cos/sin `[T, R]`, slot mapping and shapes go into the kernel's argument struct once; each layer
+    then sets only its own tensors, which keeps the per-layer cost to the call itself. The first R dims of each head
+    rotate (R = `head_dim` unless the model's rotary is partial, as Phi-4-mini's), the rest pass."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
+                 head_dim: int | None = None) -> None:  # fmt: skip
         self._keep = (cos, sin, slot_mapping)  # the struct points into them
         self.args = RotaryCacheArgs(
             cos=cos.data_ptr(), sin=sin.data_ptr(), slot_mapping=slot_mapping.data_ptr(),
-            num_tokens=cos.shape[0], head_dim=cos.shape[1], block_size=block_size,
-            num_threads=torch.get_num_threads(),
+            num_tokens=cos.shape[0], head_dim=head_dim or cos.shape[1], block_size=block_size,
+            num_threads=torch.get_num_threads(), rotary_dim=cos.shape[1],
         )  # fmt: skip
         self.dtype = QUERY_DTYPES[cos.dtype]
 
-    def __call__(self, query, key, value, key_cache, value_cache, q_norm: Norm | None = None,
-                 k_norm: Norm | None = None) -> torch.Tensor:  # fmt: skip
-        """Rotated `query [T, Hq, D]` (a new tensor) after storing rotated keys and the values in the pools. With
-        `q_norm`/`k_norm` ((weight [D], eps)), each q/k head is RMS-normed before its rotary (Qwen3's q/k norms)."""
+    def __call__(self, query, key, value, key_cache, value_cache, prep: HeadPrep = PLAIN) -> torch.Tensor:
+        """Rotated `query [T, Hq, D]` (a new tensor) after storing rotated keys and the values in the pools; `prep`
+        adds the layer's per-head norms first, or skips the rotary."""
         args, head_dim = self.args, self.args.head_dim
-        (args.q_norm, args.q_norm_eps), (args.k_norm, args.k_norm_eps) = _norm_args(q_norm), _norm_args(k_norm)
+        for name, field in prep.fields().items():
+            setattr(args, name, field)
         out = torch.empty(query.shape[0], query.shape[1] // head_dim, head_dim, dtype=query.dtype)
         args.query, args.q_stride = query.data_ptr(), query.stride(0)
         args.key, args.k_stride = key.data_ptr(), key.stride(0)
@@ -136,18 +156,22 @@ def silu_mul_reference(gate, up) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def rotary_cache_reference(query, key, value, cos, sin, key_cache, value_cache, slot_mapping, q_norm=None,
-                           k_norm=None) -> torch.Tensor:  # fmt: skip
-    def rotate(x):  # [T, H, D] with cos/sin [T, 1, D]
+def rotary_cache_reference(query, key, value, cos, sin, key_cache, value_cache, slot_mapping,
+                           prep: HeadPrep = PLAIN, head_dim: int | None = None) -> torch.Tensor:  # fmt: skip
+    def rotate(x):  # [T, H, D] with cos/sin [T, 1, R]: the first R dims rotate, the rest pass (partial rotary)
+        if not prep.rotary:  # SmolLM3's NoPE layers
+            return x
+        x, rest = x[..., : cos.shape[-1]], x[..., cos.shape[-1] :]
         half = x.shape[-1] // 2
-        return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
+        turned = x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
+        return torch.cat((turned, rest), dim=-1)
 
     def normed(x, norm):  # Qwen3's q_norm/k_norm: an RMSNorm over each head
         return x if norm is None else add_rms_norm_reference(None, x, *norm)
 
-    head_dim = cos.shape[1]
-    q = rotate(normed(query.reshape(query.shape[0], -1, head_dim), q_norm))
-    k = rotate(normed(key.reshape(key.shape[0], -1, head_dim), k_norm))
+    head_dim = head_dim or cos.shape[1]
+    q = rotate(normed(query.reshape(query.shape[0], -1, head_dim), prep.q_norm))
+    k = rotate(normed(key.reshape(key.shape[0], -1, head_dim), prep.k_norm))
     v = value.reshape(value.shape[0], -1, head_dim)
     stored = slot_mapping >= 0
     for source, pool in ((k, key_cache), (v, value_cache)):

@@ -9,7 +9,8 @@ arguments prepared once (`AttentionPlan`, `RotaryCache`):
 
     residual = embed(ids); x = norm(residual)
     per layer: q, k, v = qkv(x); q = rotary_cache(q, k, v -> pool); o = o_proj(attention(q))
-               (Qwen3: rotary_cache RMS-norms each q and k head first, its q_norm and k_norm)
+               (Qwen3: rotary_cache RMS-norms each q and k head first; SmolLM3's NoPE layers skip the rotary;
+               Phi-3 keeps q|k|v and gate|up in one module each, and Phi-4-mini rotates part of each head)
                x = add_rms_norm(o, residual); x = down(silu_mul(*gate_up(x))); x = add_rms_norm(x, residual)
 
 It takes the architectures whose layers are exactly that (`FAMILIES`) when nothing hooks the modules it bypasses;
@@ -31,10 +32,16 @@ from paged_backend.core.kv_cache import PagedKVCache
 from paged_backend.ops import resolve_backend
 from paged_backend.ops.cpu import AttentionPlan
 from paged_backend.ops.decoder_layers import DecoderLayers, LayerParts
-from paged_backend.ops.fused_cpu import FUSED_DTYPES, RotaryCache, add_rms_norm, silu_mul
+from paged_backend.ops.fused_cpu import FUSED_DTYPES, HeadPrep, RotaryCache, add_rms_norm, silu_mul
 from paged_backend.worker.attention import PagedMetadata
 
-FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Where a family keeps each layer's linear layers: those reading the attention's input (q, k and v apart, or one
+# module stacking them), o, those reading the MLP's input (gate and up, or one stacked module), down.
+APART = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn.o_proj",
+         ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj")  # fmt: skip
+STACKED = (("self_attn.qkv_proj",), "self_attn.o_proj", ("mlp.gate_up_proj",), "mlp.down_proj")
+FAMILIES = {"LlamaForCausalLM": APART, "MistralForCausalLM": APART, "Qwen2ForCausalLM": APART,
+            "Qwen3ForCausalLM": APART, "SmolLM3ForCausalLM": APART, "Phi3ForCausalLM": STACKED}  # fmt: skip
 SWITCH = "PAGED_BACKEND_FUSED_FORWARD"
 NATIVE_SWITCH = "PAGED_BACKEND_NATIVE_LAYERS"  # "0": the layer loop in Python, not csrc/cpu/decoder_layers_cpu.cpp
 
@@ -77,10 +84,6 @@ def unfused_reason(model: nn.Module, kv_cache: PagedKVCache, attention_backend: 
     return None
 
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-           "mlp.up_proj", "mlp.down_proj")  # fmt: skip
-
-
 class FusedForward:
     """`forward(ids, positions, metadata, rows)` of `ModelRunner`, on the fused kernels (see the module doc).
 
@@ -93,7 +96,7 @@ class FusedForward:
         self.model, self.kv_cache, self.linears = model, kv_cache, linears
         self.base = model.model
         self.layers = list(self.base.layers)
-        self.modules = [tuple(layer.get_submodule(name) for name in LINEARS) for layer in self.layers]
+        self.modules = [_layer_linears(layer, FAMILIES[type(model).__name__]) for layer in self.layers]
         self.lm_head = model.lm_head
         attn = self.layers[0].self_attn
         self.head_dim, self.scale = attn.head_dim, attn.scaling
@@ -109,21 +112,18 @@ class FusedForward:
             for layer in self.layers
         ]  # fmt: skip
         self.final_norm = (self.base.norm.weight, self.base.norm.variance_epsilon)
-        # Qwen3 RMS-norms each q and k head before rotary: (q norm, k norm) per layer, each (weight, eps) or None
-        self.head_norms = [
-            tuple((norm.weight, norm.variance_epsilon) for norm in _head_norm_modules(layer.self_attn)) or (None, None)
-            for layer in self.layers
-        ]
-        q, k, v, _, gate, up, _ = self.modules[0]
-        self.qkv_sizes = [q.out_features, k.out_features, v.out_features]
-        self.gate_up_sizes = [gate.out_features, up.out_features]
+        self.head_preps = [_head_prep(layer.self_attn) for layer in self.layers]
+        q_size = config.num_attention_heads * self.head_dim
+        kv_size = (sum(module.out_features for module in self.modules[0][0]) - q_size) // 2
+        self.qkv_sizes = [q_size, kv_size, kv_size]
+        self.gate_up_sizes = [sum(module.out_features for module in self.modules[0][2]) // 2] * 2
         self._built, self._built_key = None, None  # _calls()'s result, and the generations it was built at
         self._rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos and sin by position (_rotary)
         # a rope that changes with the sequence length cannot be tabled
         rope_type = str(getattr(self.base.rotary_emb, "rope_type", "default"))
         self._rope_varies = any(kind in rope_type for kind in ("dynamic", "longrope"))
         # the forward hooks of every module the calls bypass, checked each step (a caller's, LoRA's as it loads)
-        bypassed = [*(module for layer in self.modules for module in layer), self.lm_head]
+        bypassed = [*(module for layer in self.modules for module in _flat(layer)), self.lm_head]
         self._hook_dicts = [
             hooks for module in bypassed for hooks in (module._forward_hooks, module._forward_pre_hooks)
         ]
@@ -147,13 +147,13 @@ class FusedForward:
     def _build_calls(self, native: bool) -> tuple[list[tuple], object, DecoderLayers | None]:
         packed = self.linears.forwards() if self.linears is not None else {}
         stacked = getattr(self.linears, "stacked", None)
+        forward_of = lambda module: packed.get(module) or module.forward  # noqa: E731 (no hooks: checked by _calls)
         layers, natives = [], []
-        for modules in self.modules:
-            q, k, v, o, gate, up, down = (packed.get(module) or module.forward for module in modules)
-            qkv = stacked(modules[:3]) if stacked is not None else None
-            gate_up = stacked(modules[4:6]) if stacked is not None else None
-            layers.append((_split(qkv, self.qkv_sizes) if qkv is not None else _each(q, k, v), o,
-                           _split(gate_up, self.gate_up_sizes) if gate_up is not None else _each(gate, up), down))  # fmt: skip
+        for qkv_modules, o, gate_up_modules, down in self.modules:
+            qkv_call, qkv = _one_call(qkv_modules, forward_of, stacked, self.qkv_sizes)
+            gate_up_call, gate_up = _one_call(gate_up_modules, forward_of, stacked, self.gate_up_sizes)
+            o, down = forward_of(o), forward_of(down)
+            layers.append((qkv_call, o, gate_up_call, down))
             natives.append((qkv, o, gate_up, down))
         return layers, packed.get(self.lm_head) or self.lm_head.forward, self._native_loop(natives) if native else None
 
@@ -164,7 +164,7 @@ class FusedForward:
             return None
         parts = [
             LayerParts(qkv.panel, qkv.bias, o.panel, o.bias, gate_up.panel, gate_up.bias, down.panel, down.bias,
-                       *self.norms[index], *self.kv_cache.layer(index), self.windows[index], *self.head_norms[index])
+                       *self.norms[index], *self.kv_cache.layer(index), self.windows[index], self.head_preps[index])
             for index, (qkv, o, gate_up, down) in enumerate(forwards)
         ]  # fmt: skip
         return DecoderLayers(parts, *self.qkv_sizes[:2], self.head_dim)
@@ -176,7 +176,9 @@ class FusedForward:
         calls = self._calls()
         if calls is not None:
             return self._run(*calls, ids, positions, metadata, rows, cut)
-        modules = [(_each(q, k, v), o, _each(gate, up), down) for q, k, v, o, gate, up, down in self.modules]
+        modules = [(_one_call(qkv, _module, None, self.qkv_sizes)[0], o,
+                    _one_call(gate_up, _module, None, self.gate_up_sizes)[0], down)
+                   for qkv, o, gate_up, down in self.modules]  # fmt: skip
         with self.linears.active() if self.linears is not None else nullcontext():
             return self._run(modules, self.lm_head, None, ids, positions, metadata, rows, cut)
 
@@ -207,7 +209,7 @@ class FusedForward:
             group = metadata.for_layer(layer)
             if id(group) not in index_of:
                 index_of[id(group)] = len(rotaries)
-                rotaries.append(RotaryCache(cos, sin, group.slot_mapping, block_size))
+                rotaries.append(RotaryCache(cos, sin, group.slot_mapping, block_size, head_dim))
                 plans.append(AttentionPlan(
                     group.block_tables, group.seq_lens, group.query_start_loc, num_q_heads=q_width // head_dim,
                     num_kv_heads=kv_width // head_dim, head_dim=head_dim, block_size=block_size, dtype=dtype,
@@ -242,7 +244,7 @@ class FusedForward:
             q, k, v = qkv_proj(x)
             rotary, plan = rotaries[groups[index]], plans[groups[index]]
             key_cache, value_cache = cache.layer(index)
-            q = rotary(q, k, v, key_cache, value_cache, *self.head_norms[index])
+            q = rotary(q, k, v, key_cache, value_cache, self.head_preps[index])
             out = o_proj(plan(q, key_cache, value_cache, self.windows[index]).view(q.shape[0], -1))
             x = add_rms_norm(out, residual, *self.norms[index][1])
             out = down_proj(silu_mul(*gate_up_proj(x)))
@@ -254,6 +256,42 @@ class FusedForward:
 def _head_norm_modules(attention: nn.Module) -> tuple[nn.Module, ...]:
     """Qwen3's per-head RMSNorms of q and k (before rotary), or () for the families without them."""
     return (attention.q_norm, attention.k_norm) if hasattr(attention, "q_norm") else ()
+
+
+def _head_prep(attention: nn.Module) -> HeadPrep:
+    """The layer's q/k norms (Qwen3: an RMSNorm over each head, before rotary) and whether it has rotary at all
+    (SmolLM3's NoPE layers have none)."""
+    norms = [(norm.weight, norm.variance_epsilon) for norm in _head_norm_modules(attention)] or [None, None]
+    return HeadPrep(*norms, rotary=bool(getattr(attention, "use_rope", True)))
+
+
+def _layer_linears(layer: nn.Module, names: tuple) -> tuple:
+    """(the q|k|v modules, o, the gate|up modules, down) of `layer`, by its family's names."""
+    qkv, o, gate_up, down = names
+    return (tuple(map(layer.get_submodule, qkv)), layer.get_submodule(o), tuple(map(layer.get_submodule, gate_up)),
+            layer.get_submodule(down))  # fmt: skip
+
+
+def _flat(linears: tuple) -> list[nn.Module]:
+    qkv, o, gate_up, down = linears
+    return [*qkv, o, *gate_up, down]
+
+
+def _module(module: nn.Module) -> nn.Module:
+    return module  # called as a module: its hooks run (LoRA's, a caller's)
+
+
+def _one_call(modules: tuple, call_of: Callable, stacked, sizes: list[int]):
+    """One call for the layers that read the same input (q, k and v; gate and up), giving their outputs apart, and the
+    stacked packed forward the C++ loop takes (None where there is none): the family's own stacked module (Phi-3),
+    their panels stacked, or else each layer called in turn. `call_of(module)` is what calls one layer."""
+    if len(modules) == 1:
+        call = call_of(modules[0])
+        return _split(call, sizes), call
+    group = stacked(modules) if stacked is not None else None
+    if group is not None:
+        return _split(group, sizes), group
+    return _each(*map(call_of, modules)), None
 
 
 def _each(*projections):
