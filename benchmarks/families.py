@@ -2,7 +2,7 @@
 over the paged bridge (the path of every family the fused forward does not take), with HF `generate` as the
 baseline, same seeded weights, same prompts, greedy, in one run.
 
-Shapes are the real checkpoints' (random weights): Qwen3-0.6B and SmolLM2-135M. One stream reports the time per
+Shapes are the real checkpoints' (random weights): Qwen3-0.6B, Gemma-3-270M and SmolLM2-135M. One stream reports the time per
 decoded token (a 65-token run minus a 1-token run, so the prompt's prefill drops out); 16 streams report tokens
 per second over the whole run. Tokens are checked against HF `generate`'s at one stream.
 
@@ -19,7 +19,14 @@ import random
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from paged_backend.engine import LLM, SamplingParams
 from paged_backend.worker.fused_forward import SWITCH
@@ -29,6 +36,9 @@ SHAPES = {
     "qwen3-0.6b": (Qwen3Config, Qwen3ForCausalLM, dict(
         hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
         head_dim=128, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096)),
+    "gemma3-270m": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
+        hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=256, vocab_size=262144, query_pre_attn_scalar=256, sliding_window=512, max_position_embeddings=32768)),
     "smollm2-135m": (LlamaConfig, LlamaForCausalLM, dict(
         hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
         vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)),

@@ -43,14 +43,19 @@ def test_llama_family_runs_fused_and_equals_transformers_forward(arch, make_llm,
 
 @pytest.mark.parametrize(
     "arch, overrides",
-    [("smollm3", {}), ("phi3", {}), ("phi3", {"partial_rotary_factor": 0.5}), ("phi3", {"sliding_window": 6})],
-    ids=["smollm3-nope-layer", "phi3-stacked-modules", "phi3-partial-rotary", "phi3-window"],
+    [("smollm3", {}), ("phi3", {}), ("phi3", {"partial_rotary_factor": 0.5}), ("phi3", {"sliding_window": 6}),
+     ("gemma3", {}), ("gemma3", {"final_logit_softcapping": 10.0})],
+    ids=["smollm3-nope-layer", "phi3-stacked-modules", "phi3-partial-rotary", "phi3-window", "gemma3",
+         "gemma3-final-softcap"],
 )
 @torch.no_grad()
 def test_other_llama_shaped_families_run_fused_and_equal_transformers_forward(arch, overrides, make_llm, monkeypatch):
     """SmolLM3 is Llama with no rotary on every n-th layer; Phi-3 keeps q|k|v and gate|up in one module each, and
-    Phi-4-mini rotates only the leading dims of a head. The fused forward gives transformers' tokens on each."""
+    Phi-4-mini rotates only the leading dims of a head. Gemma 3 norms each branch's output too, with its own kind of
+    norm, uses GELU-tanh, per-head q/k norms and two rotary bases (local, global layers). The fused forward gives
+    transformers' tokens on each."""
     model = hf_tiny_model(arch, seed=5, **overrides)
+    _distinct_norms(model)
     prompts = [[token % 120 + 3 for token in prompt] for prompt in ragged_prompts(8, seed=2, longest=30)]
     fused = make_llm(model=model, max_num_batched_tokens=32)
     assert fused.engine.runner.fused is not None, fused.engine.runner.unfused_reason
@@ -95,6 +100,11 @@ def test_a_hooked_layer_runs_transformers_forward_and_says_why(make_llm):
     assert seen  # the caller's hook ran, as it would under transformers
 
 
+def test_gemma3_attention_softcapping_keeps_transformers_forward(make_llm):
+    llm = make_llm(model=hf_tiny_model("gemma3", seed=7, attn_logit_softcapping=20.0))
+    assert llm.engine.runner.fused is None and "softcapping" in llm.engine.runner.unfused_reason
+
+
 def test_other_architectures_name_themselves_as_the_reason(make_llm):
     llm = make_llm(model=hf_tiny_model("gemma2", attn_implementation="eager", seed=7))
     assert llm.engine.runner.fused is None
@@ -125,19 +135,17 @@ def test_a_torch_attention_backend_keeps_the_oracle_path(make_llm):
         ("qwen3", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1), torch.float32),
         ("smollm3", {}, torch.bfloat16),  # a NoPE layer
         ("phi3", {"partial_rotary_factor": 0.5}, torch.bfloat16),  # stacked modules, partial rotary
+        ("gemma3", {}, torch.bfloat16),  # sandwich norms, GELU-tanh, two rotary bases, windowed layers
     ],
     ids=["llama-fp32", "llama-bf16", "qwen2-windowed-layer", "mistral-window-bf16", "qwen3-bf16",
-         "qwen3-windowed-layer", "smollm3-nope-bf16", "phi3-partial-rotary-bf16"],
+         "qwen3-windowed-layer", "smollm3-nope-bf16", "phi3-partial-rotary-bf16", "gemma3-bf16"],
 )
 def test_the_native_layer_loop_equals_the_python_loop_bitwise(arch, overrides, dtype, make_llm, monkeypatch):
     """csrc/cpu/decoder_layers_cpu.cpp calls the Python loop's kernels in its order: same tokens, same logprobs
     to the bit, over chunked prefills beside decodes, biases (Qwen2), q/k norms (Qwen3), NoPE layers (SmolLM3),
     stacked modules and partial rotary (Phi-3), windows and per-layer window groups."""
     model = hf_tiny_model(arch, seed=3, **overrides).to(dtype)
-    with torch.no_grad():  # norms start at ones: make each its own, so a swapped norm shows
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+    _distinct_norms(model)
     prompts = [[token % 120 + 3 for token in prompt] for prompt in ragged_prompts(12, seed=4, longest=30)]
     loops = []
     native_call = DecoderLayers.__call__
@@ -149,6 +157,14 @@ def test_the_native_layer_loop_equals_the_python_loop_bitwise(arch, overrides, d
     assert native_steps > MAX_TOKENS and len(loops) == native_steps  # every step went native, then none did
     assert native_tokens == python_tokens
     assert torch.equal(native_logprobs, python_logprobs)
+
+
+@torch.no_grad()
+def _distinct_norms(model) -> None:
+    """Norms start at ones (Gemma's at zeros): make each its own, so a swapped or skipped norm shows."""
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
 
 
 def test_calls_are_built_once_and_again_after_a_weight_or_hook_changes(make_llm, monkeypatch):
@@ -185,11 +201,11 @@ def test_rotary_rows_are_the_rotary_modules_bits(dtype, rope, make_llm):
     for positions in ([[0, 1, 2]], [[4095]], [[17, 5000, 9000, 3]], [[12000]]):
         positions = torch.tensor(positions)
         expected = [t[0] for t in rotary(x, positions)]
-        got = fused._rotary(x, positions)
+        got = fused._rotary(x, positions)[None]  # one kind of layer
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
-    assert (fused._rotary_table is None) == (rope is not None)
+    assert (not fused._rotary_tables) == (rope is not None)
     if rope is None:
-        assert fused._rotary_table[0].shape[0] >= 12001
+        assert fused._rotary_tables[None][0].shape[0] >= 12001
 
 
 def test_a_bad_head_dim_is_refused_with_the_kernels_words():

@@ -40,6 +40,42 @@ def test_add_rms_norm_matches_the_oracle_and_updates_the_residual_in_place(dtype
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("normed_add", [False, True], ids=["pre-norm", "post-norm"])
+def test_gemma_norms_match_the_oracle(dtype, rows, normed_add):
+    """Gemma's norms scale by 1 + weight in fp32 and round once; its post-norms RMS-norm the branch's output before
+    the residual add (`x_weight`)."""
+    hidden = 640
+    x, residual = randn(rows, hidden, dtype=dtype, seed=1), randn(rows, hidden, dtype=dtype, seed=2) * 3
+    weight, x_weight = randn(hidden, dtype=dtype, seed=3), randn(hidden, dtype=dtype, seed=15)
+    x_weight = x_weight if normed_add else None
+    expected_residual = residual.clone()
+    expected = fused_cpu.add_rms_norm_reference(x, expected_residual, weight, 1e-6, x_weight, unit_offset=True)
+    out = fused_cpu.add_rms_norm(x, residual, weight, 1e-6, x_weight=x_weight, unit_offset=True)
+    close(out, expected, dtype)
+    close(residual, expected_residual, dtype)
+    llama = fused_cpu.add_rms_norm(x, expected_residual.clone(), weight, 1e-6, x_weight=x_weight)
+    assert not torch.allclose(llama.float(), out.float())  # the kinds differ
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_gelu_tanh_mul_matches_the_oracle(dtype, rows):
+    gate, up = randn(rows, 1536, dtype=dtype, seed=4) * 4, randn(rows, 1536, dtype=dtype, seed=5)
+    expected = fused_cpu.act_mul_reference(gate, up, fused_cpu.GELU_TANH)
+    close(fused_cpu.act_mul(gate, up, fused_cpu.GELU_TANH), expected, dtype)
+    extremes = torch.tensor([[-1e4, -90.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 90.0, 1e4]])
+    out = fused_cpu.act_mul(extremes, torch.ones_like(extremes), fused_cpu.GELU_TANH)
+    close(out, fused_cpu.act_mul_reference(extremes, torch.ones_like(extremes), fused_cpu.GELU_TANH), torch.float32)
+
+
+def test_an_unknown_activation_is_refused():
+    gate = torch.ones(1, 8)
+    with pytest.raises(RuntimeError, match="unknown activation code"):
+        fused_cpu.act_mul(gate, gate, 7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
 def test_silu_mul_matches_the_oracle(dtype, rows):
     gate, up = randn(rows, 1536, dtype=dtype, seed=4) * 4, randn(rows, 1536, dtype=dtype, seed=5)
     close(fused_cpu.silu_mul(gate, up), fused_cpu.silu_mul_reference(gate, up), dtype)
@@ -96,6 +132,16 @@ def test_rotary_cache_norms_each_q_and_k_head_first_as_qwen3_does(dtype, rows):
     assert torch.equal(value_cache, ref_values)
     plain = RotaryCache(cos, sin, slots, block_size=16)(q, k, v, key_cache.clone(), value_cache.clone())
     assert not torch.allclose(plain.float(), out.float())  # the norms changed the result
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_cache_norms_heads_the_gemma_way(dtype):
+    q, k, v, cos, sin, slots, (key_cache, value_cache, ref_keys, ref_values) = rotary_case(5, dtype)
+    prep = HeadPrep((randn(64, dtype=dtype, seed=13), 1e-6), (randn(64, dtype=dtype, seed=14), 1e-6), unit_offset=True)
+    expected = fused_cpu.rotary_cache_reference(q, k, v, cos, sin, ref_keys, ref_values, slots, prep)
+    out = RotaryCache(cos, sin, slots, block_size=16)(q, k, v, key_cache, value_cache, prep)
+    close(out, expected, dtype)
+    close(key_cache, ref_keys, dtype)
 
 
 def test_a_head_too_wide_for_the_norm_buffer_is_refused():

@@ -5,7 +5,8 @@
 //
 //   qkv = x @ Wqkv^T; q = rotary(q), rotary(k) and v -> pool (q and k heads normed first where the layer has
 //   q/k norms, no rotary on NoPE layers); o = attention(q) @ Wo^T
-//   x = add_rms_norm(o, residual); out = silu_mul(x @ Wgate_up^T) @ Wdown^T; x = add_rms_norm(out, residual) (next)
+//   x = add_rms_norm(o, residual); out = act_mul(x @ Wgate_up^T) @ Wdown^T; x = add_rms_norm(out, residual) (next)
+//   (Gemma: o and out RMS-normed before their residual adds, inside add_rms_norm; GELU-tanh for SiLU)
 //
 // What it saves is Python: ~7 us per kernel call from ctypes, eight calls per layer. A deep, narrow model pays that
 // 240 times per token at one stream, 1.5-2 ms of a ~11 ms bf16 token on a 2-core host. The caller polls `stop`
@@ -27,7 +28,7 @@ struct PbCpuDecoderLayer {
   const void* down;  // [hidden] outputs of `intermediate` inputs
   const void* down_bias;
   const void* attention_norm;  // input_layernorm's weight
-  const void* mlp_norm;        // post_attention_layernorm's weight
+  const void* mlp_norm;        // the norm before the MLP: post_attention_layernorm's (Gemma: pre_feedforward_...)
   float attention_eps, mlp_eps;
   void* key_cache;  // this layer's pools [N, block_size, Hkv, D]
   void* value_cache;
@@ -39,6 +40,10 @@ struct PbCpuDecoderLayer {
   const void* k_norm;
   float q_norm_eps, k_norm_eps;
   int32_t skip_rotary;  // 1: a NoPE layer (SmolLM3)
+  const void* post_attention_norm;  // or null: Gemma's norm of the attention output before its residual add
+  const void* post_mlp_norm;        // or null: likewise for the MLP output
+  int32_t unit_offset;              // Gemma's norms: (1 + weight) in fp32, one rounding (q/k norms too)
+  int32_t activation;               // PbCpuActivation of the MLP's gate
 };
 
 struct PbCpuDecoderStep {
@@ -81,7 +86,7 @@ void point_at_pools(Args& args, const PbCpuDecoderLayer& layer) {
 
 extern "C" {
 
-enum PbCpuLayerKernel : int32_t { PB_LINEAR = 1, PB_ROTARY = 2, PB_ATTENTION = 3, PB_NORM = 4, PB_SILU_MUL = 5 };
+enum PbCpuLayerKernel : int32_t { PB_LINEAR = 1, PB_ROTARY = 2, PB_ATTENTION = 3, PB_NORM = 4, PB_ACT_MUL = 5 };
 constexpr int32_t kStopped = 1;  // pb_cpu_decoder_layers: the step stopped before a layer
 
 uint64_t pb_cpu_decoder_layer_size() { return sizeof(PbCpuDecoderLayer); }
@@ -124,6 +129,7 @@ int32_t pb_cpu_decoder_layers(PbCpuDecoderStep* step) {
     rotary.q_norm = layer.q_norm, rotary.k_norm = layer.k_norm;
     rotary.q_norm_eps = layer.q_norm_eps, rotary.k_norm_eps = layer.k_norm_eps;
     rotary.skip_rotary = layer.skip_rotary;
+    rotary.unit_offset = layer.unit_offset;
     if (failed(pb_cpu_rotary_cache(&rotary, s.dtype), PB_ROTARY)) return status;
 
     PbCpuAttentionArgs attention = s.attention[layer.group];
@@ -137,19 +143,21 @@ int32_t pb_cpu_decoder_layers(PbCpuDecoderStep* step) {
 
     if (failed(pb_cpu_panel_linear(s.attention_out, s.q_size, layer.o, layer.o_bias, s.o, h, t, h, s.q_size,
                                    s.dtype, threads), PB_LINEAR) ||
-        failed(pb_cpu_add_rms_norm(s.o, h, s.residual, h, layer.mlp_norm, s.x, h, rows, static_cast<int32_t>(h),
-                                   s.dtype, layer.mlp_eps, threads), PB_NORM) ||
+        failed(pb_cpu_add_rms_norm(s.o, h, layer.post_attention_norm, s.residual, h, layer.mlp_norm, s.x, h, rows,
+                                   static_cast<int32_t>(h), s.dtype, layer.mlp_eps, layer.unit_offset, threads),
+               PB_NORM) ||
         failed(pb_cpu_panel_linear(s.x, h, layer.gate_up, layer.gate_up_bias, gate_up, 2 * inter, t, 2 * inter, h,
                                    s.dtype, threads), PB_LINEAR) ||
-        failed(pb_cpu_silu_mul(gate_up, 2 * inter, gate_up + inter * element, 2 * inter, s.act, inter, rows,
-                               static_cast<int32_t>(inter), s.dtype, threads), PB_SILU_MUL) ||
+        failed(pb_cpu_act_mul(gate_up, 2 * inter, gate_up + inter * element, 2 * inter, s.act, inter, rows,
+                              static_cast<int32_t>(inter), s.dtype, layer.activation, threads), PB_ACT_MUL) ||
         failed(pb_cpu_panel_linear(s.act, inter, layer.down, layer.down_bias, s.out, h, t, h, inter, s.dtype,
                                    threads), PB_LINEAR))
       return status;
     if (i + 1 < s.num_layers) {
       const PbCpuDecoderLayer& next = s.layers[i + 1];
-      if (failed(pb_cpu_add_rms_norm(s.out, h, s.residual, h, next.attention_norm, s.x, h, rows,
-                                     static_cast<int32_t>(h), s.dtype, next.attention_eps, threads), PB_NORM))
+      if (failed(pb_cpu_add_rms_norm(s.out, h, layer.post_mlp_norm, s.residual, h, next.attention_norm, s.x, h, rows,
+                                     static_cast<int32_t>(h), s.dtype, next.attention_eps, next.unit_offset, threads),
+                 PB_NORM))
         return status;
     }
   }

@@ -2,11 +2,12 @@
 // what its math costs: each fusion reads its inputs once and writes its outputs once, where torch runs three
 // to six ops with an intermediate tensor each and a dispatch each.
 //
-//   add_rms_norm:  residual += x (optional), out = weight * rms_normalize(residual)
+//   add_rms_norm:  residual += x (optional; Gemma: x RMS-normed first), out = weight * rms_normalize(residual)
+//                  (Gemma: (1 + weight), in fp32)
 //   rotary_cache:  rotary on q (written to a [T, Hq, D] buffer) and on k, then k and v stored into the pool;
 //                  optionally each q and k head RMS-normed first (Qwen3's q_norm and k_norm), rotary on the
 //                  leading dims of each head only (Phi-4-mini's partial rotary), or none (SmolLM3's NoPE layers)
-//   silu_mul:      out = silu(gate) * up
+//   act_mul:       out = act(gate) * up, act SiLU or (Gemma) GELU with the tanh approximation
 //
 // Rounding follows transformers' modules step by step (fp32 statistics in RMSNorm, each bf16/fp16 op
 // rounded back to its dtype), so outputs agree with theirs up to summation order and fused multiply-adds.
@@ -60,25 +61,44 @@ inline int threads_for(int64_t elements, int32_t num_threads) {
   return elements >= (int64_t{1} << 12) ? num_threads : 1;
 }
 
+// One RMSNorm'd element, as the model's norm module rounds it: Llama's rounds the normalized value to T, then
+// multiplies by the weight in T; Gemma's (`unit_offset`) keeps fp32 through the scale by (1 + weight) and rounds once.
 template <typename T>
-void add_rms_norm(const T* x, int64_t x_stride, T* residual, int64_t r_stride, const T* weight, T* out,
-                  int64_t o_stride, int32_t rows, int32_t hidden, float eps, int32_t num_threads) {
+inline float normed(float value, float inv, float weight, bool unit_offset) {
+  return unit_offset ? round_to<T>(value * inv * (1.0f + weight)) : round_to<T>(weight * round_to<T>(value * inv));
+}
+
+template <typename T>
+inline float inverse_rms(const T* row, int32_t hidden, float eps) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)  // a fixed vector order per hidden size, the same for every row
+  for (int32_t i = 0; i < hidden; ++i) {
+    const float v = load(row, i);
+    sum += v * v;
+  }
+  return 1.0f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+}
+
+template <typename T>
+void add_rms_norm(const T* x, int64_t x_stride, const T* x_weight, T* residual, int64_t r_stride, const T* weight,
+                  T* out, int64_t o_stride, int32_t rows, int32_t hidden, float eps, bool unit_offset,
+                  int32_t num_threads) {
 #pragma omp parallel for schedule(static) num_threads(threads_for(int64_t{rows} * hidden, num_threads))
   for (int32_t r = 0; r < rows; ++r) {
     T* res = residual + r * r_stride;
     if (x != nullptr) {
       const T* in = x + r * x_stride;
-      for (int32_t i = 0; i < hidden; ++i) store(res, i, load(res, i) + load(in, i));
+      if (x_weight != nullptr) {  // Gemma's post-norms: the branch's output is normed before the residual add
+        const float inv_x = inverse_rms(in, hidden, eps);
+        for (int32_t i = 0; i < hidden; ++i)
+          store(res, i, load(res, i) + normed<T>(load(in, i), inv_x, load(x_weight, i), unit_offset));
+      } else {
+        for (int32_t i = 0; i < hidden; ++i) store(res, i, load(res, i) + load(in, i));
+      }
     }
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)  // a fixed vector order per hidden size, the same for every row
-    for (int32_t i = 0; i < hidden; ++i) {
-      const float v = load(res, i);
-      sum += v * v;
-    }
-    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+    const float inv = inverse_rms(res, hidden, eps);
     T* o = out + r * o_stride;
-    for (int32_t i = 0; i < hidden; ++i) store(o, i, load(weight, i) * round_to<T>(load(res, i) * inv));
+    for (int32_t i = 0; i < hidden; ++i) store(o, i, normed<T>(load(res, i), inv, load(weight, i), unit_offset));
   }
 }
 
@@ -94,20 +114,13 @@ inline void rotate(const T* x, const T* cos, const T* sin, int32_t half, T* y) {
   }
 }
 
-// RMSNorm of one head `x [d]` into `scratch`, as transformers' RMSNorm module: fp32 statistics, the normalized
-// value rounded to T, then times the weight in T. Without a weight, `x` itself.
+// RMSNorm of one head `x [d]` into `scratch`, as the model's norm module (see `normed`). Without a weight, `x` itself.
 template <typename T>
-inline const T* norm_head(const T* x, const void* weight, float eps, int32_t d, T* scratch) {
+inline const T* norm_head(const T* x, const void* weight, float eps, bool unit_offset, int32_t d, T* scratch) {
   if (weight == nullptr) return x;
   const T* w = static_cast<const T*>(weight);
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)  // the order add_rms_norm uses: fixed per head_dim, the same for every row
-  for (int32_t i = 0; i < d; ++i) {
-    const float v = load(x, i);
-    sum += v * v;
-  }
-  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(d) + eps);
-  for (int32_t i = 0; i < d; ++i) store(scratch, i, load(w, i) * round_to<T>(load(x, i) * inv));
+  const float inv = inverse_rms(x, d, eps);
+  for (int32_t i = 0; i < d; ++i) store(scratch, i, normed<T>(load(x, i), inv, load(w, i), unit_offset));
   return scratch;
 }
 
@@ -130,10 +143,10 @@ void rotary_cache(const RotaryCacheArgs& a) {
     const T* sin = static_cast<const T*>(a.sin) + int64_t{t} * rotary_width;
     const T* q = static_cast<const T*>(a.query) + t * a.q_stride;
     T* q_out = static_cast<T*>(a.query_out) + int64_t{t} * a.num_q_heads * d;
-    T normed[kMaxNormedHeadDim];
+    T staged[kMaxNormedHeadDim];
     for (int32_t h = 0; h < a.num_q_heads; ++h)
-      place(norm_head(q + int64_t{h} * d, a.q_norm, a.q_norm_eps, d, normed), cos, sin, d, rotary_dim,
-            q_out + int64_t{h} * d);
+      place(norm_head(q + int64_t{h} * d, a.q_norm, a.q_norm_eps, a.unit_offset != 0, d, staged), cos, sin, d,
+            rotary_dim, q_out + int64_t{h} * d);
     const int64_t slot = a.slot_mapping[t];
     if (slot < 0) continue;
     const int64_t block = slot / a.block_size, offset = slot % a.block_size;
@@ -142,21 +155,34 @@ void rotary_cache(const RotaryCacheArgs& a) {
     const T* k = static_cast<const T*>(a.key) + t * a.k_stride;
     const T* v = static_cast<const T*>(a.value) + t * a.v_stride;
     for (int32_t h = 0; h < a.num_kv_heads; ++h) {
-      place(norm_head(k + int64_t{h} * d, a.k_norm, a.k_norm_eps, d, normed), cos, sin, d, rotary_dim,
-            k_dst + h * a.k_stride_head);
+      place(norm_head(k + int64_t{h} * d, a.k_norm, a.k_norm_eps, a.unit_offset != 0, d, staged), cos, sin, d,
+            rotary_dim, k_dst + h * a.k_stride_head);
       std::memcpy(v_dst + h * a.v_stride_head, v + int64_t{h} * d, sizeof(T) * d);
     }
   }
 }
 
+// GELU, tanh approximation (Gemma's gelu_pytorch_tanh): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), with
+// tanh(y) = 1 - 2 / (1 + e^{2y}) on the vectorizable exp.
+inline float gelu_tanh(float x) {
+  const float y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  const float two_y = 2.0f * y < -87.0f ? -87.0f : (2.0f * y > 88.0f ? 88.0f : 2.0f * y);
+  return 0.5f * x * (2.0f - 2.0f / (1.0f + exp_in_range(two_y)));
+}
+
 template <typename T>
-void silu_mul(const T* gate, int64_t g_stride, const T* up, int64_t u_stride, T* out, int64_t o_stride,
-              int32_t rows, int32_t width, int32_t num_threads) {
+void act_mul(const T* gate, int64_t g_stride, const T* up, int64_t u_stride, T* out, int64_t o_stride,
+             int32_t rows, int32_t width, int32_t activation, int32_t num_threads) {
 #pragma omp parallel for schedule(static) num_threads(threads_for(int64_t{rows} * width, num_threads))
   for (int32_t r = 0; r < rows; ++r) {
     const T* g = gate + r * g_stride;
     const T* u = up + r * u_stride;
     T* o = out + r * o_stride;
+    if (activation == PB_GELU_TANH) {
+#pragma omp simd
+      for (int32_t i = 0; i < width; ++i) store(o, i, round_to<T>(gelu_tanh(load(g, i))) * load(u, i));
+      continue;
+    }
 #pragma omp simd
     for (int32_t i = 0; i < width; ++i) {
       const float x = load(g, i);
@@ -174,25 +200,25 @@ extern "C" {
 uint64_t pb_cpu_rotary_cache_args_size() { return sizeof(RotaryCacheArgs); }
 
 // Status codes: 0 ok, -1 unsupported dtype, -2 bad shape.
-int pb_cpu_add_rms_norm(const void* x, int64_t x_stride, void* residual, int64_t r_stride, const void* weight,
-                        void* out, int64_t o_stride, int32_t rows, int32_t hidden, int32_t dtype, float eps,
-                        int32_t num_threads) {
+int pb_cpu_add_rms_norm(const void* x, int64_t x_stride, const void* x_weight, void* residual, int64_t r_stride,
+                        const void* weight, void* out, int64_t o_stride, int32_t rows, int32_t hidden, int32_t dtype,
+                        float eps, int32_t unit_offset, int32_t num_threads) {
   if (rows < 0 || hidden <= 0) return -2;
   switch (dtype) {
     case F32:
-      add_rms_norm(static_cast<const float*>(x), x_stride, static_cast<float*>(residual), r_stride,
-                   static_cast<const float*>(weight), static_cast<float*>(out), o_stride, rows, hidden, eps,
-                   num_threads);
+      add_rms_norm(static_cast<const float*>(x), x_stride, static_cast<const float*>(x_weight),
+                   static_cast<float*>(residual), r_stride, static_cast<const float*>(weight), static_cast<float*>(out),
+                   o_stride, rows, hidden, eps, unit_offset != 0, num_threads);
       return 0;
     case F16:
-      add_rms_norm(static_cast<const _Float16*>(x), x_stride, static_cast<_Float16*>(residual), r_stride,
-                   static_cast<const _Float16*>(weight), static_cast<_Float16*>(out), o_stride, rows, hidden, eps,
-                   num_threads);
+      add_rms_norm(static_cast<const _Float16*>(x), x_stride, static_cast<const _Float16*>(x_weight),
+                   static_cast<_Float16*>(residual), r_stride, static_cast<const _Float16*>(weight),
+                   static_cast<_Float16*>(out), o_stride, rows, hidden, eps, unit_offset != 0, num_threads);
       return 0;
     case BF16:
-      add_rms_norm(static_cast<const uint16_t*>(x), x_stride, static_cast<uint16_t*>(residual), r_stride,
-                   static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out), o_stride, rows, hidden, eps,
-                   num_threads);
+      add_rms_norm(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(x_weight),
+                   static_cast<uint16_t*>(residual), r_stride, static_cast<const uint16_t*>(weight),
+                   static_cast<uint16_t*>(out), o_stride, rows, hidden, eps, unit_offset != 0, num_threads);
       return 0;
     default:
       return -1;
@@ -211,21 +237,22 @@ int pb_cpu_rotary_cache(const RotaryCacheArgs* args, int32_t dtype) {
   }
 }
 
-int pb_cpu_silu_mul(const void* gate, int64_t g_stride, const void* up, int64_t u_stride, void* out,
-                    int64_t o_stride, int32_t rows, int32_t width, int32_t dtype, int32_t num_threads) {
+int pb_cpu_act_mul(const void* gate, int64_t g_stride, const void* up, int64_t u_stride, void* out, int64_t o_stride,
+                   int32_t rows, int32_t width, int32_t dtype, int32_t activation, int32_t num_threads) {
   if (rows < 0 || width <= 0) return -2;
+  if (activation != PB_SILU && activation != PB_GELU_TANH) return -3;
   switch (dtype) {
     case F32:
-      silu_mul(static_cast<const float*>(gate), g_stride, static_cast<const float*>(up), u_stride,
-               static_cast<float*>(out), o_stride, rows, width, num_threads);
+      act_mul(static_cast<const float*>(gate), g_stride, static_cast<const float*>(up), u_stride,
+              static_cast<float*>(out), o_stride, rows, width, activation, num_threads);
       return 0;
     case F16:
-      silu_mul(static_cast<const _Float16*>(gate), g_stride, static_cast<const _Float16*>(up), u_stride,
-               static_cast<_Float16*>(out), o_stride, rows, width, num_threads);
+      act_mul(static_cast<const _Float16*>(gate), g_stride, static_cast<const _Float16*>(up), u_stride,
+              static_cast<_Float16*>(out), o_stride, rows, width, activation, num_threads);
       return 0;
     case BF16:
-      silu_mul(static_cast<const uint16_t*>(gate), g_stride, static_cast<const uint16_t*>(up), u_stride,
-               static_cast<uint16_t*>(out), o_stride, rows, width, num_threads);
+      act_mul(static_cast<const uint16_t*>(gate), g_stride, static_cast<const uint16_t*>(up), u_stride,
+              static_cast<uint16_t*>(out), o_stride, rows, width, activation, num_threads);
       return 0;
     default:
       return -1;
@@ -236,6 +263,7 @@ const char* pb_cpu_fused_error_string(int code) {
   switch (code) {
     case 0: return "ok";
     case -1: return "unsupported dtype code (f32, f16 or bf16)";
+    case -3: return "unknown activation code (0 silu, 1 gelu_tanh)";
     case -2:
       return "bad shape (rows >= 0, hidden/width > 0, even head_dim, even rotary_dim <= head_dim, block_size > 0, "
              "head_dim <= 512 with q/k norms)";

@@ -50,17 +50,21 @@ struct RotaryCacheArgs {
   float q_norm_eps, k_norm_eps;
   int32_t skip_rotary;  // 1: a NoPE layer (SmolLM3): q and k pass unrotated (after any norm)
   int32_t rotary_dim;   // the leading dims of each head that rotate, the rest pass (Phi-4-mini); 0: all of head_dim
+  int32_t unit_offset;  // the q/k norms are Gemma's: (1 + weight) in fp32, one rounding
 };
 
 constexpr int32_t kMaxNormedHeadDim = 512;  // a normed head is staged in a stack buffer of this many elements
 
 int pb_cpu_paged_attention(const PbCpuAttentionArgs* args);
 int pb_cpu_rotary_cache(const RotaryCacheArgs* args, int32_t dtype);
-int pb_cpu_add_rms_norm(const void* x, int64_t x_stride, void* residual, int64_t r_stride, const void* weight,
-                        void* out, int64_t o_stride, int32_t rows, int32_t hidden, int32_t dtype, float eps,
-                        int32_t num_threads);
-int pb_cpu_silu_mul(const void* gate, int64_t g_stride, const void* up, int64_t u_stride, void* out,
-                    int64_t o_stride, int32_t rows, int32_t width, int32_t dtype, int32_t num_threads);
+// x_weight: or null; x is RMS-normed with it before the add (Gemma's post-norms). unit_offset: Gemma's norms,
+// (1 + weight) in fp32, one rounding.
+int pb_cpu_add_rms_norm(const void* x, int64_t x_stride, const void* x_weight, void* residual, int64_t r_stride,
+                        const void* weight, void* out, int64_t o_stride, int32_t rows, int32_t hidden, int32_t dtype,
+                        float eps, int32_t unit_offset, int32_t num_threads);
+enum PbCpuActivation : int32_t { PB_SILU = 0, PB_GELU_TANH = 1 };
+int pb_cpu_act_mul(const void* gate, int64_t g_stride, const void* up, int64_t u_stride, void* out, int64_t o_stride,
+                   int32_t rows, int32_t width, int32_t dtype, int32_t activation, int32_t num_threads);
 int32_t pb_cpu_panel_linear(const void* x, int64_t x_stride, const void* packed, const void* bias, void* y,
                             int64_t y_stride, int64_t m, int64_t n, int64_t k, int32_t dtype, int32_t num_threads);
 

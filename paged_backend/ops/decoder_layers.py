@@ -16,7 +16,7 @@ import torch
 
 from paged_backend.ops._c_abi import F32, I32, I64, PTR, check_layouts
 from paged_backend.ops.cpu import QUERY_DTYPES, AttentionArgs, AttentionPlan, _library
-from paged_backend.ops.fused_cpu import PLAIN, HeadPrep, RotaryCache, RotaryCacheArgs, _fused
+from paged_backend.ops.fused_cpu import PLAIN, SILU, HeadPrep, RotaryCache, RotaryCacheArgs, _fused
 from paged_backend.ops.panel_linear import PanelWeight, _panel, panel_bias
 
 
@@ -31,6 +31,7 @@ class DecoderLayer(ctypes.Structure):
         ("v_stride_block", I64), ("v_stride_slot", I64), ("v_stride_head", I64),
         ("group", I32), ("sliding_window", I32),
         ("q_norm", PTR), ("k_norm", PTR), ("q_norm_eps", F32), ("k_norm_eps", F32), ("skip_rotary", I32),
+        ("post_attention_norm", PTR), ("post_mlp_norm", PTR), ("unit_offset", I32), ("activation", I32),
     ]  # fmt: skip
 
 
@@ -64,7 +65,7 @@ def _layers_library() -> ctypes.CDLL:
 
 
 def _error(kernel: int, status: int) -> str:
-    """The failing kernel's own words (PbCpuLayerKernel: 1 linear, 2 rotary, 3 attention, 4 norm, 5 silu_mul)."""
+    """The failing kernel's own words (PbCpuLayerKernel: 1 linear, 2 rotary, 3 attention, 4 norm, 5 act_mul)."""
     if kernel == 1:
         return _panel().pb_cpu_panel_error_string(status).decode()
     if kernel == 3:
@@ -76,7 +77,8 @@ def _error(kernel: int, status: int) -> str:
 class LayerParts:
     """One layer as the loop reads it: stacked q|k|v and gate|up panels, o and down, biases (or None), the two
     norms' (weight, eps), the layer's pools, its sliding window (None: off) and what it does to q and k heads besides
-    the rotary (`HeadPrep`: Qwen3's norms, SmolLM3's NoPE layers)."""
+    the rotary (`HeadPrep`: Qwen3's norms, SmolLM3's NoPE layers). Gemma adds norms of the attention and MLP outputs
+    before their residual adds (weights, or None), its kind of norm (`unit_offset`) and GELU-tanh (`activation`)."""
 
     qkv: PanelWeight
     qkv_bias: torch.Tensor | None
@@ -92,6 +94,10 @@ class LayerParts:
     value_cache: torch.Tensor
     sliding_window: int | None
     head_prep: HeadPrep = PLAIN
+    post_attention_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
+    unit_offset: bool = False
+    activation: int = SILU
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
@@ -119,12 +125,15 @@ class DecoderLayers:
                 part.gate_up.packed.data_ptr(), _pointer(biases[2]), part.down.packed.data_ptr(), _pointer(biases[3]),
                 part.attention_norm[0].data_ptr(), part.mlp_norm[0].data_ptr(), part.attention_norm[1],
                 part.mlp_norm[1], part.key_cache.data_ptr(), part.value_cache.data_ptr(), *k_strides, *v_strides,
-                0, part.sliding_window or 0, **part.head_prep.fields(),
+                0, part.sliding_window or 0,
+                **{**part.head_prep.fields(), "unit_offset": int(part.unit_offset)},  # one kind of norm per layer
+                post_attention_norm=_pointer(part.post_attention_norm), post_mlp_norm=_pointer(part.post_mlp_norm),
+                activation=part.activation,
             ))  # fmt: skip
             # The weights are kept alive here; the pools are not (sleep mode frees them): the caller rebuilds this
             # when a pool moves.
             self.keep += [part.qkv, part.o, part.gate_up, part.down, part.attention_norm[0], part.mlp_norm[0], *biases,
-                          part.head_prep]
+                          part.head_prep, part.post_attention_norm, part.post_mlp_norm]
         self.layers = (DecoderLayer * len(layers))(*layers)
 
     def __call__(self, residual: torch.Tensor, x: torch.Tensor, groups: list[int], rotaries: list[RotaryCache],

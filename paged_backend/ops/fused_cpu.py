@@ -32,15 +32,16 @@ class RotaryCacheArgs(ctypes.Structure):
         ("num_tokens", I32), ("num_q_heads", I32), ("num_kv_heads", I32), ("head_dim", I32),
         ("block_size", I32), ("num_threads", I32),
         ("q_norm", PTR), ("k_norm", PTR), ("q_norm_eps", ctypes.c_float), ("k_norm_eps", ctypes.c_float),
-        ("skip_rotary", I32), ("rotary_dim", I32),
+        ("skip_rotary", I32), ("rotary_dim", I32), ("unit_offset", I32),
     ]  # fmt: skip
 
 
 @cache
 def _fused() -> ctypes.CDLL:
     lib = _library()
-    lib.pb_cpu_add_rms_norm.argtypes = [PTR, I64, PTR, I64, PTR, PTR, I64, I32, I32, I32, ctypes.c_float, I32]
-    lib.pb_cpu_silu_mul.argtypes = [PTR, I64, PTR, I64, PTR, I64, I32, I32, I32, I32]
+    lib.pb_cpu_add_rms_norm.argtypes = [PTR, I64, PTR, PTR, I64, PTR, PTR, I64, I32, I32, I32, ctypes.c_float, I32,
+                                        I32]  # fmt: skip
+    lib.pb_cpu_act_mul.argtypes = [PTR, I64, PTR, I64, PTR, I64, I32, I32, I32, I32, I32]
     lib.pb_cpu_rotary_cache.argtypes = [ctypes.POINTER(RotaryCacheArgs), I32]
     lib.pb_cpu_fused_error_string.argtypes = [ctypes.c_int]
     lib.pb_cpu_fused_error_string.restype = ctypes.c_char_p
@@ -53,34 +54,47 @@ def _check(status: int, what: str) -> None:
 
 
 def add_rms_norm(
-    x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+    *, x_weight: torch.Tensor | None = None, unit_offset: bool = False,
 ) -> torch.Tensor:
-    """`residual += x` in place (skipped when `x` is None), then `weight * rms_normalize(residual)` `[T, H]`."""
+    """`residual += x` in place (skipped when `x` is None; `x` RMS-normed with `x_weight` first where given, Gemma's
+    post-norms), then `weight * rms_normalize(residual)` `[T, H]`. `unit_offset`: Gemma's norms, which scale by
+    `1 + weight` in fp32 and round once, where Llama's round the normalized value, then multiply in the dtype."""
     rows, hidden = residual.shape
     out = torch.empty_like(residual) if out is None else out
     _check(
         _fused().pb_cpu_add_rms_norm(
             None if x is None else x.data_ptr(), 0 if x is None else x.stride(0),
+            None if x_weight is None else x_weight.data_ptr(),
             residual.data_ptr(), residual.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
-            rows, hidden, QUERY_DTYPES[residual.dtype], eps, torch.get_num_threads(),
+            rows, hidden, QUERY_DTYPES[residual.dtype], eps, int(unit_offset), torch.get_num_threads(),
         ),
         "add_rms_norm",
     )  # fmt: skip
     return out
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) * up` for `[T, I]` rows."""
+SILU, GELU_TANH = 0, 1  # PbCpuActivation
+ACTIVATIONS = {"silu": SILU, "gelu_pytorch_tanh": GELU_TANH}  # by transformers' names (`hidden_act`)
+
+
+def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: int = SILU) -> torch.Tensor:
+    """`act(gate) * up` for `[T, I]` rows: SiLU, or GELU with the tanh approximation (Gemma)."""
     rows, width = gate.shape
     out = torch.empty(rows, width, dtype=gate.dtype)
     _check(
-        _fused().pb_cpu_silu_mul(
+        _fused().pb_cpu_act_mul(
             gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(), out.stride(0),
-            rows, width, QUERY_DTYPES[gate.dtype], torch.get_num_threads(),
+            rows, width, QUERY_DTYPES[gate.dtype], activation, torch.get_num_threads(),
         ),
-        "silu_mul",
+        "act_mul",
     )  # fmt: skip
     return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for `[T, I]` rows."""
+    return act_mul(gate, up, SILU)
 
 
 Norm = tuple[torch.Tensor, float]  # an RMSNorm's (weight, eps)
@@ -88,19 +102,22 @@ Norm = tuple[torch.Tensor, float]  # an RMSNorm's (weight, eps)
 
 @dataclass(frozen=True)
 class HeadPrep:
-    """What a layer does to each q and k head on the way to attention besides the step's rotary: Qwen3's per-head
-    RMSNorms before it (q_norm, k_norm: (weight [D], eps)), and SmolLM3's NoPE layers, which skip it."""
+    """What a layer does to each q and k head on the way to attention besides the step's rotary: Qwen3's and Gemma 3's
+    per-head RMSNorms before it (q_norm, k_norm: (weight [D], eps); `unit_offset`: Gemma's kind, see `add_rms_norm`),
+    and SmolLM3's NoPE layers, which skip it."""
 
     q_norm: Norm | None = None
     k_norm: Norm | None = None
     rotary: bool = True
+    unit_offset: bool = False
 
     def fields(self) -> dict:
         """This prep as the kernels' struct fields (RotaryCacheArgs, and each PbCpuDecoderLayer)."""
         (q_norm, q_eps), (k_norm, k_eps) = (
             (None, 0.0) if norm is None else (norm[0].data_ptr(), norm[1]) for norm in (self.q_norm, self.k_norm)
         )
-        return dict(q_norm=q_norm, k_norm=k_norm, q_norm_eps=q_eps, k_norm_eps=k_eps, skip_rotary=int(not self.rotary))
+        return dict(q_norm=q_norm, k_norm=k_norm, q_norm_eps=q_eps, k_norm_eps=k_eps, skip_rotary=int(not self.rotary),
+                    unit_offset=int(self.unit_offset))  # fmt: skip
 
 
 PLAIN = HeadPrep()  # Llama's: rotary only
@@ -141,19 +158,31 @@ class RotaryCache:
         return out
 
 
-# The torch oracles: transformers' Llama modules, op for op.
+# The torch oracles: transformers' Llama (and Gemma) modules, op for op.
 
 
-def add_rms_norm_reference(x, residual, weight, eps) -> torch.Tensor:
-    if x is not None:
-        residual.copy_(residual + x)
-    hidden = residual.float()
+def rms_norm_reference(x, weight, eps, unit_offset: bool = False) -> torch.Tensor:
+    hidden = x.float()
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * hidden.to(residual.dtype)
+    if unit_offset:  # Gemma: (x * (1 + w)) in fp32, then the dtype
+        return (hidden * (1.0 + weight.float())).type_as(x)
+    return weight * hidden.to(x.dtype)
+
+
+def add_rms_norm_reference(x, residual, weight, eps, x_weight=None, unit_offset: bool = False) -> torch.Tensor:
+    if x is not None:
+        residual.copy_(residual + (x if x_weight is None else rms_norm_reference(x, x_weight, eps, unit_offset)))
+    return rms_norm_reference(residual, weight, eps, unit_offset)
+
+
+def act_mul_reference(gate, up, activation: int = SILU) -> torch.Tensor:
+    if activation == GELU_TANH:  # Gemma's MLP: up * act(gate), the same product
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
+    return torch.nn.functional.silu(gate) * up
 
 
 def silu_mul_reference(gate, up) -> torch.Tensor:
-    return torch.nn.functional.silu(gate) * up
+    return act_mul_reference(gate, up, SILU)
 
 
 def rotary_cache_reference(query, key, value, cos, sin, key_cache, value_cache, slot_mapping,
@@ -166,8 +195,8 @@ def rotary_cache_reference(query, key, value, cos, sin, key_cache, value_cache, 
         turned = x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
         return torch.cat((turned, rest), dim=-1)
 
-    def normed(x, norm):  # Qwen3's q_norm/k_norm: an RMSNorm over each head
-        return x if norm is None else add_rms_norm_reference(None, x, *norm)
+    def normed(x, norm):  # Qwen3's and Gemma 3's q_norm/k_norm: an RMSNorm over each head
+        return x if norm is None else rms_norm_reference(x, *norm, prep.unit_offset)
 
     head_dim = head_dim or cos.shape[1]
     q = rotate(normed(query.reshape(query.shape[0], -1, head_dim), prep.q_norm))

@@ -9,9 +9,15 @@ arguments prepared once (`AttentionPlan`, `RotaryCache`):
 
     residual = embed(ids); x = norm(residual)
     per layer: q, k, v = qkv(x); q = rotary_cache(q, k, v -> pool); o = o_proj(attention(q))
-               (Qwen3: rotary_cache RMS-norms each q and k head first; SmolLM3's NoPE layers skip the rotary;
-               Phi-3 keeps q|k|v and gate|up in one module each, and Phi-4-mini rotates part of each head)
-               x = add_rms_norm(o, residual); x = down(silu_mul(*gate_up(x))); x = add_rms_norm(x, residual)
+               x = add_rms_norm(o, residual); x = down(act_mul(*gate_up(x))); x = add_rms_norm(x, residual)
+
+with what each family adds to that shape:
+- Qwen3 and Gemma 3: rotary_cache RMS-norms each q and k head first;
+- SmolLM3: its NoPE layers skip the rotary;
+- Phi-3: q|k|v and gate|up are one module each; Phi-4-mini rotates part of each head;
+- Gemma 3: its norms scale by 1 + weight in fp32, add_rms_norm norms `o` and the MLP output before adding them
+  (sandwich norms), the activation is GELU-tanh, local and global layers rotate with two bases, and the logits may
+  be soft-capped.
 
 It takes the architectures whose layers are exactly that (`FAMILIES`) when nothing hooks the modules it bypasses;
 anything else, or `PAGED_BACKEND_FUSED_FORWARD=0`, runs transformers' forward over the paged bridge. When every
@@ -21,9 +27,11 @@ in the same order, so the same bits; `PAGED_BACKEND_NATIVE_LAYERS=0` keeps it in
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,7 +40,7 @@ from paged_backend.core.kv_cache import PagedKVCache
 from paged_backend.ops import resolve_backend
 from paged_backend.ops.cpu import AttentionPlan
 from paged_backend.ops.decoder_layers import DecoderLayers, LayerParts
-from paged_backend.ops.fused_cpu import FUSED_DTYPES, HeadPrep, RotaryCache, add_rms_norm, silu_mul
+from paged_backend.ops.fused_cpu import ACTIVATIONS, FUSED_DTYPES, HeadPrep, RotaryCache, act_mul, add_rms_norm
 from paged_backend.worker.attention import PagedMetadata
 
 # Where a family keeps each layer's linear layers: those reading the attention's input (q, k and v apart, or one
@@ -40,8 +48,23 @@ from paged_backend.worker.attention import PagedMetadata
 APART = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn.o_proj",
          ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj")  # fmt: skip
 STACKED = (("self_attn.qkv_proj",), "self_attn.o_proj", ("mlp.gate_up_proj",), "mlp.down_proj")
-FAMILIES = {"LlamaForCausalLM": APART, "MistralForCausalLM": APART, "Qwen2ForCausalLM": APART,
-            "Qwen3ForCausalLM": APART, "SmolLM3ForCausalLM": APART, "Phi3ForCausalLM": STACKED}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the fused forward needs to know of an architecture beyond its config: where its linear layers are, and
+    whether its norms are Gemma's (scale by 1 + weight in fp32, and norm each branch's output before its add)."""
+
+    linears: tuple = APART
+    gemma_norms: bool = False
+
+
+FAMILIES = {
+    "LlamaForCausalLM": Family(), "MistralForCausalLM": Family(), "Qwen2ForCausalLM": Family(),
+    "Qwen3ForCausalLM": Family(), "SmolLM3ForCausalLM": Family(), "Phi3ForCausalLM": Family(STACKED),
+    "Gemma3ForCausalLM": Family(gemma_norms=True),
+}  # fmt: skip
+NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 SWITCH = "PAGED_BACKEND_FUSED_FORWARD"
 NATIVE_SWITCH = "PAGED_BACKEND_NATIVE_LAYERS"  # "0": the layer loop in Python, not csrc/cpu/decoder_layers_cpu.cpp
 
@@ -65,8 +88,10 @@ def unfused_reason(model: nn.Module, kv_cache: PagedKVCache, attention_backend: 
         return "the fused kernels run on CPU"
     if dtype not in FUSED_DTYPES or kv_cache.dtype != dtype:
         return f"model {dtype} with a {kv_cache.dtype} pool (the fused path stores the model's dtype)"
-    if getattr(config, "hidden_act", None) != "silu":
-        return f"activation {getattr(config, 'hidden_act', None)!r} (fused: silu)"
+    if _activation_name(config) not in ACTIVATIONS:
+        return f"activation {_activation_name(config)!r} (fused: {', '.join(ACTIVATIONS)})"
+    if getattr(config, "attn_logit_softcapping", None) is not None:  # Gemma 3's transformers forward ignores it
+        return "attention logit softcapping (the model's own attention decides whether it applies)"
     if resolve_backend(attention_backend, kv_cache.device) != "cpu":
         return "an attention backend other than the cpu kernel was asked for"
     base = model.model
@@ -75,8 +100,8 @@ def unfused_reason(model: nn.Module, kv_cache: PagedKVCache, attention_backend: 
         return "the model's layers do not match its pool (pipeline stages run transformers' forward)"
     bypassed = [model, base, base.embed_tokens, base.norm, base.rotary_emb]
     for layer in layers:
-        bypassed += [layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm,
-                     *_head_norm_modules(layer.self_attn)]
+        bypassed += [layer, layer.self_attn, layer.mlp, *_head_norm_modules(layer.self_attn),
+                     *(getattr(layer, name) for name in NORMS if hasattr(layer, name))]
     if any(_hooked(module) for module in bypassed):
         return "hooks on modules the fused forward bypasses (offloading, or a caller's own)"
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
@@ -96,29 +121,38 @@ class FusedForward:
         self.model, self.kv_cache, self.linears = model, kv_cache, linears
         self.base = model.model
         self.layers = list(self.base.layers)
-        self.modules = [_layer_linears(layer, FAMILIES[type(model).__name__]) for layer in self.layers]
+        family = FAMILIES[type(model).__name__]
+        self.modules = [_layer_linears(layer, family.linears) for layer in self.layers]
         self.lm_head = model.lm_head
         attn = self.layers[0].self_attn
         self.head_dim, self.scale = attn.head_dim, attn.scaling
         config = model.config
+        self.logit_softcap = getattr(config, "final_logit_softcapping", None)
+        self.activation = ACTIVATIONS[_activation_name(config)]
         # Mistral keeps its window on the config; Qwen2 per layer (None on full-attention layers)
         self.windows = [
             getattr(layer.self_attn, "sliding_window", getattr(config, "sliding_window", None)) for layer in self.layers
         ]
         # the norm before each layer's attention and MLP: (weight, eps); the last layer's MLP is followed by the final norm
-        self.norms = [
-            ((layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
-             (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon))
+        gemma = self.unit_offset = family.gemma_norms
+        mlp_norm = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
+        self.norms = [(_norm(layer.input_layernorm), _norm(getattr(layer, mlp_norm))) for layer in self.layers]
+        # Gemma's norms of the attention and MLP outputs, before their residual adds: weights, or None
+        self.post_norms = [
+            (layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight) if gemma else (None, None)
             for layer in self.layers
-        ]  # fmt: skip
-        self.final_norm = (self.base.norm.weight, self.base.norm.variance_epsilon)
-        self.head_preps = [_head_prep(layer.self_attn) for layer in self.layers]
+        ]
+        self.final_norm = _norm(self.base.norm)
+        self.head_preps = [_head_prep(layer.self_attn, gemma) for layer in self.layers]
         q_size = config.num_attention_heads * self.head_dim
         kv_size = (sum(module.out_features for module in self.modules[0][0]) - q_size) // 2
         self.qkv_sizes = [q_size, kv_size, kv_size]
         self.gate_up_sizes = [sum(module.out_features for module in self.modules[0][2]) // 2] * 2
         self._built, self._built_key = None, None  # _calls()'s result, and the generations it was built at
-        self._rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos and sin by position (_rotary)
+        self._rotary_tables: dict = {}  # cos and sin by position, per kind of layer (_rotary)
+        # Gemma 3's local and global layers rotate with two bases: the rotary module takes the layer type
+        by_type = "layer_type" in inspect.signature(self.base.rotary_emb.forward).parameters
+        self.rope_kinds = list(config.layer_types) if by_type else [None] * len(self.layers)
         # a rope that changes with the sequence length cannot be tabled
         rope_type = str(getattr(self.base.rotary_emb, "rope_type", "default"))
         self._rope_varies = any(kind in rope_type for kind in ("dynamic", "longrope"))
@@ -164,7 +198,8 @@ class FusedForward:
             return None
         parts = [
             LayerParts(qkv.panel, qkv.bias, o.panel, o.bias, gate_up.panel, gate_up.bias, down.panel, down.bias,
-                       *self.norms[index], *self.kv_cache.layer(index), self.windows[index], self.head_preps[index])
+                       *self.norms[index], *self.kv_cache.layer(index), self.windows[index], self.head_preps[index],
+                       *self.post_norms[index], self.unit_offset, self.activation)
             for index, (qkv, o, gate_up, down) in enumerate(forwards)
         ]  # fmt: skip
         return DecoderLayers(parts, *self.qkv_sizes[:2], self.head_dim)
@@ -182,49 +217,52 @@ class FusedForward:
         with self.linears.active() if self.linears is not None else nullcontext():
             return self._run(modules, self.lm_head, None, ids, positions, metadata, rows, cut)
 
-    def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin `[T, D]` of the step's positions: rows of a table the model's rotary module computed once for
-        positions 0..n (elementwise, so the same bits as computing them per step, which cost ~0.1 ms); a rope that
-        changes with the sequence length (dynamic, longrope) is computed per step."""
-        rotary = self.base.rotary_emb
+    def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
+        """cos and sin `[T, D]` of the step's positions for each kind of layer (Gemma 3's local and global layers
+        rotate differently; other families have one kind, None): rows of a table the model's rotary module computed
+        once for positions 0..n (elementwise, so the same bits as computing them per step, which cost ~0.1 ms); a
+        rope that changes with the sequence length (dynamic, longrope) is computed per step."""
+        rotary, kinds = self.base.rotary_emb, set(self.rope_kinds)
+        by_kind = lambda kind: {} if kind is None else {"layer_type": kind}  # noqa: E731
         if self._rope_varies:
-            return tuple(t[0].contiguous() for t in rotary(x, positions))
+            return {kind: tuple(t[0].contiguous() for t in rotary(x, positions, **by_kind(kind))) for kind in kinds}
         needed = int(positions.max()) + 1
-        if (
-            self._rotary_table is None
-            or self._rotary_table[0].shape[0] < needed
-            or self._rotary_table[0].dtype != x.dtype
-        ):
-            size = max(needed, 2 * (self._rotary_table[0].shape[0] if self._rotary_table else 0), 4096)
-            self._rotary_table = tuple(t[0] for t in rotary(x, torch.arange(size, device=x.device)[None]))
-        return tuple(t.index_select(0, positions[0]) for t in self._rotary_table)
+        table = next(iter(self._rotary_tables.values()), None)
+        if table is None or table[0].shape[0] < needed or table[0].dtype != x.dtype:
+            size = max(needed, 2 * (table[0].shape[0] if table is not None else 0), 4096)
+            every = torch.arange(size, device=x.device)[None]
+            self._rotary_tables = {kind: tuple(t[0] for t in rotary(x, every, **by_kind(kind))) for kind in kinds}
+        rows = positions[0]
+        return {kind: tuple(t.index_select(0, rows) for t in table) for kind, table in self._rotary_tables.items()}
 
-    def _step_groups(self, metadata: PagedMetadata, cos, sin, dtype) -> tuple[list[int], list, list]:
+    def _step_groups(self, metadata: PagedMetadata, rotary: dict, dtype) -> tuple[list[int], list, list]:
         """The step's rotary and attention arguments per layer group (sliding-window layers keep their own tables
-        and slots: `metadata.for_layer`): each layer's group index, and each group's RotaryCache and AttentionPlan."""
+        and slots: `metadata.for_layer`) and kind of rotary: each layer's group index, and each group's RotaryCache
+        and AttentionPlan."""
         head_dim, block_size = self.head_dim, self.kv_cache.block_size
         q_width, kv_width = self.qkv_sizes[:2]
         index_of, groups, rotaries, plans = {}, [], [], []
-        for layer in range(len(self.layers)):
+        for layer, kind in enumerate(self.rope_kinds):
             group = metadata.for_layer(layer)
-            if id(group) not in index_of:
-                index_of[id(group)] = len(rotaries)
-                rotaries.append(RotaryCache(cos, sin, group.slot_mapping, block_size, head_dim))
+            key = id(group), kind
+            if key not in index_of:
+                index_of[key] = len(rotaries)
+                rotaries.append(RotaryCache(*rotary[kind], group.slot_mapping, block_size, head_dim))
                 plans.append(AttentionPlan(
                     group.block_tables, group.seq_lens, group.query_start_loc, num_q_heads=q_width // head_dim,
                     num_kv_heads=kv_width // head_dim, head_dim=head_dim, block_size=block_size, dtype=dtype,
                     scale=self.scale,
                 ))  # fmt: skip
-            groups.append(index_of[id(group)])
+            groups.append(index_of[key])
         return groups, rotaries, plans
 
     def _run(self, calls, lm_head, native, ids, positions, metadata: PagedMetadata, rows: list[int], cut):
         base = self.base
-        residual = base.embed_tokens(ids)  # [1, T, H]
-        cos, sin = self._rotary(residual, positions)
+        residual = base.embed_tokens(ids)  # [1, T, H] (Gemma's module scales it)
+        rotary = self._rotary(residual, positions)
         residual = residual[0]
-        x = add_rms_norm(None, residual, *self.norms[0][0])
-        groups = self._step_groups(metadata, cos, sin, x.dtype)
+        x = add_rms_norm(None, residual, *self.norms[0][0], unit_offset=self.unit_offset)
+        groups = self._step_groups(metadata, rotary, x.dtype)
         if native is not None:
             out = native(residual, x, *groups, cut)
             if out is None:
@@ -233,8 +271,12 @@ class FusedForward:
             out = self._python_layers(calls, residual, x, *groups, cut)
         # only the kept rows need the last residual add, the final norm and the LM head
         kept = torch.tensor(rows, dtype=torch.long)
-        x = add_rms_norm(out.index_select(0, kept), residual.index_select(0, kept), *self.final_norm)
-        return lm_head(x).float()
+        x = add_rms_norm(out.index_select(0, kept), residual.index_select(0, kept), *self.final_norm,
+                         x_weight=self.post_norms[-1][1], unit_offset=self.unit_offset)  # fmt: skip
+        logits = lm_head(x)
+        if self.logit_softcap:  # Gemma's, in the model's dtype as transformers does
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits.float()
 
     def _python_layers(self, calls, residual, x, groups, rotaries, plans, cut) -> torch.Tensor:
         cache, last = self.kv_cache, len(self.layers) - 1
@@ -246,23 +288,35 @@ class FusedForward:
             key_cache, value_cache = cache.layer(index)
             q = rotary(q, k, v, key_cache, value_cache, self.head_preps[index])
             out = o_proj(plan(q, key_cache, value_cache, self.windows[index]).view(q.shape[0], -1))
-            x = add_rms_norm(out, residual, *self.norms[index][1])
-            out = down_proj(silu_mul(*gate_up_proj(x)))
+            post_attention, post_mlp = self.post_norms[index]
+            x = add_rms_norm(out, residual, *self.norms[index][1], x_weight=post_attention,
+                             unit_offset=self.unit_offset)  # fmt: skip
+            out = down_proj(act_mul(*gate_up_proj(x), self.activation))
             if index < last:
-                x = add_rms_norm(out, residual, *self.norms[index + 1][0])
+                x = add_rms_norm(out, residual, *self.norms[index + 1][0], x_weight=post_mlp,
+                                 unit_offset=self.unit_offset)  # fmt: skip
         return out
 
 
 def _head_norm_modules(attention: nn.Module) -> tuple[nn.Module, ...]:
-    """Qwen3's per-head RMSNorms of q and k (before rotary), or () for the families without them."""
+    """Qwen3's and Gemma 3's per-head RMSNorms of q and k (before rotary), or () for the families without them."""
     return (attention.q_norm, attention.k_norm) if hasattr(attention, "q_norm") else ()
 
 
-def _head_prep(attention: nn.Module) -> HeadPrep:
-    """The layer's q/k norms (Qwen3: an RMSNorm over each head, before rotary) and whether it has rotary at all
-    (SmolLM3's NoPE layers have none)."""
-    norms = [(norm.weight, norm.variance_epsilon) for norm in _head_norm_modules(attention)] or [None, None]
-    return HeadPrep(*norms, rotary=bool(getattr(attention, "use_rope", True)))
+def _norm(module: nn.Module) -> tuple[torch.Tensor, float]:
+    """An RMSNorm module's (weight, eps): Llama's keeps eps as `variance_epsilon`, Gemma's as `eps`."""
+    return module.weight, getattr(module, "variance_epsilon", getattr(module, "eps", None))
+
+
+def _activation_name(config) -> str | None:
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)  # Gemma's: the first
+
+
+def _head_prep(attention: nn.Module, unit_offset: bool) -> HeadPrep:
+    """The layer's q/k norms (Qwen3, Gemma 3: an RMSNorm over each head, before rotary) and whether it has rotary at
+    all (SmolLM3's NoPE layers have none)."""
+    norms = [_norm(norm) for norm in _head_norm_modules(attention)] or [None, None]
+    return HeadPrep(*norms, rotary=bool(getattr(attention, "use_rope", True)), unit_offset=unit_offset)
 
 
 def _layer_linears(layer: nn.Module, names: tuple) -> tuple:
