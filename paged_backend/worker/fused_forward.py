@@ -15,9 +15,9 @@ with what each family adds to that shape:
 - Qwen3 and Gemma 3: rotary_cache RMS-norms each q and k head first;
 - SmolLM3: its NoPE layers skip the rotary;
 - Phi-3: q|k|v and gate|up are one module each; Phi-4-mini rotates part of each head;
-- Gemma 3: its norms scale by 1 + weight in fp32, add_rms_norm norms `o` and the MLP output before adding them
-  (sandwich norms), the activation is GELU-tanh, local and global layers rotate with two bases, and the logits may
-  be soft-capped.
+- Gemma 2 and 3: their norms scale by 1 + weight in fp32, add_rms_norm norms `o` and the MLP output before adding
+  them (sandwich norms), the activation is GELU-tanh, and the logits may be soft-capped; Gemma 2's attention scores
+  too, and Gemma 3's local and global layers rotate with two bases.
 
 It takes the architectures whose layers are exactly that (`FAMILIES`) when nothing hooks the modules it bypasses;
 anything else, or `PAGED_BACKEND_FUSED_FORWARD=0`, runs transformers' forward over the paged bridge. When every
@@ -52,16 +52,19 @@ STACKED = (("self_attn.qkv_proj",), "self_attn.o_proj", ("mlp.gate_up_proj",), "
 
 @dataclass(frozen=True)
 class Family:
-    """What the fused forward needs to know of an architecture beyond its config: where its linear layers are, and
-    whether its norms are Gemma's (scale by 1 + weight in fp32, and norm each branch's output before its add)."""
+    """What the fused forward needs to know of an architecture beyond its config: where its linear layers are,
+    whether its norms are Gemma's (scale by 1 + weight in fp32, and norm each branch's output before its add), and
+    whether its attention soft-caps the scores when the config asks (Gemma 2's does; Gemma 3's ignores the setting)."""
 
     linears: tuple = APART
     gemma_norms: bool = False
+    softcapped_attention: bool = False
 
 
 FAMILIES = {
     "LlamaForCausalLM": Family(), "MistralForCausalLM": Family(), "Qwen2ForCausalLM": Family(),
     "Qwen3ForCausalLM": Family(), "SmolLM3ForCausalLM": Family(), "Phi3ForCausalLM": Family(STACKED),
+    "Gemma2ForCausalLM": Family(gemma_norms=True, softcapped_attention=True),
     "Gemma3ForCausalLM": Family(gemma_norms=True),
 }  # fmt: skip
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
@@ -81,7 +84,8 @@ def unfused_reason(model: nn.Module, kv_cache: PagedKVCache, attention_backend: 
     """None when `FusedForward` runs this model over this pool, else why transformers' forward runs instead."""
     if os.environ.get(SWITCH, "1") == "0":
         return f"{SWITCH}=0"
-    if type(model).__name__ not in FAMILIES:
+    family = FAMILIES.get(type(model).__name__)
+    if family is None:
         return f"{type(model).__name__} is not one of {', '.join(FAMILIES)}"
     config, dtype = model.config, model.dtype
     if kv_cache.device.type != "cpu" or model.device.type != "cpu":
@@ -90,8 +94,8 @@ def unfused_reason(model: nn.Module, kv_cache: PagedKVCache, attention_backend: 
         return f"model {dtype} with a {kv_cache.dtype} pool (the fused path stores the model's dtype)"
     if _activation_name(config) not in ACTIVATIONS:
         return f"activation {_activation_name(config)!r} (fused: {', '.join(ACTIVATIONS)})"
-    if getattr(config, "attn_logit_softcapping", None) is not None:  # Gemma 3's transformers forward ignores it
-        return "attention logit softcapping (the model's own attention decides whether it applies)"
+    if getattr(config, "attn_logit_softcapping", None) is not None and not family.softcapped_attention:
+        return "attention logit softcapping, which transformers' forward of this model does not apply"
     if resolve_backend(attention_backend, kv_cache.device) != "cpu":
         return "an attention backend other than the cpu kernel was asked for"
     base = model.model
@@ -126,6 +130,7 @@ class FusedForward:
         self.lm_head = model.lm_head
         attn = self.layers[0].self_attn
         self.head_dim, self.scale = attn.head_dim, attn.scaling
+        self.softcap = getattr(attn, "attn_logit_softcapping", None) if family.softcapped_attention else None
         config = model.config
         self.logit_softcap = getattr(config, "final_logit_softcapping", None)
         self.activation = ACTIVATIONS[_activation_name(config)]
@@ -133,7 +138,7 @@ class FusedForward:
         self.windows = [
             getattr(layer.self_attn, "sliding_window", getattr(config, "sliding_window", None)) for layer in self.layers
         ]
-        # the norm before each layer's attention and MLP: (weight, eps); the last layer's MLP is followed by the final norm
+        # the norm before each layer's attention and MLP, (weight, eps); the last layer's MLP is followed by the final one
         gemma = self.unit_offset = family.gemma_norms
         mlp_norm = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
         self.norms = [(_norm(layer.input_layernorm), _norm(getattr(layer, mlp_norm))) for layer in self.layers]
@@ -251,7 +256,7 @@ class FusedForward:
                 plans.append(AttentionPlan(
                     group.block_tables, group.seq_lens, group.query_start_loc, num_q_heads=q_width // head_dim,
                     num_kv_heads=kv_width // head_dim, head_dim=head_dim, block_size=block_size, dtype=dtype,
-                    scale=self.scale,
+                    scale=self.scale, softcap=self.softcap,
                 ))  # fmt: skip
             groups.append(index_of[key])
         return groups, rotaries, plans
