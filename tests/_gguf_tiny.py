@@ -1,5 +1,6 @@
-"""A seeded tiny Llama written as a GGUF file the way llama.cpp's converter writes one (q/k rows permuted for its
-rotary layout, a GPT-2 style byte-level vocabulary), so GGUF loading and its cache can be tested in a second."""
+"""A seeded tiny Llama (or Qwen3) written as a GGUF file the way llama.cpp's converter writes one (a Llama's q/k rows
+permuted for its rotary layout, a GPT-2 style byte-level vocabulary), so GGUF loading and its cache can be tested in a
+second."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ LAYER_TENSORS = {  # GGUF name -> HF name, per layer
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }  # fmt: skip
+QWEN3_TENSORS = {**LAYER_TENSORS, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 
 
 def llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -24,12 +26,13 @@ def llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, 2, rows // num_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def tiny_llama_gguf(path: Path, seed: int = 0):
-    """Write `tiny_model("llama", seed)` (F32 tensors) to `path`; returns that HF model, the expected weights."""
-    model = tiny_model("llama", seed=seed)
+def tiny_llama_gguf(path: Path, seed: int = 0, arch: str = "llama"):
+    """Write `tiny_model(arch, seed)` (F32 tensors; arch "llama" or "qwen3") to `path`; returns that HF model, the
+    expected weights."""
+    model = tiny_model(arch, seed=seed)
     config = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("paged-backend tiny llama")
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"paged-backend tiny {arch}")
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -52,9 +55,9 @@ def tiny_llama_gguf(path: Path, seed: int = 0):
     weights = {name: tensor.detach().float() for name, tensor in model.state_dict().items()}
     writer.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"].numpy())
     for layer in range(config.num_hidden_layers):
-        for gguf_name, hf_name in LAYER_TENSORS.items():
+        for gguf_name, hf_name in (QWEN3_TENSORS if arch == "qwen3" else LAYER_TENSORS).items():
             tensor = weights[f"model.layers.{layer}.{hf_name}.weight"]
-            if gguf_name in ("attn_q", "attn_k"):
+            if gguf_name in ("attn_q", "attn_k") and arch == "llama":  # llama.cpp permutes a Llama's alone
                 heads = config.num_attention_heads if gguf_name == "attn_q" else config.num_key_value_heads
                 tensor = llama_cpp_permute(tensor, heads)
             writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", tensor.contiguous().numpy())

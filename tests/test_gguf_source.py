@@ -62,6 +62,18 @@ def test_engine_on_a_gguf_file_equals_hf_generate(tiny, as_directory):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks - 1
 
 
+def test_a_qwen3_gguf_file_runs_the_fused_forward_and_equals_hf_generate(tmp_path):
+    """Qwen3's GGUF export (per-head q/k norms, no q/k permutation) loads through transformers' reader and runs on
+    the fused CPU forward."""
+    path = tmp_path / "tiny-qwen3.F32.gguf"
+    reference = tiny_llama_gguf(path, seed=3, arch="qwen3")
+    llm = LLM(str(path), device="cpu", dtype="float32", num_blocks=32, block_size=4)
+    assert type(llm.engine.runner.model).__name__ == "Qwen3ForCausalLM"
+    assert llm.engine.runner.fused is not None, llm.engine.runner.unfused_reason
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(reference, p) for p in PROMPTS]
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "F16"])
 def test_other_tensor_types_load_gguf_s_own_dequantization_and_equal_hf_generate(tiny, tmp_path, qtype):
     path, reference = tiny

@@ -149,9 +149,7 @@ class FusedForward:
         ]
         self.final_norm = _norm(self.base.norm)
         self.head_preps = [_head_prep(layer.self_attn, gemma) for layer in self.layers]
-        q_size = config.num_attention_heads * self.head_dim
-        kv_size = (sum(module.out_features for module in self.modules[0][0]) - q_size) // 2
-        self.qkv_sizes = [q_size, kv_size, kv_size]
+        self.qkv_sizes = _qkv_sizes(self.modules[0][0], config)
         self.gate_up_sizes = [sum(module.out_features for module in self.modules[0][2]) // 2] * 2
         self._built, self._built_key = None, None  # _calls()'s result, and the generations it was built at
         self._rotary_tables: dict = {}  # cos and sin by position, per kind of layer (_rotary)
@@ -322,6 +320,16 @@ def _head_prep(attention: nn.Module, unit_offset: bool) -> HeadPrep:
     all (SmolLM3's NoPE layers have none)."""
     norms = [_norm(norm) for norm in _head_norm_modules(attention)] or [None, None]
     return HeadPrep(*norms, rotary=bool(getattr(attention, "use_rope", True)), unit_offset=unit_offset)
+
+
+def _qkv_sizes(modules: tuple, config) -> list[int]:
+    """The q, k and v widths of a layer's projections as they are here (a tensor-parallel rank holds its share of
+    the heads): each module's own, or a stacked module's split in the config's ratio of q to kv heads."""
+    if len(modules) > 1:
+        return [module.out_features for module in modules]
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    q_size = modules[0].out_features * heads // (heads + 2 * kv_heads)
+    return [q_size, *[(modules[0].out_features - q_size) // 2] * 2]
 
 
 def _layer_linears(layer: nn.Module, names: tuple) -> tuple:
