@@ -22,7 +22,9 @@ from paged_backend.engine import LLM, SamplingParams
 from paged_backend.worker.models import byte_tokenizer, tiny_model
 
 # name -> (architecture, KV heads, seed); 4 query heads each, so TP=2 splits KV heads 2 -> 1 and replicates 1.
-MODELS = {"llama-gqa": ("llama", 2, 0), "llama-kv1": ("llama", 1, 2), "qwen2": ("qwen2", 2, 2), "qwen3": ("qwen3", 2, 2)}
+MODELS = {
+    "llama-gqa": ("llama", 2, 0), "llama-kv1": ("llama", 1, 2), "qwen2": ("qwen2", 2, 2), "qwen3": ("qwen3", 2, 2),
+}  # fmt: skip
 DTYPE = "float32"  # the engines' dtype wherever they are compared with `reference` (HF, float32)
 MIN_MARGIN = 5e-4
 MAX_TOKENS = 12

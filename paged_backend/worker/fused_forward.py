@@ -138,7 +138,7 @@ class FusedForward:
         self.windows = [
             getattr(layer.self_attn, "sliding_window", getattr(config, "sliding_window", None)) for layer in self.layers
         ]
-        # the norm before each layer's attention and MLP, (weight, eps); the last layer's MLP is followed by the final one
+        # the norms before each layer's attention and MLP, (weight, eps); the final norm follows the last MLP
         gemma = self.unit_offset = family.gemma_norms
         mlp_norm = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
         self.norms = [(_norm(layer.input_layernorm), _norm(getattr(layer, mlp_norm))) for layer in self.layers]
