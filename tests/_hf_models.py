@@ -22,6 +22,9 @@ ARCHITECTURES = {
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
                {**_SLIDING_GQA, "head_dim": 16, "layer_types": ["sliding_attention", "full_attention"]}),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, _GQA),
+    "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM,  # Granite 3's multipliers
+                {**_GQA, "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0625,
+                 "logits_scaling": 8.0}),
     # Llama with NoPE layers: with 2 layers and an interval of 2, layer 1 has no rotary
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM, {**_GQA, "no_rope_layer_interval": 2}),
     "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel, {"n_positions": 256}),

@@ -44,16 +44,18 @@ def test_llama_family_runs_fused_and_equals_transformers_forward(arch, make_llm,
 @pytest.mark.parametrize(
     "arch, overrides",
     [("smollm3", {}), ("phi3", {}), ("phi3", {"partial_rotary_factor": 0.5}), ("phi3", {"sliding_window": 6}),
-     ("gemma3", {}), ("gemma3", {"final_logit_softcapping": 10.0}), ("gemma2", {"final_logit_softcapping": 10.0})],
+     ("gemma3", {}), ("gemma3", {"final_logit_softcapping": 10.0}), ("gemma2", {"final_logit_softcapping": 10.0}),
+     ("granite", {})],
     ids=["smollm3-nope-layer", "phi3-stacked-modules", "phi3-partial-rotary", "phi3-window", "gemma3",
-         "gemma3-final-softcap", "gemma2-softcaps"],
+         "gemma3-final-softcap", "gemma2-softcaps", "granite-multipliers"],
 )
 @torch.no_grad()
 def test_other_llama_shaped_families_run_fused_and_equal_transformers_forward(arch, overrides, make_llm, monkeypatch):
     """SmolLM3 is Llama with no rotary on every n-th layer; Phi-3 keeps q|k|v and gate|up in one module each, and
     Phi-4-mini rotates only the leading dims of a head. Gemma 3 norms each branch's output too, with its own kind of
     norm, uses GELU-tanh, per-head q/k norms and two rotary bases (local, global layers). The fused forward gives
-    transformers' tokens on each. Gemma 2 also soft-caps its attention scores (its tiny model's cap is 5)."""
+    transformers' tokens on each. Gemma 2 also soft-caps its attention scores (its tiny model's cap is 5); Granite
+    multiplies its embeddings, each branch's output and its logits."""
     model = hf_tiny_model(arch, seed=5, attn_implementation="eager" if arch == "gemma2" else "sdpa", **overrides)
     _distinct_norms(model)
     prompts = [[token % 120 + 3 for token in prompt] for prompt in ragged_prompts(8, seed=2, longest=30)]
@@ -137,10 +139,11 @@ def test_a_torch_attention_backend_keeps_the_oracle_path(make_llm):
         ("phi3", {"partial_rotary_factor": 0.5}, torch.bfloat16),  # stacked modules, partial rotary
         ("gemma3", {}, torch.bfloat16),  # sandwich norms, GELU-tanh, two rotary bases, windowed layers
         ("gemma2", {}, torch.float32),  # attention softcapping, windowed layers
+        ("granite", {}, torch.bfloat16),  # multipliers
     ],
     ids=["llama-fp32", "llama-bf16", "qwen2-windowed-layer", "mistral-window-bf16", "qwen3-bf16",
          "qwen3-windowed-layer", "smollm3-nope-bf16", "phi3-partial-rotary-bf16", "gemma3-bf16",
-         "gemma2-softcaps"],
+         "gemma2-softcaps", "granite-bf16"],
 )
 def test_the_native_layer_loop_equals_the_python_loop_bitwise(arch, overrides, dtype, make_llm, monkeypatch):
     """csrc/cpu/decoder_layers_cpu.cpp calls the Python loop's kernels in its order: same tokens, same logprobs

@@ -58,6 +58,18 @@ def test_gemma_norms_match_the_oracle(dtype, rows, normed_add):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_a_scaled_residual_add_matches_the_oracle(dtype):
+    """Granite's residual multiplier: residual + x * scale, the product rounded in the dtype as torch's op is."""
+    x, residual = randn(5, 576, dtype=dtype, seed=1), randn(5, 576, dtype=dtype, seed=2) * 3
+    weight = randn(576, dtype=dtype, seed=3)
+    expected_residual = residual.clone()
+    expected = fused_cpu.add_rms_norm_reference(x, expected_residual, weight, 1e-5, x_scale=0.22)
+    out = fused_cpu.add_rms_norm(x, residual, weight, 1e-5, x_scale=0.22)
+    close(out, expected, dtype)
+    assert torch.equal(residual, expected_residual)  # two roundings, each as torch's
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
 def test_gelu_tanh_mul_matches_the_oracle(dtype, rows):
     gate, up = randn(rows, 1536, dtype=dtype, seed=4) * 4, randn(rows, 1536, dtype=dtype, seed=5)

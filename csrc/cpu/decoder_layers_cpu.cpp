@@ -44,6 +44,7 @@ struct PbCpuDecoderLayer {
   const void* post_mlp_norm;        // or null: likewise for the MLP output
   int32_t unit_offset;              // Gemma's norms: (1 + weight) in fp32, one rounding (q/k norms too)
   int32_t activation;               // PbCpuActivation of the MLP's gate
+  float residual_scale;             // Granite's residual multiplier on each branch's output (1: none)
 };
 
 struct PbCpuDecoderStep {
@@ -143,8 +144,9 @@ int32_t pb_cpu_decoder_layers(PbCpuDecoderStep* step) {
 
     if (failed(pb_cpu_panel_linear(s.attention_out, s.q_size, layer.o, layer.o_bias, s.o, h, t, h, s.q_size,
                                    s.dtype, threads), PB_LINEAR) ||
-        failed(pb_cpu_add_rms_norm(s.o, h, layer.post_attention_norm, s.residual, h, layer.mlp_norm, s.x, h, rows,
-                                   static_cast<int32_t>(h), s.dtype, layer.mlp_eps, layer.unit_offset, threads),
+        failed(pb_cpu_add_rms_norm(s.o, h, layer.post_attention_norm, layer.residual_scale, s.residual, h,
+                                   layer.mlp_norm, s.x, h, rows, static_cast<int32_t>(h), s.dtype, layer.mlp_eps,
+                                   layer.unit_offset, threads),
                PB_NORM) ||
         failed(pb_cpu_panel_linear(s.x, h, layer.gate_up, layer.gate_up_bias, gate_up, 2 * inter, t, 2 * inter, h,
                                    s.dtype, threads), PB_LINEAR) ||
@@ -155,8 +157,9 @@ int32_t pb_cpu_decoder_layers(PbCpuDecoderStep* step) {
       return status;
     if (i + 1 < s.num_layers) {
       const PbCpuDecoderLayer& next = s.layers[i + 1];
-      if (failed(pb_cpu_add_rms_norm(s.out, h, layer.post_mlp_norm, s.residual, h, next.attention_norm, s.x, h, rows,
-                                     static_cast<int32_t>(h), s.dtype, next.attention_eps, next.unit_offset, threads),
+      if (failed(pb_cpu_add_rms_norm(s.out, h, layer.post_mlp_norm, layer.residual_scale, s.residual, h,
+                                     next.attention_norm, s.x, h, rows, static_cast<int32_t>(h), s.dtype,
+                                     next.attention_eps, next.unit_offset, threads),
                  PB_NORM))
         return status;
     }

@@ -2,7 +2,8 @@
 // what its math costs: each fusion reads its inputs once and writes its outputs once, where torch runs three
 // to six ops with an intermediate tensor each and a dispatch each.
 //
-//   add_rms_norm:  residual += x (optional; Gemma: x RMS-normed first), out = weight * rms_normalize(residual)
+//   add_rms_norm:  residual += x (optional; Gemma: x RMS-normed first; Granite: x scaled), out = weight *
+//                  rms_normalize(residual)
 //                  (Gemma: (1 + weight), in fp32)
 //   rotary_cache:  rotary on q (written to a [T, Hq, D] buffer) and on k, then k and v stored into the pool;
 //                  optionally each q and k head RMS-normed first (Qwen3's q_norm and k_norm), rotary on the
@@ -68,6 +69,19 @@ inline float normed(float value, float inv, float weight, bool unit_offset) {
   return unit_offset ? round_to<T>(value * inv * (1.0f + weight)) : round_to<T>(weight * round_to<T>(value * inv));
 }
 
+// x * scale rounded on its own, as torch's separate multiply before its add: an empty asm keeps GCC from fusing the
+// two into one FMA, which rounds once (fp32 results would then differ from torch's in the last bit).
+inline float separate_product(float x, float scale) {
+  float product = x * scale;
+#if defined(__x86_64__)
+  asm("" : "+x"(product));
+#else
+  volatile float held = product;
+  product = held;
+#endif
+  return product;
+}
+
 template <typename T>
 inline float inverse_rms(const T* row, int32_t hidden, float eps) {
   float sum = 0.0f;
@@ -80,9 +94,9 @@ inline float inverse_rms(const T* row, int32_t hidden, float eps) {
 }
 
 template <typename T>
-void add_rms_norm(const T* x, int64_t x_stride, const T* x_weight, T* residual, int64_t r_stride, const T* weight,
-                  T* out, int64_t o_stride, int32_t rows, int32_t hidden, float eps, bool unit_offset,
-                  int32_t num_threads) {
+void add_rms_norm(const T* x, int64_t x_stride, const T* x_weight, float x_scale, T* residual, int64_t r_stride,
+                  const T* weight, T* out, int64_t o_stride, int32_t rows, int32_t hidden, float eps,
+                  bool unit_offset, int32_t num_threads) {
 #pragma omp parallel for schedule(static) num_threads(threads_for(int64_t{rows} * hidden, num_threads))
   for (int32_t r = 0; r < rows; ++r) {
     T* res = residual + r * r_stride;
@@ -92,6 +106,9 @@ void add_rms_norm(const T* x, int64_t x_stride, const T* x_weight, T* residual, 
         const float inv_x = inverse_rms(in, hidden, eps);
         for (int32_t i = 0; i < hidden; ++i)
           store(res, i, load(res, i) + normed<T>(load(in, i), inv_x, load(x_weight, i), unit_offset));
+      } else if (x_scale != 1.0f) {  // Granite's residual multiplier, the product rounded as torch's op is
+        for (int32_t i = 0; i < hidden; ++i)
+          store(res, i, load(res, i) + round_to<T>(separate_product(load(in, i), x_scale)));
       } else {
         for (int32_t i = 0; i < hidden; ++i) store(res, i, load(res, i) + load(in, i));
       }
@@ -200,23 +217,23 @@ extern "C" {
 uint64_t pb_cpu_rotary_cache_args_size() { return sizeof(RotaryCacheArgs); }
 
 // Status codes: 0 ok, -1 unsupported dtype, -2 bad shape.
-int pb_cpu_add_rms_norm(const void* x, int64_t x_stride, const void* x_weight, void* residual, int64_t r_stride,
-                        const void* weight, void* out, int64_t o_stride, int32_t rows, int32_t hidden, int32_t dtype,
-                        float eps, int32_t unit_offset, int32_t num_threads) {
+int pb_cpu_add_rms_norm(const void* x, int64_t x_stride, const void* x_weight, float x_scale, void* residual,
+                        int64_t r_stride, const void* weight, void* out, int64_t o_stride, int32_t rows,
+                        int32_t hidden, int32_t dtype, float eps, int32_t unit_offset, int32_t num_threads) {
   if (rows < 0 || hidden <= 0) return -2;
   switch (dtype) {
     case F32:
-      add_rms_norm(static_cast<const float*>(x), x_stride, static_cast<const float*>(x_weight),
+      add_rms_norm(static_cast<const float*>(x), x_stride, static_cast<const float*>(x_weight), x_scale,
                    static_cast<float*>(residual), r_stride, static_cast<const float*>(weight), static_cast<float*>(out),
                    o_stride, rows, hidden, eps, unit_offset != 0, num_threads);
       return 0;
     case F16:
-      add_rms_norm(static_cast<const _Float16*>(x), x_stride, static_cast<const _Float16*>(x_weight),
+      add_rms_norm(static_cast<const _Float16*>(x), x_stride, static_cast<const _Float16*>(x_weight), x_scale,
                    static_cast<_Float16*>(residual), r_stride, static_cast<const _Float16*>(weight),
                    static_cast<_Float16*>(out), o_stride, rows, hidden, eps, unit_offset != 0, num_threads);
       return 0;
     case BF16:
-      add_rms_norm(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(x_weight),
+      add_rms_norm(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(x_weight), x_scale,
                    static_cast<uint16_t*>(residual), r_stride, static_cast<const uint16_t*>(weight),
                    static_cast<uint16_t*>(out), o_stride, rows, hidden, eps, unit_offset != 0, num_threads);
       return 0;

@@ -57,11 +57,11 @@ constexpr int32_t kMaxNormedHeadDim = 512;  // a normed head is staged in a stac
 
 int pb_cpu_paged_attention(const PbCpuAttentionArgs* args);
 int pb_cpu_rotary_cache(const RotaryCacheArgs* args, int32_t dtype);
-// x_weight: or null; x is RMS-normed with it before the add (Gemma's post-norms). unit_offset: Gemma's norms,
-// (1 + weight) in fp32, one rounding.
-int pb_cpu_add_rms_norm(const void* x, int64_t x_stride, const void* x_weight, void* residual, int64_t r_stride,
-                        const void* weight, void* out, int64_t o_stride, int32_t rows, int32_t hidden, int32_t dtype,
-                        float eps, int32_t unit_offset, int32_t num_threads);
+// x_weight: or null; x is RMS-normed with it before the add (Gemma's post-norms). x_scale: x times it before the
+// add (Granite's residual multiplier; 1: none). unit_offset: Gemma's norms, (1 + weight) in fp32, one rounding.
+int pb_cpu_add_rms_norm(const void* x, int64_t x_stride, const void* x_weight, float x_scale, void* residual,
+                        int64_t r_stride, const void* weight, void* out, int64_t o_stride, int32_t rows,
+                        int32_t hidden, int32_t dtype, float eps, int32_t unit_offset, int32_t num_threads);
 enum PbCpuActivation : int32_t { PB_SILU = 0, PB_GELU_TANH = 1 };
 int pb_cpu_act_mul(const void* gate, int64_t g_stride, const void* up, int64_t u_stride, void* out, int64_t o_stride,
                    int32_t rows, int32_t width, int32_t dtype, int32_t activation, int32_t num_threads);

@@ -32,6 +32,7 @@ class DecoderLayer(ctypes.Structure):
         ("group", I32), ("sliding_window", I32),
         ("q_norm", PTR), ("k_norm", PTR), ("q_norm_eps", F32), ("k_norm_eps", F32), ("skip_rotary", I32),
         ("post_attention_norm", PTR), ("post_mlp_norm", PTR), ("unit_offset", I32), ("activation", I32),
+        ("residual_scale", F32),
     ]  # fmt: skip
 
 
@@ -78,7 +79,8 @@ class LayerParts:
     """One layer as the loop reads it: stacked q|k|v and gate|up panels, o and down, biases (or None), the two
     norms' (weight, eps), the layer's pools, its sliding window (None: off) and what it does to q and k heads besides
     the rotary (`HeadPrep`: Qwen3's norms, SmolLM3's NoPE layers). Gemma adds norms of the attention and MLP outputs
-    before their residual adds (weights, or None), its kind of norm (`unit_offset`) and GELU-tanh (`activation`)."""
+    before their residual adds (weights, or None), its kind of norm (`unit_offset`) and GELU-tanh (`activation`);
+    Granite scales each branch's output before its add (`residual_scale`)."""
 
     qkv: PanelWeight
     qkv_bias: torch.Tensor | None
@@ -98,6 +100,7 @@ class LayerParts:
     post_mlp_norm: torch.Tensor | None = None
     unit_offset: bool = False
     activation: int = SILU
+    residual_scale: float = 1.0
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
@@ -128,7 +131,7 @@ class DecoderLayers:
                 0, part.sliding_window or 0,
                 **{**part.head_prep.fields(), "unit_offset": int(part.unit_offset)},  # one kind of norm per layer
                 post_attention_norm=_pointer(part.post_attention_norm), post_mlp_norm=_pointer(part.post_mlp_norm),
-                activation=part.activation,
+                activation=part.activation, residual_scale=part.residual_scale,
             ))  # fmt: skip
             # The weights are kept alive here; the pools are not (sleep mode frees them): the caller rebuilds this
             # when a pool moves.

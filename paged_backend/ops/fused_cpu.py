@@ -39,8 +39,8 @@ class RotaryCacheArgs(ctypes.Structure):
 @cache
 def _fused() -> ctypes.CDLL:
     lib = _library()
-    lib.pb_cpu_add_rms_norm.argtypes = [PTR, I64, PTR, PTR, I64, PTR, PTR, I64, I32, I32, I32, ctypes.c_float, I32,
-                                        I32]  # fmt: skip
+    lib.pb_cpu_add_rms_norm.argtypes = [PTR, I64, PTR, ctypes.c_float, PTR, I64, PTR, PTR, I64, I32, I32, I32,
+                                        ctypes.c_float, I32, I32]  # fmt: skip
     lib.pb_cpu_act_mul.argtypes = [PTR, I64, PTR, I64, PTR, I64, I32, I32, I32, I32, I32]
     lib.pb_cpu_rotary_cache.argtypes = [ctypes.POINTER(RotaryCacheArgs), I32]
     lib.pb_cpu_fused_error_string.argtypes = [ctypes.c_int]
@@ -55,17 +55,18 @@ def _check(status: int, what: str) -> None:
 
 def add_rms_norm(
     x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
-    *, x_weight: torch.Tensor | None = None, unit_offset: bool = False,
+    *, x_weight: torch.Tensor | None = None, x_scale: float = 1.0, unit_offset: bool = False,
 ) -> torch.Tensor:
     """`residual += x` in place (skipped when `x` is None; `x` RMS-normed with `x_weight` first where given, Gemma's
-    post-norms), then `weight * rms_normalize(residual)` `[T, H]`. `unit_offset`: Gemma's norms, which scale by
-    `1 + weight` in fp32 and round once, where Llama's round the normalized value, then multiply in the dtype."""
+    post-norms, or times `x_scale`, Granite's residual multiplier), then `weight * rms_normalize(residual)` `[T, H]`.
+    `unit_offset`: Gemma's norms, which scale by `1 + weight` in fp32 and round once, where Llama's round the
+    normalized value, then multiply in the dtype."""
     rows, hidden = residual.shape
     out = torch.empty_like(residual) if out is None else out
     _check(
         _fused().pb_cpu_add_rms_norm(
             None if x is None else x.data_ptr(), 0 if x is None else x.stride(0),
-            None if x_weight is None else x_weight.data_ptr(),
+            None if x_weight is None else x_weight.data_ptr(), x_scale,
             residual.data_ptr(), residual.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
             rows, hidden, QUERY_DTYPES[residual.dtype], eps, int(unit_offset), torch.get_num_threads(),
         ),
@@ -169,9 +170,12 @@ def rms_norm_reference(x, weight, eps, unit_offset: bool = False) -> torch.Tenso
     return weight * hidden.to(x.dtype)
 
 
-def add_rms_norm_reference(x, residual, weight, eps, x_weight=None, unit_offset: bool = False) -> torch.Tensor:
+def add_rms_norm_reference(x, residual, weight, eps, x_weight=None, unit_offset: bool = False,
+                           x_scale: float = 1.0) -> torch.Tensor:  # fmt: skip
     if x is not None:
-        residual.copy_(residual + (x if x_weight is None else rms_norm_reference(x, x_weight, eps, unit_offset)))
+        if x_weight is not None:
+            x = rms_norm_reference(x, x_weight, eps, unit_offset)
+        residual.copy_(residual + (x * x_scale if x_scale != 1.0 else x))  # Granite: residual + out * multiplier
     return rms_norm_reference(residual, weight, eps, unit_offset)
 
 

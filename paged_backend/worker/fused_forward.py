@@ -15,6 +15,7 @@ with what each family adds to that shape:
 - Qwen3 and Gemma 3: rotary_cache RMS-norms each q and k head first;
 - SmolLM3: its NoPE layers skip the rotary;
 - Phi-3: q|k|v and gate|up are one module each; Phi-4-mini rotates part of each head;
+- Granite: multipliers of the embeddings, of each branch's output before its add (in add_rms_norm), of the logits;
 - Gemma 2 and 3: their norms scale by 1 + weight in fp32, add_rms_norm norms `o` and the MLP output before adding
   them (sandwich norms), the activation is GELU-tanh, and the logits may be soft-capped; Gemma 2's attention scores
   too, and Gemma 3's local and global layers rotate with two bases.
@@ -65,7 +66,7 @@ FAMILIES = {
     "LlamaForCausalLM": Family(), "MistralForCausalLM": Family(), "Qwen2ForCausalLM": Family(),
     "Qwen3ForCausalLM": Family(), "SmolLM3ForCausalLM": Family(), "Phi3ForCausalLM": Family(STACKED),
     "Gemma2ForCausalLM": Family(gemma_norms=True, softcapped_attention=True),
-    "Gemma3ForCausalLM": Family(gemma_norms=True),
+    "Gemma3ForCausalLM": Family(gemma_norms=True), "GraniteForCausalLM": Family(),
 }  # fmt: skip
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 SWITCH = "PAGED_BACKEND_FUSED_FORWARD"
@@ -133,6 +134,10 @@ class FusedForward:
         self.softcap = getattr(attn, "attn_logit_softcapping", None) if family.softcapped_attention else None
         config = model.config
         self.logit_softcap = getattr(config, "final_logit_softcapping", None)
+        # Granite's multipliers (1 elsewhere): of the embeddings, of each branch's output before its add, of the logits
+        self.embedding_scale = getattr(config, "embedding_multiplier", 1.0)
+        self.residual_scale = getattr(config, "residual_multiplier", 1.0)
+        self.logits_scaling = getattr(config, "logits_scaling", 1.0)
         self.activation = ACTIVATIONS[_activation_name(config)]
         # Mistral keeps its window on the config; Qwen2 per layer (None on full-attention layers)
         self.windows = [
@@ -202,7 +207,7 @@ class FusedForward:
         parts = [
             LayerParts(qkv.panel, qkv.bias, o.panel, o.bias, gate_up.panel, gate_up.bias, down.panel, down.bias,
                        *self.norms[index], *self.kv_cache.layer(index), self.windows[index], self.head_preps[index],
-                       *self.post_norms[index], self.unit_offset, self.activation)
+                       *self.post_norms[index], self.unit_offset, self.activation, self.residual_scale)
             for index, (qkv, o, gate_up, down) in enumerate(forwards)
         ]  # fmt: skip
         return DecoderLayers(parts, *self.qkv_sizes[:2], self.head_dim)
@@ -262,6 +267,8 @@ class FusedForward:
     def _run(self, calls, lm_head, native, ids, positions, metadata: PagedMetadata, rows: list[int], cut):
         base = self.base
         residual = base.embed_tokens(ids)  # [1, T, H] (Gemma's module scales it)
+        if self.embedding_scale != 1.0:  # Granite's model scales them after the module, in their dtype
+            residual = residual * self.embedding_scale
         rotary = self._rotary(residual, positions)
         residual = residual[0]
         x = add_rms_norm(None, residual, *self.norms[0][0], unit_offset=self.unit_offset)
@@ -275,8 +282,11 @@ class FusedForward:
         # only the kept rows need the last residual add, the final norm and the LM head
         kept = torch.tensor(rows, dtype=torch.long)
         x = add_rms_norm(out.index_select(0, kept), residual.index_select(0, kept), *self.final_norm,
-                         x_weight=self.post_norms[-1][1], unit_offset=self.unit_offset)  # fmt: skip
+                         x_weight=self.post_norms[-1][1], x_scale=self.residual_scale,
+                         unit_offset=self.unit_offset)  # fmt: skip
         logits = lm_head(x)
+        if self.logits_scaling != 1.0:  # Granite's, in the model's dtype as transformers does
+            logits = logits / self.logits_scaling
         if self.logit_softcap:  # Gemma's, in the model's dtype as transformers does
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits.float()
@@ -293,11 +303,11 @@ class FusedForward:
             out = o_proj(plan(q, key_cache, value_cache, self.windows[index]).view(q.shape[0], -1))
             post_attention, post_mlp = self.post_norms[index]
             x = add_rms_norm(out, residual, *self.norms[index][1], x_weight=post_attention,
-                             unit_offset=self.unit_offset)  # fmt: skip
+                             x_scale=self.residual_scale, unit_offset=self.unit_offset)  # fmt: skip
             out = down_proj(act_mul(*gate_up_proj(x), self.activation))
             if index < last:
                 x = add_rms_norm(out, residual, *self.norms[index + 1][0], x_weight=post_mlp,
-                                 unit_offset=self.unit_offset)  # fmt: skip
+                                 x_scale=self.residual_scale, unit_offset=self.unit_offset)  # fmt: skip
         return out
 
 
