@@ -20,10 +20,10 @@ with what each family adds to that shape:
   them (sandwich norms), the activation is GELU-tanh, and the logits may be soft-capped; Gemma 2's attention scores
   too, and Gemma 3's local and global layers rotate with two bases.
 
-It takes the architectures whose layers are exactly that (`FAMILIES`) when nothing hooks the modules it bypasses;
-anything else, or `PAGED_BACKEND_FUSED_FORWARD=0`, runs transformers' forward over the paged bridge. When every
-layer's linear calls are panels, the per-layer loop is one call into C++ (`ops/decoder_layers.py`: the same kernels
-in the same order, so the same bits; `PAGED_BACKEND_NATIVE_LAYERS=0` keeps it in Python).
+It takes the architectures whose layers are exactly that (`model_families.FAMILIES`) when nothing hooks the modules
+it bypasses; anything else, or `PAGED_BACKEND_FUSED_FORWARD=0`, runs transformers' forward over the paged bridge.
+When every layer's linear calls are panels, the per-layer loop is one call into C++ (`ops/decoder_layers.py`: the
+same kernels in the same order, so the same bits; `PAGED_BACKEND_NATIVE_LAYERS=0` keeps it in Python).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import inspect
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -41,34 +40,20 @@ from paged_backend.core.kv_cache import PagedKVCache
 from paged_backend.ops import resolve_backend
 from paged_backend.ops.cpu import AttentionPlan
 from paged_backend.ops.decoder_layers import DecoderLayers, LayerParts
-from paged_backend.ops.fused_cpu import ACTIVATIONS, FUSED_DTYPES, HeadPrep, RotaryCache, act_mul, add_rms_norm
+from paged_backend.ops.fused_cpu import ACTIVATIONS, FUSED_DTYPES, RotaryCache, act_mul, add_rms_norm
 from paged_backend.worker.attention import PagedMetadata
+from paged_backend.worker.model_families import (
+    FAMILIES,
+    NORMS,
+    activation_name,
+    flat_linears,
+    head_norm_modules,
+    head_prep,
+    layer_linears,
+    norm_of,
+    qkv_sizes,
+)
 
-# Where a family keeps each layer's linear layers: those reading the attention's input (q, k and v apart, or one
-# module stacking them), o, those reading the MLP's input (gate and up, or one stacked module), down.
-APART = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn.o_proj",
-         ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj")  # fmt: skip
-STACKED = (("self_attn.qkv_proj",), "self_attn.o_proj", ("mlp.gate_up_proj",), "mlp.down_proj")
-
-
-@dataclass(frozen=True)
-class Family:
-    """What the fused forward needs to know of an architecture beyond its config: where its linear layers are,
-    whether its norms are Gemma's (scale by 1 + weight in fp32, and norm each branch's output before its add), and
-    whether its attention soft-caps the scores when the config asks (Gemma 2's does; Gemma 3's ignores the setting)."""
-
-    linears: tuple = APART
-    gemma_norms: bool = False
-    softcapped_attention: bool = False
-
-
-FAMILIES = {
-    "LlamaForCausalLM": Family(), "MistralForCausalLM": Family(), "Qwen2ForCausalLM": Family(),
-    "Qwen3ForCausalLM": Family(), "SmolLM3ForCausalLM": Family(), "Phi3ForCausalLM": Family(STACKED),
-    "Gemma2ForCausalLM": Family(gemma_norms=True, softcapped_attention=True),
-    "Gemma3ForCausalLM": Family(gemma_norms=True), "GraniteForCausalLM": Family(),
-}  # fmt: skip
-NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 SWITCH = "PAGED_BACKEND_FUSED_FORWARD"
 NATIVE_SWITCH = "PAGED_BACKEND_NATIVE_LAYERS"  # "0": the layer loop in Python, not csrc/cpu/decoder_layers_cpu.cpp
 
@@ -93,8 +78,8 @@ def unfused_reason(model: nn.Module, kv_cache: PagedKVCache, attention_backend: 
         return "the fused kernels run on CPU"
     if dtype not in FUSED_DTYPES or kv_cache.dtype != dtype:
         return f"model {dtype} with a {kv_cache.dtype} pool (the fused path stores the model's dtype)"
-    if _activation_name(config) not in ACTIVATIONS:
-        return f"activation {_activation_name(config)!r} (fused: {', '.join(ACTIVATIONS)})"
+    if activation_name(config) not in ACTIVATIONS:
+        return f"activation {activation_name(config)!r} (fused: {', '.join(ACTIVATIONS)})"
     if getattr(config, "attn_logit_softcapping", None) is not None and not family.softcapped_attention:
         return "attention logit softcapping, which transformers' forward of this model does not apply"
     if resolve_backend(attention_backend, kv_cache.device) != "cpu":
@@ -105,7 +90,7 @@ def unfused_reason(model: nn.Module, kv_cache: PagedKVCache, attention_backend: 
         return "the model's layers do not match its pool (pipeline stages run transformers' forward)"
     bypassed = [model, base, base.embed_tokens, base.norm, base.rotary_emb]
     for layer in layers:
-        bypassed += [layer, layer.self_attn, layer.mlp, *_head_norm_modules(layer.self_attn),
+        bypassed += [layer, layer.self_attn, layer.mlp, *head_norm_modules(layer.self_attn),
                      *(getattr(layer, name) for name in NORMS if hasattr(layer, name))]
     if any(_hooked(module) for module in bypassed):
         return "hooks on modules the fused forward bypasses (offloading, or a caller's own)"
@@ -127,7 +112,7 @@ class FusedForward:
         self.base = model.model
         self.layers = list(self.base.layers)
         family = FAMILIES[type(model).__name__]
-        self.modules = [_layer_linears(layer, family.linears) for layer in self.layers]
+        self.modules = [layer_linears(layer, family.linears) for layer in self.layers]
         self.lm_head = model.lm_head
         attn = self.layers[0].self_attn
         self.head_dim, self.scale = attn.head_dim, attn.scaling
@@ -138,7 +123,7 @@ class FusedForward:
         self.embedding_scale = getattr(config, "embedding_multiplier", 1.0)
         self.residual_scale = getattr(config, "residual_multiplier", 1.0)
         self.logits_scaling = getattr(config, "logits_scaling", 1.0)
-        self.activation = ACTIVATIONS[_activation_name(config)]
+        self.activation = ACTIVATIONS[activation_name(config)]
         # Mistral keeps its window on the config; Qwen2 per layer (None on full-attention layers)
         self.windows = [
             getattr(layer.self_attn, "sliding_window", getattr(config, "sliding_window", None)) for layer in self.layers
@@ -146,15 +131,15 @@ class FusedForward:
         # the norms before each layer's attention and MLP, (weight, eps); the final norm follows the last MLP
         gemma = self.unit_offset = family.gemma_norms
         mlp_norm = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
-        self.norms = [(_norm(layer.input_layernorm), _norm(getattr(layer, mlp_norm))) for layer in self.layers]
+        self.norms = [(norm_of(layer.input_layernorm), norm_of(getattr(layer, mlp_norm))) for layer in self.layers]
         # Gemma's norms of the attention and MLP outputs, before their residual adds: weights, or None
         self.post_norms = [
             (layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight) if gemma else (None, None)
             for layer in self.layers
         ]
-        self.final_norm = _norm(self.base.norm)
-        self.head_preps = [_head_prep(layer.self_attn, gemma) for layer in self.layers]
-        self.qkv_sizes = _qkv_sizes(self.modules[0][0], config)
+        self.final_norm = norm_of(self.base.norm)
+        self.head_preps = [head_prep(layer.self_attn, gemma) for layer in self.layers]
+        self.qkv_sizes = qkv_sizes(self.modules[0][0], config)
         self.gate_up_sizes = [sum(module.out_features for module in self.modules[0][2]) // 2] * 2
         self._built, self._built_key = None, None  # _calls()'s result, and the generations it was built at
         self._rotary_tables: dict = {}  # cos and sin by position, per kind of layer (_rotary)
@@ -165,7 +150,7 @@ class FusedForward:
         rope_type = str(getattr(self.base.rotary_emb, "rope_type", "default"))
         self._rope_varies = any(kind in rope_type for kind in ("dynamic", "longrope"))
         # the forward hooks of every module the calls bypass, checked each step (a caller's, LoRA's as it loads)
-        bypassed = [*(module for layer in self.modules for module in _flat(layer)), self.lm_head]
+        bypassed = [*(module for layer in self.modules for module in flat_linears(layer)), self.lm_head]
         self._hook_dicts = [
             hooks for module in bypassed for hooks in (module._forward_hooks, module._forward_pre_hooks)
         ]
@@ -309,49 +294,6 @@ class FusedForward:
                 x = add_rms_norm(out, residual, *self.norms[index + 1][0], x_weight=post_mlp,
                                  x_scale=self.residual_scale, unit_offset=self.unit_offset)  # fmt: skip
         return out
-
-
-def _head_norm_modules(attention: nn.Module) -> tuple[nn.Module, ...]:
-    """Qwen3's and Gemma 3's per-head RMSNorms of q and k (before rotary), or () for the families without them."""
-    return (attention.q_norm, attention.k_norm) if hasattr(attention, "q_norm") else ()
-
-
-def _norm(module: nn.Module) -> tuple[torch.Tensor, float]:
-    """An RMSNorm module's (weight, eps): Llama's keeps eps as `variance_epsilon`, Gemma's as `eps`."""
-    return module.weight, getattr(module, "variance_epsilon", getattr(module, "eps", None))
-
-
-def _activation_name(config) -> str | None:
-    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)  # Gemma's: the first
-
-
-def _head_prep(attention: nn.Module, unit_offset: bool) -> HeadPrep:
-    """The layer's q/k norms (Qwen3, Gemma 3: an RMSNorm over each head, before rotary) and whether it has rotary at
-    all (SmolLM3's NoPE layers have none)."""
-    norms = [_norm(norm) for norm in _head_norm_modules(attention)] or [None, None]
-    return HeadPrep(*norms, rotary=bool(getattr(attention, "use_rope", True)), unit_offset=unit_offset)
-
-
-def _qkv_sizes(modules: tuple, config) -> list[int]:
-    """The q, k and v widths of a layer's projections as they are here (a tensor-parallel rank holds its share of
-    the heads): each module's own, or a stacked module's split in the config's ratio of q to kv heads."""
-    if len(modules) > 1:
-        return [module.out_features for module in modules]
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    q_size = modules[0].out_features * heads // (heads + 2 * kv_heads)
-    return [q_size, *[(modules[0].out_features - q_size) // 2] * 2]
-
-
-def _layer_linears(layer: nn.Module, names: tuple) -> tuple:
-    """(the q|k|v modules, o, the gate|up modules, down) of `layer`, by its family's names."""
-    qkv, o, gate_up, down = names
-    return (tuple(map(layer.get_submodule, qkv)), layer.get_submodule(o), tuple(map(layer.get_submodule, gate_up)),
-            layer.get_submodule(down))  # fmt: skip
-
-
-def _flat(linears: tuple) -> list[nn.Module]:
-    qkv, o, gate_up, down = linears
-    return [*qkv, o, *gate_up, down]
 
 
 def _module(module: nn.Module) -> nn.Module:
