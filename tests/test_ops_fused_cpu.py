@@ -90,18 +90,18 @@ def test_an_unknown_activation_is_refused():
 @pytest.mark.parametrize("rows", ROWS)
 def test_silu_mul_matches_the_oracle(dtype, rows):
     gate, up = randn(rows, 1536, dtype=dtype, seed=4) * 4, randn(rows, 1536, dtype=dtype, seed=5)
-    close(fused_cpu.silu_mul(gate, up), fused_cpu.silu_mul_reference(gate, up), dtype)
+    close(fused_cpu.act_mul(gate, up), fused_cpu.act_mul_reference(gate, up), dtype)
 
 
 def test_silu_mul_saturates_without_overflow():
     gate = torch.tensor([[-1e4, -90.0, -20.0, 0.0, 20.0, 90.0, 1e4, float("-inf")]])
-    out = fused_cpu.silu_mul(gate, torch.ones_like(gate))
+    out = fused_cpu.act_mul(gate, torch.ones_like(gate))
     torch.testing.assert_close(out[:, :-1], torch.nn.functional.silu(gate)[:, :-1], rtol=1e-6, atol=1e-30)
 
 
 def test_silu_mul_keeps_a_nan_gate_nan_as_torch_does():
     gate = torch.tensor([[float("nan"), 1.0] * 40])  # long enough for the vector loop and its tail
-    out = fused_cpu.silu_mul(gate, torch.ones_like(gate))
+    out = fused_cpu.act_mul(gate, torch.ones_like(gate))
     assert out[0, ::2].isnan().all() and not out[0, 1::2].isnan().any()
 
 
@@ -195,7 +195,7 @@ def test_every_kernel_gives_a_row_the_same_bits_alone_or_in_a_batch(dtype):
     batch = fused_cpu.add_rms_norm(x, batch_residual, weight, 1e-6)
     assert torch.equal(fused_cpu.add_rms_norm(x[123:124], one_residual, weight, 1e-6), batch[123:124])
     gate, up = randn(rows, 1536, dtype=dtype, seed=11), randn(rows, 1536, dtype=dtype, seed=12)
-    assert torch.equal(fused_cpu.silu_mul(gate[42:43], up[42:43]), fused_cpu.silu_mul(gate, up)[42:43])
+    assert torch.equal(fused_cpu.act_mul(gate[42:43], up[42:43]), fused_cpu.act_mul(gate, up)[42:43])
     q, k, v, cos, sin, slots, (key_cache, value_cache, *_) = rotary_case(rows, dtype)
     batch_q = RotaryCache(cos, sin, slots, 16)(q, k, v, key_cache, value_cache)
     one_q = RotaryCache(cos[5:6].contiguous(), sin[5:6].contiguous(), slots[5:6].clone(), 16)(

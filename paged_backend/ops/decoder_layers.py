@@ -79,7 +79,8 @@ class LayerParts:
     """One layer as the loop reads it: stacked q|k|v and gate|up panels, o and down, biases (or None), the two
     norms' (weight, eps), the layer's pools, its sliding window (None: off) and what it does to q and k heads besides
     the rotary (`HeadPrep`: Qwen3's norms, SmolLM3's NoPE layers). Gemma adds norms of the attention and MLP outputs
-    before their residual adds (weights, or None), its kind of norm (`unit_offset`) and GELU-tanh (`activation`);
+    before their residual adds (weights, or None), its kind of norm (`head_prep.unit_offset`) and GELU-tanh
+    (`activation`);
     Granite scales each branch's output before its add (`residual_scale`)."""
 
     qkv: PanelWeight
@@ -98,7 +99,6 @@ class LayerParts:
     head_prep: HeadPrep = PLAIN
     post_attention_norm: torch.Tensor | None = None
     post_mlp_norm: torch.Tensor | None = None
-    unit_offset: bool = False
     activation: int = SILU
     residual_scale: float = 1.0
 
@@ -129,7 +129,7 @@ class DecoderLayers:
                 part.attention_norm[0].data_ptr(), part.mlp_norm[0].data_ptr(), part.attention_norm[1],
                 part.mlp_norm[1], part.key_cache.data_ptr(), part.value_cache.data_ptr(), *k_strides, *v_strides,
                 0, part.sliding_window or 0,
-                **{**part.head_prep.fields(), "unit_offset": int(part.unit_offset)},  # one kind of norm per layer
+                **part.head_prep.fields,  # its unit_offset is the layer's one kind of norm, q/k norms included
                 post_attention_norm=_pointer(part.post_attention_norm), post_mlp_norm=_pointer(part.post_mlp_norm),
                 activation=part.activation, residual_scale=part.residual_scale,
             ))  # fmt: skip

@@ -1,6 +1,6 @@
 """The fused decoder-layer kernels of csrc/cpu/fused_ops_cpu.cpp, and their torch oracles.
 
-`add_rms_norm`, `silu_mul` and `RotaryCache` are what `worker/fused_forward.py` calls between a layer's linear
+`add_rms_norm`, `act_mul` and `RotaryCache` are what `worker/fused_forward.py` calls between a layer's linear
 layers; each `*_reference` is the same step written with transformers' torch ops, which the tests hold the
 kernels to. The kernels take rows with a unit stride along the hidden dimension; they run on CPU tensors in
 float32, float16 or bfloat16.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 
 import torch
 
@@ -93,11 +93,6 @@ def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: int = SILU) -> tor
     return out
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) * up` for `[T, I]` rows."""
-    return act_mul(gate, up, SILU)
-
-
 Norm = tuple[torch.Tensor, float]  # an RMSNorm's (weight, eps)
 
 
@@ -112,6 +107,7 @@ class HeadPrep:
     rotary: bool = True
     unit_offset: bool = False
 
+    @cached_property  # read for every layer of every step on the Python loop: built once per prep
     def fields(self) -> dict:
         """This prep as the kernels' struct fields (RotaryCacheArgs, and each PbCpuDecoderLayer)."""
         (q_norm, q_eps), (k_norm, k_eps) = (
@@ -145,7 +141,7 @@ class RotaryCache:
         """Rotated `query [T, Hq, D]` (a new tensor) after storing rotated keys and the values in the pools; `prep`
         adds the layer's per-head norms first, or skips the rotary."""
         args, head_dim = self.args, self.args.head_dim
-        for name, field in prep.fields().items():
+        for name, field in prep.fields.items():
             setattr(args, name, field)
         out = torch.empty(query.shape[0], query.shape[1] // head_dim, head_dim, dtype=query.dtype)
         args.query, args.q_stride = query.data_ptr(), query.stride(0)
@@ -185,8 +181,6 @@ def act_mul_reference(gate, up, activation: int = SILU) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def silu_mul_reference(gate, up) -> torch.Tensor:
-    return act_mul_reference(gate, up, SILU)
 
 
 def rotary_cache_reference(query, key, value, cos, sin, key_cache, value_cache, slot_mapping,

@@ -146,6 +146,7 @@ class FusedForward:
         # Gemma 3's local and global layers rotate with two bases: the rotary module takes the layer type
         by_type = "layer_type" in inspect.signature(self.base.rotary_emb.forward).parameters
         self.rope_kinds = list(config.layer_types) if by_type else [None] * len(self.layers)
+        self._rope_kind_args = {kind: {} if kind is None else {"layer_type": kind} for kind in set(self.rope_kinds)}
         # a rope that changes with the sequence length cannot be tabled
         rope_type = str(getattr(self.base.rotary_emb, "rope_type", "default"))
         self._rope_varies = any(kind in rope_type for kind in ("dynamic", "longrope"))
@@ -192,7 +193,7 @@ class FusedForward:
         parts = [
             LayerParts(qkv.panel, qkv.bias, o.panel, o.bias, gate_up.panel, gate_up.bias, down.panel, down.bias,
                        *self.norms[index], *self.kv_cache.layer(index), self.windows[index], self.head_preps[index],
-                       *self.post_norms[index], self.unit_offset, self.activation, self.residual_scale)
+                       *self.post_norms[index], self.activation, self.residual_scale)
             for index, (qkv, o, gate_up, down) in enumerate(forwards)
         ]  # fmt: skip
         return DecoderLayers(parts, *self.qkv_sizes[:2], self.head_dim)
@@ -215,16 +216,16 @@ class FusedForward:
         rotate differently; other families have one kind, None): rows of a table the model's rotary module computed
         once for positions 0..n (elementwise, so the same bits as computing them per step, which cost ~0.1 ms); a
         rope that changes with the sequence length (dynamic, longrope) is computed per step."""
-        rotary, kinds = self.base.rotary_emb, set(self.rope_kinds)
-        by_kind = lambda kind: {} if kind is None else {"layer_type": kind}  # noqa: E731
+        rotary, kinds = self.base.rotary_emb, self._rope_kind_args
         if self._rope_varies:
-            return {kind: tuple(t[0].contiguous() for t in rotary(x, positions, **by_kind(kind))) for kind in kinds}
+            return {kind: tuple(t[0].contiguous() for t in rotary(x, positions, **args))
+                    for kind, args in kinds.items()}  # fmt: skip
         needed = int(positions.max()) + 1
         table = next(iter(self._rotary_tables.values()), None)
         if table is None or table[0].shape[0] < needed or table[0].dtype != x.dtype:
             size = max(needed, 2 * (table[0].shape[0] if table is not None else 0), 4096)
             every = torch.arange(size, device=x.device)[None]
-            self._rotary_tables = {kind: tuple(t[0] for t in rotary(x, every, **by_kind(kind))) for kind in kinds}
+            self._rotary_tables = {kind: tuple(t[0] for t in rotary(x, every, **args)) for kind, args in kinds.items()}
         rows = positions[0]
         return {kind: tuple(t.index_select(0, rows) for t in table) for kind, table in self._rotary_tables.items()}
 
