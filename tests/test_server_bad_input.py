@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import openai
@@ -17,10 +18,15 @@ from tests._server_helpers import API_KEY, MODEL, server_fixture
 MAX_BODY = 4096
 MAX_CONCURRENT = 3
 MAX_MODEL_LEN = 64
+LONG_MODEL_LEN = 4096  # the concurrency test's streams must outlast its check
 
 
 server = server_fixture(
     "--num-blocks", "64", "--max-model-len", str(MAX_MODEL_LEN), "--max-request-body-bytes", str(MAX_BODY),
+    "--max-concurrent-requests", str(MAX_CONCURRENT),
+)  # fmt: skip
+long_lived_server = server_fixture(
+    "--num-blocks", str(MAX_CONCURRENT * LONG_MODEL_LEN // 16 + 16), "--max-model-len", str(LONG_MODEL_LEN),
     "--max-concurrent-requests", str(MAX_CONCURRENT),
 )  # fmt: skip
 
@@ -126,10 +132,14 @@ def test_unknown_route_and_wrong_method_get_openai_errors(server):
     assert wrong_method.headers["Allow"] == "GET"  # RFC 9110: a 405 lists the methods the path takes
 
 
-def test_requests_past_the_concurrency_limit_get_429(server):
-    """Hold MAX_CONCURRENT streams open, then one more is refused; once they finish, requests pass again."""
+def test_requests_past_the_concurrency_limit_get_429(long_lived_server):
+    """Hold MAX_CONCURRENT streams open, then one more is refused; once their clients leave, requests pass again.
+
+    The held streams ask for thousands of tokens (seconds of work), so they are still generating when the extra
+    request comes: a short stream could finish server-side, its bytes in the socket's buffers, before the check."""
+    server = long_lived_server
     holding, release = threading.Barrier(MAX_CONCURRENT + 1), threading.Event()
-    body = {"prompt": "hold", "max_tokens": MAX_MODEL_LEN - 8, "stream": True, "ignore_eos": True}  # long-lived
+    body = {"prompt": "hold", "max_tokens": LONG_MODEL_LEN - 8, "stream": True, "ignore_eos": True}
 
     def hold_a_stream():
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
@@ -137,8 +147,7 @@ def test_requests_past_the_concurrency_limit_get_429(server):
             lines = response.iter_lines()
             next(lines)
             holding.wait()
-            release.wait()
-            list(lines)
+            release.wait()  # then the client leaves mid-stream, and the server aborts the request
 
     threads = [threading.Thread(target=hold_a_stream) for _ in range(MAX_CONCURRENT)]
     for thread in threads:
@@ -147,12 +156,18 @@ def test_requests_past_the_concurrency_limit_get_429(server):
     try:
         error = assert_openai_error(server.post("/v1/completions", json={"prompt": "one more"}), 429)
         assert error["code"] == "rate_limit_exceeded"
+        assert server.metrics()["paged_backend:num_requests_running"] == MAX_CONCURRENT  # the holders were running
     finally:
         release.set()
         for thread in threads:
             thread.join()
-    assert_still_serving(server)
-    server.wait_until_drained()
+    deadline = time.monotonic() + 30  # the server notices the departures within a step or two
+    while (response := server.post("/v1/completions", json={"prompt": "again", "max_tokens": 2})).status_code == 429:
+        assert time.monotonic() < deadline, "the slots of the clients that left were never freed"
+        time.sleep(0.05)
+    assert response.status_code == 200, response.text
+    metrics = server.wait_until_drained()
+    assert metrics["paged_backend:generation_tokens_total"] < MAX_CONCURRENT * (LONG_MODEL_LEN - 8)  # aborted early
 
 
 def test_schema_fuzzing_never_gets_a_server_error(server):

@@ -115,7 +115,9 @@ def test_asleep_generation_gets_503_with_retry_after_health_says_sleeping_metric
 
 
 def test_sleep_while_a_request_runs_answers_409_and_the_request_still_finishes(server, client):
-    stream = client.completions.create(model=MODEL, prompt="Long", max_tokens=120, temperature=0, stream=True,
+    # a couple of thousand tokens (seconds of work), so the request still runs at the /sleep: a short one could
+    # finish server-side, its bytes in the socket's buffers, before the call
+    stream = client.completions.create(model=MODEL, prompt="Long", max_tokens=2000, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})  # fmt: skip
     chunks = [next(stream)]
     response = sleep(server, 1)

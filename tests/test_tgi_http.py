@@ -22,12 +22,12 @@ from tests._tgi_helpers import serving_in_thread
 NUM_BLOCKS = 96
 
 
-def make_engine() -> Engine:
+def make_engine(num_blocks: int = NUM_BLOCKS, max_model_len: int = 512) -> Engine:
     config = EngineConfig(
         model=TINY_MODEL,
         device="cpu",
-        cache=CacheConfig(num_blocks=NUM_BLOCKS),
-        scheduler=SchedulerConfig(max_model_len=512),
+        cache=CacheConfig(num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_model_len=max_model_len),
     )
     return Engine(config)
 
@@ -258,22 +258,25 @@ def test_api_key_is_required_when_set():
 
 
 def test_overload_is_429_and_a_disconnect_frees_blocks_at_once():
-    engine = make_engine()  # an engine is stepped by one AsyncEngine only
-    settings = RouterSettings(max_input_tokens=255, max_total_tokens=256, max_concurrent_requests=1)
+    # the held stream asks for thousands of tokens (seconds of work), so it still holds the permit at the check:
+    # a short one could finish server-side, its bytes in the socket's buffers, before the second request came
+    long, num_blocks = 4096, 4096 // 16 + 8
+    engine = make_engine(num_blocks, max_model_len=long)  # an engine is stepped by one AsyncEngine only
+    settings = RouterSettings(max_input_tokens=255, max_total_tokens=long, max_concurrent_requests=1)
     with serving_in_thread(create_app(PagedBackend(engine), settings, drain_timeout=5)) as url:
-        body = {"inputs": "Hello", "parameters": {"max_new_tokens": 200}}
+        body = {"inputs": "Hello", "parameters": {"max_new_tokens": long - 64}}
         with httpx.stream("POST", f"{url}/generate_stream", json=body, timeout=60) as stream:
             lines = stream.iter_lines()  # kept referenced: a collected iterator would close the connection
             next(lines)  # the stream holds the only permit
             response = httpx.post(f"{url}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 1}})
             assert response.status_code == 429
             assert response.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
-            assert engine.block_manager.num_free_blocks < NUM_BLOCKS - 1
-        deadline = time.monotonic() + 10  # the client is gone: the request is aborted, long before 200 tokens
-        while engine.block_manager.num_free_blocks != NUM_BLOCKS - 1 and time.monotonic() < deadline:
+            assert engine.block_manager.num_free_blocks < num_blocks - 1
+        deadline = time.monotonic() + 10  # the client is gone: the request is aborted, long before it ends
+        while engine.block_manager.num_free_blocks != num_blocks - 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert engine.block_manager.num_free_blocks == NUM_BLOCKS - 1
-        assert engine.stats().generation_tokens < 200
+        assert engine.block_manager.num_free_blocks == num_blocks - 1
+        assert engine.stats().generation_tokens < long - 64
 
 
 def test_keep_alive_comments_fill_long_silences():
