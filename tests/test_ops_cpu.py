@@ -123,3 +123,69 @@ def test_build_is_cached_per_source(monkeypatch, tmp_path):
     assert first.is_relative_to(tmp_path) and first.exists()
     mtime = first.stat().st_mtime_ns
     assert _cpu_build.cached_library() == first and first.stat().st_mtime_ns == mtime  # no rebuild
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16, FP8], ids=str)
+def test_cache_write_matches_oracle(kv_dtype: torch.dtype):
+    """The C row copy (the oracle's index_put for fp8, which scales and rounds): strided rows, skipped slots, rows
+    of another dtype cast to the pool's, and a prefill-sized write that spreads over threads."""
+    gen = torch.Generator().manual_seed(3)
+    for tokens in (6, 130):
+        slots = torch.randperm(9 * 16, generator=gen)[:tokens]
+        slots[::5] = -1
+        rows = torch.randn(tokens, 2, 3, 40, generator=gen)  # [T, k|v, Hkv, D]: key and value are strided views
+        key, value = rows[:, 0], rows[:, 1]
+        if kv_dtype in (torch.float16, torch.bfloat16):
+            key, value = key.to(kv_dtype), value.float()  # one row set in the pool's dtype, one cast to it
+        scale = 0.5 if kv_dtype == FP8 else 1.0
+        pools = []
+        for write in (reference.reshape_and_cache, cpu.reshape_and_cache):
+            key_cache = torch.zeros(9, 16, 3, 40, dtype=kv_dtype)
+            value_cache = torch.zeros_like(key_cache)
+            write(key, value, key_cache, value_cache, slots, k_scale=scale, v_scale=scale)
+            pools.append((key_cache.view(torch.uint8), value_cache.view(torch.uint8)))
+        assert torch.equal(pools[0][0], pools[1][0]) and torch.equal(pools[0][1], pools[1][1])
+
+
+def test_cache_write_refuses_slots_past_the_pool_and_rows_of_another_shape():
+    key_cache = torch.zeros(2, 16, 3, 8)
+    rows = torch.ones(2, 3, 8)
+    with pytest.raises(RuntimeError, match="past the pool's last block"):
+        cpu.reshape_and_cache(rows, rows, key_cache, key_cache.clone(), torch.tensor([1, 32]))
+    assert not key_cache.any()  # refused before any row was copied
+    with pytest.raises(ValueError, match=r"must be \(2, 3, 8\)"):
+        cpu.reshape_and_cache(torch.ones(2, 2, 8), torch.ones(2, 2, 8), key_cache, key_cache.clone(),
+                              torch.tensor([0, 1]))  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_step_attention_equals_the_dispatcher_for_every_layer(backend):
+    """`StepAttention` (a forward's dispatch done once) writes and attends as the two functions do, bit for bit,
+    across layers of different scales and caps sharing its plans, and in batch-invariant mode."""
+    case = AttentionCase("step", q_lens=(1, 5, 1), seq_lens=(40, 21, 77), group=3, head_dim=32)
+    built = build_case(case)
+    query, key_cache, value_cache, tables, lens, starts, scale = built.attention_args()
+    new = torch.randn(query.shape[0], key_cache.shape[2], key_cache.shape[3])
+    slots = torch.tensor([tables[b, (n - 1) // 16] * 16 + (n - 1) % 16 for b, n in enumerate(lens.tolist())
+                          for _ in range(int(starts[b + 1] - starts[b]))])  # fmt: skip
+    slots[1:6] = torch.arange(5) + tables[1, 0] * 16 + 16  # prefill rows: five fresh slots
+    for invariant in (False, True):
+        with ops.batch_invariant(invariant):
+            step = ops.StepAttention(slots, tables, lens, starts, backend=backend)
+            if invariant and backend not in ops.INVARIANT_BACKENDS:  # refused as the dispatcher refuses it
+                with pytest.raises(BackendUnavailable, match="batch-invariant attention runs on the cpu or triton"):
+                    step.attend(query, key_cache, value_cache, scale)
+                continue
+            for layer_scale, softcap in ((scale, None), (scale * 2, None), (scale, 5.0), (scale, None)):
+                pools = [(key_cache.clone(), value_cache.clone()) for _ in range(2)]
+                step.write(new, -new, *pools[0])
+                ops.reshape_and_cache(new, -new, *pools[1], slots, backend=backend)
+                assert all(_same_bits(mine, theirs) for mine, theirs in zip(*pools, strict=True))  # NaN-filled pools
+                got = step.attend(query, *pools[0], layer_scale, softcap=softcap)
+                expected = ops.paged_attention(query, *pools[1], tables, lens, starts, layer_scale, softcap=softcap,
+                                               backend=backend)  # fmt: skip
+                assert _same_bits(got, expected)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -53,9 +53,26 @@ struct RotaryCacheArgs {
   int32_t unit_offset;  // the q/k norms are Gemma's: (1 + weight) in fp32, one rounding
 };
 
+// reshape_and_cache of the cpu backend: rows `key/value [T, Hkv, D]` (unit stride along D, the pool's dtype) copied
+// into the pools at `slot_mapping` (-1: not stored). A byte copy, so one entry serves every pool dtype.
+struct PbCpuCacheWriteArgs {
+  const void* key;
+  int64_t k_stride_token, k_stride_head;
+  const void* value;
+  int64_t v_stride_token, v_stride_head;
+  void* key_cache;  // [N, block_size, Hkv, D]
+  void* value_cache;
+  int64_t k_stride_block, k_stride_slot, k_stride_head_cache;
+  int64_t v_stride_block, v_stride_slot, v_stride_head_cache;
+  const int64_t* slot_mapping;  // [T]
+  int64_t num_slots;            // blocks x block_size: a slot past it is refused, never written
+  int32_t num_tokens, num_kv_heads, head_dim, block_size, element_bytes, num_threads;
+};
+
 constexpr int32_t kMaxNormedHeadDim = 512;  // a normed head is staged in a stack buffer of this many elements
 
 int pb_cpu_paged_attention(const PbCpuAttentionArgs* args);
+int pb_cpu_reshape_and_cache(const PbCpuCacheWriteArgs* args);
 int pb_cpu_rotary_cache(const RotaryCacheArgs* args, int32_t dtype);
 // x_weight: or null; x is RMS-normed with it before the add (Gemma's post-norms). x_scale: x times it before the
 // add (Granite's residual multiplier; 1: none). unit_offset: Gemma's norms, (1 + weight) in fp32, one rounding.

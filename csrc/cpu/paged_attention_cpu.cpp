@@ -32,12 +32,15 @@
 extern "C" {
 
 uint64_t pb_cpu_attention_args_size() { return sizeof(PbCpuAttentionArgs); }
+uint64_t pb_cpu_cache_write_args_size() { return sizeof(PbCpuCacheWriteArgs); }
 
 const char* pb_cpu_error_string(int code) {
   switch (code) {
     case 0: return "ok";
     case -1: return "unsupported dtype code (query: f32/f16/bf16; cache: f32/f16/bf16/fp8 e4m3/e5m2)";
     case -2: return "num_q_heads must be a positive multiple of num_kv_heads, head_dim and block_size positive";
+    case -3: return "cache write: num_kv_heads, head_dim, block_size and the element size must be positive";
+    case -4: return "cache write: a slot in slot_mapping lies past the pool's last block";
     default: return "unknown error";
   }
 }
@@ -323,12 +326,13 @@ extern "C" int pb_cpu_paged_attention(const PbCpuAttentionArgs* args) {
   while (!a.invariant && cut > kMinSplitKeys && tiles * (kSplitKeys / cut) < kTasksWanted) cut /= 2;
   std::vector<Task> tasks;
   std::vector<std::pair<Task, int>> split;
-  int slots = 0;
+  int slots = 0, most_tokens = 1;  // scratch is sized for the tallest tile: a decode step's are one token high
   for (int b = 0; b < a.num_seqs; ++b) {
     const int q_len = a.query_start_loc[b + 1] - a.query_start_loc[b], context = a.seq_lens[b];
     for (int first = 0; first < q_len; first += tile_tokens) {
       // token i sees keys [first_pos + i - window + 1, first_pos + i]; the tile as a whole sees [lo, hi)
       const int tokens = std::min(tile_tokens, q_len - first), first_pos = first_position(a, b, first);
+      most_tokens = std::max(most_tokens, tokens);
       const int lo = a.sliding_window > 0 ? std::max(0, first_pos - a.sliding_window + 1) : 0;
       const int hi = std::min(context, first_pos + tokens);
       const int cut_lo = lo - lo % cut, parts = std::max(1, (hi - cut_lo + cut - 1) / cut);
@@ -343,7 +347,7 @@ extern "C" int pb_cpu_paged_attention(const PbCpuAttentionArgs* args) {
     }
   }
   const int threads = std::max(1, std::min<int>(a.num_threads, static_cast<int>(tasks.size())));
-  const int rows = tile_tokens * a.num_q_heads;
+  const int rows = most_tokens * a.num_q_heads;
   Partials partials(slots, rows, a.head_dim);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
@@ -353,6 +357,37 @@ extern "C" int pb_cpu_paged_attention(const PbCpuAttentionArgs* args) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < static_cast<int64_t>(split.size()); ++i)
       merge_parts(a, split[i].first, split[i].second, partials, scratch);
+  }
+  return 0;
+}
+
+// The cache write: one memcpy per (token, kv head). A decode step's row is a few hundred bytes, so threads join only
+// for prefill chunks, where torch's index_put had spread the copy too.
+extern "C" int pb_cpu_reshape_and_cache(const PbCpuCacheWriteArgs* args) {
+  const PbCpuCacheWriteArgs& a = *args;
+  if (a.num_tokens < 0 || a.num_kv_heads <= 0 || a.head_dim <= 0 || a.block_size <= 0 || a.element_bytes <= 0)
+    return -3;
+  for (int32_t t = 0; t < a.num_tokens; ++t)
+    if (a.slot_mapping[t] >= a.num_slots) return -4;
+  const int64_t row_bytes = int64_t{a.head_dim} * a.element_bytes, e = a.element_bytes;
+  const auto* key = static_cast<const char*>(a.key);
+  const auto* value = static_cast<const char*>(a.value);
+  auto* key_cache = static_cast<char*>(a.key_cache);
+  auto* value_cache = static_cast<char*>(a.value_cache);
+  const int threads = a.num_tokens >= 64 ? std::max(1, a.num_threads) : 1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int32_t t = 0; t < a.num_tokens; ++t) {
+    const int64_t slot = a.slot_mapping[t];
+    if (slot < 0) continue;
+    const int64_t block = slot / a.block_size, offset = slot % a.block_size;
+    char* k_dst = key_cache + (block * a.k_stride_block + offset * a.k_stride_slot) * e;
+    char* v_dst = value_cache + (block * a.v_stride_block + offset * a.v_stride_slot) * e;
+    for (int32_t h = 0; h < a.num_kv_heads; ++h) {
+      std::memcpy(k_dst + h * a.k_stride_head_cache * e, key + (t * a.k_stride_token + h * a.k_stride_head) * e,
+                  row_bytes);
+      std::memcpy(v_dst + h * a.v_stride_head_cache * e, value + (t * a.v_stride_token + h * a.v_stride_head) * e,
+                  row_bytes);
+    }
   }
   return 0;
 }

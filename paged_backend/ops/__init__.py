@@ -13,12 +13,16 @@ its kernels against the prepared arguments of :mod:`paged_backend.ops._contract`
 Batch-invariant attention (``invariant=True``, or any call inside ``with batch_invariant():``) runs on the
 ``cpu`` backend and on ``triton`` (one query token per program); asking another backend for it raises
 `BackendUnavailable`.
+
+Inside a forward every layer asks the dispatcher the same question of the same step: `StepAttention` answers it once,
+at the first layer's call, and keeps what a backend prepares per step (the cpu backend's argument structs).
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from functools import cache
 from types import ModuleType
 
@@ -101,13 +105,60 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
     (`invariant` None: whether the call is inside `batch_invariant()`)."""
     chosen = resolve_backend(backend, query.device, decode_only=is_decode_batch(query, seq_lens))
     invariant = batch_invariant_enabled() if invariant is None else invariant
-    if invariant and chosen not in INVARIANT_BACKENDS:
-        raise BackendUnavailable(f"batch-invariant attention runs on the {' or '.join(INVARIANT_BACKENDS)} "
-                                 f"backend, not {chosen!r}" + _why_not_cpu(chosen, query.device))
+    if invariant:
+        _check_invariant_backend(chosen, query.device)
     return _module(chosen).paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
         sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale, invariant=invariant,
     )
+
+
+class StepAttention:
+    """`reshape_and_cache` and `paged_attention` for every layer of one forward over the same slots, block tables,
+    lengths and query starts: the backend is chosen at the first layer's call, from its tensors as the functions
+    would, and a backend's per-step state (the cpu backend's `CacheWriter` and `StepPlans`: the step's arguments in
+    the kernels' structs) is built once, so a layer pays for the write and the kernel only. Backends that prepare
+    nothing get the step's tensors with each call."""
+
+    def __init__(self, slot_mapping, block_tables, seq_lens, query_start_loc, backend: str | None = None) -> None:
+        self.slot_mapping, self.block_tables, self.seq_lens = slot_mapping, block_tables, seq_lens
+        self.query_start_loc, self.backend = query_start_loc, backend
+        self._write: Callable | None = None
+        self._attend: Callable | None = None
+
+    def write(self, key, value, key_cache, value_cache, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """`reshape_and_cache(key, value, key_cache, value_cache, <the step's slots>, ...)`."""
+        if self._write is None:
+            module, slots = _module(resolve_backend(self.backend, key.device)), self.slot_mapping
+            self._write = module.CacheWriter(slots) if hasattr(module, "CacheWriter") else (
+                lambda *pools_and_rows, **scales: module.reshape_and_cache(*pools_and_rows, slots, **scales))
+        self._write(key, value, key_cache, value_cache, k_scale=k_scale, v_scale=v_scale)
+
+    def attend(self, query, key_cache, value_cache, scale: float, *, sliding_window: int | None = None,
+               softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        """`paged_attention(query, key_cache, value_cache, <the step's tables, lengths, starts>, scale, ...)`."""
+        if self._attend is None:
+            self._attend = self._attention(query)
+        return self._attend(query, key_cache, value_cache, scale, sliding_window=sliding_window, softcap=softcap,
+                            k_scale=k_scale, v_scale=v_scale)
+
+    def _attention(self, query: torch.Tensor) -> Callable:
+        tables, lens, starts = self.block_tables, self.seq_lens, self.query_start_loc
+        chosen = resolve_backend(self.backend, query.device, decode_only=is_decode_batch(query, lens))
+        invariant = batch_invariant_enabled()  # a forward runs inside the mode or outside it, all its layers alike
+        if invariant:
+            _check_invariant_backend(chosen, query.device)
+        module = _module(chosen)
+        if hasattr(module, "StepPlans"):
+            return module.StepPlans(tables, lens, starts, invariant=invariant)
+        return lambda query, key_cache, value_cache, scale, **options: module.paged_attention(
+            query, key_cache, value_cache, tables, lens, starts, scale, invariant=invariant, **options)
+
+
+def _check_invariant_backend(chosen: str, device: torch.device) -> None:
+    if chosen not in INVARIANT_BACKENDS:
+        raise BackendUnavailable(f"batch-invariant attention runs on the {' or '.join(INVARIANT_BACKENDS)} "
+                                 f"backend, not {chosen!r}" + _why_not_cpu(chosen, device))
 
 
 def _why_not_cpu(chosen: str, device: torch.device) -> str:
@@ -118,6 +169,6 @@ def _why_not_cpu(chosen: str, device: torch.device) -> str:
 
 
 __all__ = [
-    "BACKENDS", "INVARIANT_BACKENDS", "batch_invariant", "batch_invariant_enabled", "paged_attention",
+    "BACKENDS", "INVARIANT_BACKENDS", "StepAttention", "batch_invariant", "batch_invariant_enabled", "paged_attention",
     "reshape_and_cache", "resolve_backend", "triton_interpreted", "unavailable_reason",
 ]
