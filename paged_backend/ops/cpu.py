@@ -134,6 +134,13 @@ def reshape_and_cache(write: CacheWrite) -> None:
                                     k_scale=write.k_scale, v_scale=write.v_scale)  # fmt: skip
 
 
+def _copies_rows(key, value, key_cache, value_cache) -> bool:
+    """Whether the C row copy makes this write: CPU tensors, pools of one dtype (one element size serves both),
+    not fp8 (which scales and rounds: the oracle's write does that)."""
+    on_cpu = all(t.device.type == "cpu" for t in (key, value, key_cache, value_cache))
+    return on_cpu and value_cache.dtype == key_cache.dtype and not reference.is_fp8(key_cache.dtype)
+
+
 class CacheWriter:
     """The cache write of every layer of one forward: the slot mapping goes into the struct once."""
 
@@ -143,7 +150,7 @@ class CacheWriter:
                                    num_threads=torch.get_num_threads())  # fmt: skip
 
     def __call__(self, key, value, key_cache, value_cache, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-        if reference.is_fp8(key_cache.dtype) or key_cache.device.type != "cpu":  # fp8 scales and rounds: the oracle's
+        if not _copies_rows(key, value, key_cache, value_cache):
             return reference.reshape_and_cache(key, value, key_cache, value_cache, self.slots, k_scale=k_scale,
                                                v_scale=v_scale)  # fmt: skip
         num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
