@@ -3,6 +3,7 @@
     python benchmarks/llama_cpp.py                                          # float32, concurrency 1,16,64
     python benchmarks/llama_cpp.py --dtype float32,bfloat16 --quant q4_1,q8_0 --concurrency 1,16,64 --max-tokens 128
     python benchmarks/llama_cpp.py --concurrency 1,4 --num-requests 8 --max-tokens 32   # a quick check
+    python benchmarks/llama_cpp.py --prompt-tokens 2048 --concurrency 1 --num-requests 4 --max-tokens 16  # prefill
 
 The first run builds llama-server and llama-quantize from the llama-cpp-python sdist (it vendors llama.cpp; 8 to 16
 minutes on 2 cores) and turns SmolLM2's Q4_1 file into F32 (and BF16, Q8_0 when asked) with llama-quantize; all
@@ -19,6 +20,10 @@ paged-backend's) generates past it, so the flag would not compare like with like
 Each server runs alone, with --threads threads (default: every core); run it on an otherwise idle machine, as
 llama.cpp's spinning threads collapse when another process takes a core (the script warns on a busy start).
 Extra server flags go through --llama-args / --paged-args; write flags that start with '-' as --llama-args=-kvu.
+
+--prompt-tokens N sends long prompts instead: N token ids each, the chat workload's prompts run together after a
+leading request number, so that neither server's prefix cache serves one prompt from another. At concurrency 1 the
+TTFT is then a long prompt's prefill time.
 
 Reported per system and concurrency: output tok/s, TTFT p50/p99, ITL p50, time per output token (at concurrency 1:
 the batch-1 time per token), the ratios paged-backend / llama.cpp, and how far the greedy texts agree.
@@ -78,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests per concurrency; default 2 x concurrency, at least 8, at most 96",
     )
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens each request generates (EOS banned)")
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="long prompts of this many tokens instead of the chat workload (prefill, TTFT)")
     parser.add_argument("--dtype", default="float32", help="comma list of float32 | bfloat16")
     parser.add_argument("--quant", default="", help="extra llama.cpp rows, e.g. q4_1,q8_0 (quantized weights)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for each server")
@@ -93,10 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
 # --- prompts ------------------------------------------------------------------------------------------------
 
 
-def prompt_ids(tokenizer, count: int, seed: int) -> list[list[int]]:
-    """`count` chat prompts as token ids; beyond the workload's distinct prompts they repeat."""
+def prompt_ids(tokenizer, count: int, seed: int, length: int | None = None) -> list[list[int]]:
+    """`count` chat prompts as token ids; beyond the workload's distinct prompts they repeat. With `length`: prompts of
+    exactly that many ids, a request number first (no prefix shared past it), then the workload's prompts in a row."""
     distinct, _ = chat_workload(tokenizer, None, seed, 1)
-    return [distinct[i % len(distinct)] for i in range(count)]
+    if length is None:
+        return [distinct[i % len(distinct)] for i in range(count)]
+    body = list(itertools.chain.from_iterable(distinct)) * (1 + length // sum(map(len, distinct)))
+    heads = [tokenizer(f"{i}: ", add_special_tokens=False).input_ids for i in range(count)]
+    return [head + body[: length - len(head)] for head in heads]
 
 
 def banned_eos(tokenizer) -> dict[str, float]:
@@ -120,8 +132,10 @@ def free_port() -> int:
 
 
 def paged_system(gguf: Path, dtype: str, slots: int, slot_tokens: int, args) -> System:
-    # The same KV capacity as llama.cpp's slots (16-token blocks, plus the null block), so neither preempts.
-    blocks = slots * -(-slot_tokens // 16) + 1
+    # The same KV capacity as llama.cpp's slots (16-token blocks), so neither preempts; plus the null block and the
+    # admission watermark (1% of the pool), which one sequence may not take.
+    needed = slots * -(-slot_tokens // 16)
+    blocks = needed + 1 + -(-needed // 99)
     command = [sys.executable, "-m", "paged_backend.server", "--model", str(gguf), "--dtype", dtype,
                "--device", "cpu", "--num-blocks", str(blocks), "--max-model-len", str(slot_tokens),
                "--log-level", "warning", *shlex.split(args.paged_args)]  # fmt: skip
@@ -236,7 +250,7 @@ def measure(system: System, tokenizer, levels: list[int], bias: dict, log_dir: P
         warm = prompt_ids(tokenizer, 1, args.seed + 1)  # first-use work (kernel builds, allocations) untimed
         asyncio.run(run_level(url, model, warm, 1, bias, argparse.Namespace(max_tokens=4)))
         for concurrency in levels:
-            prompts = prompt_ids(tokenizer, requests_for(concurrency, args), args.seed)
+            prompts = prompt_ids(tokenizer, requests_for(concurrency, args), args.seed, args.prompt_tokens)
             out[concurrency] = asyncio.run(run_level(url, model, prompts, concurrency, bias, args))
             s = out[concurrency][0]
             print(f"  concurrency {concurrency}: {s.completed} done, {s.failed} failed, {s.output_throughput:.1f} "
@@ -350,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"llama.cpp from llama-cpp-python {version}: {bin_dir}")
     tokenizer = load_tokenizer(str(requantize(bin_dir, source, "F32")))
     bias = banned_eos(tokenizer)
-    longest_prompt = max(len(p) for p in prompt_ids(tokenizer, len(QUESTIONS) * len(STYLES), args.seed))
+    longest_prompt = args.prompt_tokens or max(map(len, prompt_ids(tokenizer, len(QUESTIONS) * len(STYLES), args.seed)))
     slot_tokens = -(-(longest_prompt + args.max_tokens + 8) // 256) * 256  # llama.cpp pads contexts to 256
     slots = max(levels)
     planned, pairs = systems(bin_dir, source, slots, slot_tokens, args)
@@ -373,7 +387,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"\nleading tokens agreed per prompt, {paged} vs {llama} at concurrency {levels[0]} (=: identical): {each}"
         )
+    if args.prompt_tokens:
+        print(f"\nprefill at concurrency {levels[0]} ({args.prompt_tokens} prompt tokens / TTFT p50): " + ", ".join(
+            f"{label} {args.prompt_tokens / (metrics(by[levels[0]][0])['TTFT p50'] / 1000):.0f} tok/s"
+            for label, by in results.items()))  # fmt: skip
     payload = {"llama_cpp_python": version, "threads": args.threads, "max_tokens": args.max_tokens,
+               "prompt_tokens": args.prompt_tokens,
                "slot_tokens": slot_tokens, "commands": {s.label: s.command for s in planned},
                "results": {label: {c: asdict(s) for c, (s, _) in by.items()} for label, by in results.items()},
                "texts": {label: {c: t for c, (_, t) in by.items()} for label, by in results.items()},
