@@ -158,10 +158,12 @@ def test_cache_write_refuses_slots_past_the_pool_and_rows_of_another_shape():
                               torch.tensor([0, 1]))  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])  # triton: its interpreter (tests/conftest.py)
 def test_step_attention_equals_the_dispatcher_for_every_layer(backend):
     """`StepAttention` (a forward's dispatch done once) writes and attends as the two functions do, bit for bit,
     across layers of different scales and caps sharing its plans, and in batch-invariant mode."""
+    if backend == "triton":
+        pytest.importorskip("triton")
     case = AttentionCase("step", q_lens=(1, 5, 1), seq_lens=(40, 21, 77), group=3, head_dim=32)
     built = build_case(case)
     query, key_cache, value_cache, tables, lens, starts, scale = built.attention_args()
