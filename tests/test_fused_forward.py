@@ -9,11 +9,13 @@ import pytest
 import torch
 from _engine_helpers import MAX_TOKENS, hf_greedy, make_llm_fixture, ragged_prompts, reference_model  # noqa: F401
 from _hf_models import tiny_model as hf_tiny_model
+from torchao.quantization import quantize_
 
 from paged_backend.engine import SamplingParams
 from paged_backend.ops.decoder_layers import DecoderLayers
 from paged_backend.worker.fused_forward import NATIVE_SWITCH, SWITCH, FusedForward
 from paged_backend.worker.models import tiny_model
+from paged_backend.worker.quantization import torchao_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
 
@@ -152,6 +154,28 @@ def test_the_native_layer_loop_equals_the_python_loop_bitwise(arch, overrides, d
     model = hf_tiny_model(arch, seed=3, attn_implementation="eager" if arch == "gemma2" else "sdpa", **overrides)
     model = model.to(dtype)
     _distinct_norms(model)
+    _native_equals_python(model, make_llm, monkeypatch)
+
+
+@pytest.mark.parametrize("arch, dtype", [("llama", torch.bfloat16), ("qwen2", torch.float32)])
+def test_int8_weight_only_layers_run_on_int8_panels_in_both_loops_bitwise(arch, dtype, make_llm, monkeypatch):
+    """torchao's int8 weight-only layers pack into int8 panels: the native loop and the Python loop give the same
+    bits, and the first layer's outputs equal torchao's own forward (its dequantized weight) up to summation order."""
+    model = hf_tiny_model(arch, seed=3).to(dtype)
+    _distinct_norms(model)
+    reference = model.model.layers[0].mlp.down_proj
+    x = torch.randn(3, reference.in_features).to(dtype)
+    quantize_(model, torchao_config("int8_weight_only", torch.device("cpu")))
+    expected = reference(x)  # torchao's forward: x times its dequantized weight
+    llm = _native_equals_python(model, make_llm, monkeypatch)
+    forward = llm.engine.runner.packed.layers[llm.engine.model.model.layers[0].mlp.down_proj][0]
+    assert forward.panel.packed.dtype == torch.int8 and forward.panel.scales is not None
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(forward(x).float(), expected.float(), **tolerance)
+
+
+def _native_equals_python(model, make_llm, monkeypatch):
+    """The native loop ran every step, and the Python loop gave the same tokens and logprobs; the last LLM."""
     prompts = [[token % 120 + 3 for token in prompt] for prompt in ragged_prompts(12, seed=4, longest=30)]
     loops = []
     native_call = DecoderLayers.__call__
@@ -159,10 +183,12 @@ def test_the_native_layer_loop_equals_the_python_loop_bitwise(arch, overrides, d
     native_tokens, native_logprobs = run(make_llm(model=model, max_num_batched_tokens=32), prompts)
     native_steps = len(loops)
     monkeypatch.setenv(NATIVE_SWITCH, "0")
-    python_tokens, python_logprobs = run(make_llm(model=model, max_num_batched_tokens=32), prompts)
+    llm = make_llm(model=model, max_num_batched_tokens=32)
+    python_tokens, python_logprobs = run(llm, prompts)
     assert native_steps > MAX_TOKENS and len(loops) == native_steps  # every step went native, then none did
     assert native_tokens == python_tokens
     assert torch.equal(native_logprobs, python_logprobs)
+    return llm
 
 
 @torch.no_grad()

@@ -118,18 +118,25 @@ def test_parts_that_cannot_stack_are_left_alone():
     assert PanelWeight.stack(widths) is None
 
 
-def test_bfloat16_without_avx512_bf16_computes_the_same_products(tmp_path):
-    """CPUs without AVX512-BF16 (most CI machines) run the bfloat16 pairs as float32 multiply-adds: build that path
-    explicitly and hold it to torch too."""
+@pytest.fixture(scope="module")
+def plain_library(tmp_path_factory) -> ctypes.CDLL:
+    """The kernel built for a CPU without AVX-512 (AVX2 and FMA: most CI machines), once for the module's tests."""
     compiler = _cpu_build.find_compiler()
     if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("needs a C++ compiler for x86-64 (the plain path is built with -mavx2)")
-    library = tmp_path / "panel_plain.so"
+    library = tmp_path_factory.mktemp("plain") / "panel_plain.so"
     source = _cpu_build.csrc_dir() / "cpu" / "panel_linear_cpu.cpp"
     flags = [flag for flag in _cpu_build.CXX_FLAGS if flag != "-march=native"]
     subprocess.run([compiler, *flags, "-mavx2", "-mfma", str(source), "-o", str(library)], check=True)
     lib = ctypes.CDLL(str(library))
     lib.pb_cpu_panel_packed_elements.restype = ctypes.c_int64
+    return lib
+
+
+def test_bfloat16_without_avx512_bf16_computes_the_same_products(plain_library):
+    """CPUs without AVX512-BF16 (most CI machines) run the bfloat16 pairs as float32 multiply-adds: build that path
+    explicitly and hold it to torch too."""
+    lib = plain_library
     n, k, rows = 40, 77, 5
     weight, x = randn(n, k, dtype=torch.bfloat16, seed=12), randn(rows, k, dtype=torch.bfloat16, seed=13)
     packed = torch.empty(
@@ -147,3 +154,70 @@ def test_bfloat16_without_avx512_bf16_computes_the_same_products(tmp_path):
     )  # fmt: skip
     assert status == 0
     close(out, panel_linear_reference(x.float(), weight.float()), torch.bfloat16)
+
+
+def int8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 weights with a float32 scale per output, as torchao's int8_weight_only holds them."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), generator=generator, dtype=torch.int8)
+    return q, torch.rand(n, 1, generator=generator) * 0.02 + 1e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_int8_panels_give_the_float_panels_bits_on_the_dequantized_weight(dtype, shape, rows):
+    """Each line is dequantized in registers as torchao's dequantize() rounds (q * scale in float32, then the
+    activations' dtype), then the float step runs: the same bits as float panels of that weight, and torch's linear
+    up to summation order."""
+    q, scale = int8_weight(*shape, seed=shape[0] + rows)
+    dequantized = (q.float() * scale).to(dtype)
+    x, bias = randn(rows, shape[1], dtype=dtype, seed=rows), randn(shape[0], dtype=dtype, seed=7)
+    out = PanelWeight.int8(q, scale, dtype)(x, bias)
+    assert out.dtype == dtype and torch.equal(out, PanelWeight(dequantized)(x, bias))
+    close(out, panel_linear_reference(x.float(), dequantized.float(), bias.float()), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_parts_stack_with_their_scales(dtype):
+    parts = [PanelWeight.int8(*int8_weight(n, 64, seed=n), dtype) for n in (96, 32, 40)]
+    x = randn(2, 64, dtype=dtype, seed=5)
+    alone = [part(x) for part in parts]
+    group = PanelWeight.stack(parts)
+    assert group is not None and group.scales.numel() == 96 + 32 + 48  # the last part's panel padded
+    assert torch.equal(group(x), torch.cat(alone, dim=-1))
+    assert all(torch.equal(part(x), expected) for part, expected in zip(parts, alone, strict=True))
+    assert PanelWeight.stack([parts[0], PanelWeight(torch.zeros(32, 64, dtype=dtype))]) is None  # int8 beside float
+
+
+def test_int8_panels_refuse_what_they_do_not_take():
+    q, scale = int8_weight(8, 16, seed=1)
+    with pytest.raises(ValueError, match="int8 panels pack 2-D CPU int8 weights"):
+        PanelWeight.int8(q.float(), scale, torch.float32)
+    with pytest.raises(ValueError, match="for torch.float16"):
+        PanelWeight.int8(q, scale, torch.float16)
+    with pytest.raises(ValueError, match="one scale per output: 4 scales for 8"):
+        PanelWeight.int8(q, scale[:4], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_panels_on_a_cpu_without_avx512_give_that_build_s_float_bits(dtype, plain_library):
+    """The plain build dequantizes with GCC's vectors instead of AVX-512: its int8 panels give its own float panels'
+    bits on the dequantized weight."""
+    lib = plain_library
+    n, k, rows, code = 40, 77, 3, 0 if dtype == torch.float32 else 2
+    q, scale = int8_weight(n, k, seed=21)
+    x = randn(rows, k, dtype=dtype, seed=22)
+    i64, ptr = ctypes.c_int64, lambda t: ctypes.c_void_p(t.data_ptr())
+    elements = lib.pb_cpu_panel_packed_elements(i64(n), i64(k), code)
+    packed_q, packed_f = torch.empty(elements, dtype=torch.int8), torch.empty(elements, dtype=dtype)
+    scales = torch.zeros(48)
+    scales[:n] = scale.reshape(-1)
+    assert lib.pb_cpu_panel_pack_int8(ptr(q), i64(n), i64(k), code, ptr(packed_q)) == 0
+    assert lib.pb_cpu_panel_pack(ptr((q.float() * scale).to(dtype)), i64(n), i64(k), code, ptr(packed_f)) == 0
+    outs = [torch.empty(rows, n, dtype=dtype) for _ in range(2)]
+    shape = (i64(rows), i64(n), i64(k), code, 1)
+    assert lib.pb_cpu_panel_linear_int8(ptr(x), i64(k), ptr(packed_q), ptr(scales), None, ptr(outs[0]), i64(n),
+                                        *shape) == 0  # fmt: skip
+    assert lib.pb_cpu_panel_linear(ptr(x), i64(k), ptr(packed_f), None, ptr(outs[1]), i64(n), *shape) == 0
+    assert torch.equal(outs[0], outs[1])

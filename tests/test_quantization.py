@@ -55,6 +55,24 @@ def hf_greedy(path: str, param: str, prompt: tuple[int, ...], dtype: str = "auto
     return out[0, len(prompt) :].tolist()
 
 
+def held_quantized(engine: Engine, module: torch.nn.Module) -> bool:
+    """The layer's weights are held quantized: torchao's tensor (int4), or the int8 panels the engine packs torchao's
+    int8 weight-only tensor into on CPU (giving torchao's copy up)."""
+    packed = engine.runner.packed
+    if packed is not None and module in packed.layers:
+        panel = packed.layers[module][0].panel
+        return panel.packed.dtype == torch.int8 and panel.scales is not None
+    return type(module.weight).__module__.startswith("torchao")
+
+
+def held_bytes(engine: Engine) -> int:
+    """The model's parameters plus the packed copies that replaced some of them."""
+    packed = engine.runner.packed
+    panels = [forward.panel for forward, _ in packed.layers.values()] if packed is not None else []
+    extra = sum(p.packed.nbytes + (0 if p.scales is None else p.scales.nbytes) for p in panels)
+    return weight_bytes(engine.model) + extra
+
+
 def greedy(**extra) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, **extra)
 
@@ -70,8 +88,7 @@ def test_llm_matches_hf_generate_on_the_same_quantized_model(checkpoints, arch, 
     # greedy near-tie that HF's and the engine's rounding break differently.
     llm = LLM(checkpoints[arch], device="cpu", dtype="float32", num_blocks=64, block_size=4, quantization="torchao",
               quantization_param=param)  # fmt: skip
-    weight = llm.engine.model.model.layers[0].mlp.up_proj.weight
-    assert type(weight).__module__.startswith("torchao")
+    assert held_quantized(llm.engine, llm.engine.model.model.layers[0].mlp.up_proj)
     outputs = llm.generate(PROMPTS, greedy())
     expected = [hf_greedy(checkpoints[arch], param, tuple(p), "float32") for p in PROMPTS]
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -98,8 +115,8 @@ def test_checkpoint_saved_quantized_loads_with_no_flag(checkpoints, tmp_path):
     tokenizer.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["quant_method"] == "torchao"
     llm = LLM(str(tmp_path), device="cpu", num_blocks=64, block_size=4)
-    assert type(llm.engine.model.model.layers[0].self_attn.q_proj.weight).__module__.startswith("torchao")
-    assert weight_bytes(llm.engine.model) < 0.6 * weight_bytes(tiny_model("qwen2", seed=3))
+    assert held_quantized(llm.engine, llm.engine.model.model.layers[0].self_attn.q_proj)
+    assert held_bytes(llm.engine) < 0.6 * weight_bytes(tiny_model("qwen2", seed=3))
     outputs = llm.generate(PROMPTS, greedy())
     expected = [hf_greedy(checkpoints["qwen2"], "int8_weight_only", tuple(p)) for p in PROMPTS]
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -197,7 +214,7 @@ def test_bad_names_and_schemes_say_what_to_choose(checkpoints):
 
 def test_embedded_model_quantizes_in_place():
     llm = LLM(TINY_MODEL, device="cpu", num_blocks=32, quantization="torchao")
-    assert type(llm.engine.model.model.layers[0].mlp.up_proj.weight).__module__.startswith("torchao")
+    assert held_quantized(llm.engine, llm.engine.model.model.layers[0].mlp.up_proj)
     assert len(llm.generate("Hi", greedy())[0].outputs[0].token_ids) == NEW_TOKENS
 
 

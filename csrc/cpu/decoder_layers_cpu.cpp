@@ -45,6 +45,11 @@ struct PbCpuDecoderLayer {
   int32_t unit_offset;              // Gemma's norms: (1 + weight) in fp32, one rounding (q/k norms too)
   int32_t activation;               // PbCpuActivation of the MLP's gate
   float residual_scale;             // Granite's residual multiplier on each branch's output (1: none)
+  // Or null: a float panel. Else the panel is int8 (pb_cpu_panel_pack_int8), with a float32 scale per output.
+  const float* qkv_scales;
+  const float* o_scales;
+  const float* gate_up_scales;
+  const float* down_scales;
 };
 
 struct PbCpuDecoderStep {
@@ -111,11 +116,17 @@ int32_t pb_cpu_decoder_layers(PbCpuDecoderStep* step) {
     if (code != 0) s.failed = kernel;
     return code != 0;
   };
+  // y [t, n] = x [t, k] times a layer's panels, float or int8 (`scales` not null)
+  auto linear = [&](const void* x, int64_t x_stride, const void* panels, const float* scales, const void* bias, void* y,
+                    int64_t n, int64_t k) {
+    return scales == nullptr
+               ? pb_cpu_panel_linear(x, x_stride, panels, bias, y, n, t, n, k, s.dtype, threads)
+               : pb_cpu_panel_linear_int8(x, x_stride, panels, scales, bias, y, n, t, n, k, s.dtype, threads);
+  };
   for (int32_t i = 0; i < s.num_layers; ++i) {
     if (s.stop != nullptr && s.stop() != 0) return kStopped;
     const PbCpuDecoderLayer& layer = s.layers[i];
-    if (failed(pb_cpu_panel_linear(s.x, h, layer.qkv, layer.qkv_bias, qkv, qkv_width, t, qkv_width, h, s.dtype,
-                                   threads), PB_LINEAR))
+    if (failed(linear(s.x, h, layer.qkv, layer.qkv_scales, layer.qkv_bias, qkv, qkv_width, h), PB_LINEAR))
       return status;
 
     RotaryCacheArgs rotary = s.rotary[layer.group];
@@ -142,18 +153,16 @@ int32_t pb_cpu_decoder_layers(PbCpuDecoderStep* step) {
     attention.sliding_window = layer.sliding_window;
     if (failed(pb_cpu_paged_attention(&attention), PB_ATTENTION)) return status;
 
-    if (failed(pb_cpu_panel_linear(s.attention_out, s.q_size, layer.o, layer.o_bias, s.o, h, t, h, s.q_size,
-                                   s.dtype, threads), PB_LINEAR) ||
+    if (failed(linear(s.attention_out, s.q_size, layer.o, layer.o_scales, layer.o_bias, s.o, h, s.q_size), PB_LINEAR) ||
         failed(pb_cpu_add_rms_norm(s.o, h, layer.post_attention_norm, layer.residual_scale, s.residual, h,
                                    layer.mlp_norm, s.x, h, rows, static_cast<int32_t>(h), s.dtype, layer.mlp_eps,
                                    layer.unit_offset, threads),
                PB_NORM) ||
-        failed(pb_cpu_panel_linear(s.x, h, layer.gate_up, layer.gate_up_bias, gate_up, 2 * inter, t, 2 * inter, h,
-                                   s.dtype, threads), PB_LINEAR) ||
+        failed(linear(s.x, h, layer.gate_up, layer.gate_up_scales, layer.gate_up_bias, gate_up, 2 * inter, h),
+               PB_LINEAR) ||
         failed(pb_cpu_act_mul(gate_up, 2 * inter, gate_up + inter * element, 2 * inter, s.act, inter, rows,
                               static_cast<int32_t>(inter), s.dtype, layer.activation, threads), PB_ACT_MUL) ||
-        failed(pb_cpu_panel_linear(s.act, inter, layer.down, layer.down_bias, s.out, h, t, h, inter, s.dtype,
-                                   threads), PB_LINEAR))
+        failed(linear(s.act, inter, layer.down, layer.down_scales, layer.down_bias, s.out, h, inter), PB_LINEAR))
       return status;
     if (i + 1 < s.num_layers) {
       const PbCpuDecoderLayer& next = s.layers[i + 1];

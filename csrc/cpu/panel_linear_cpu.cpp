@@ -8,6 +8,11 @@
 // sgemm at one row, on a 2-core EPYC). More rows go in tiles of up to 8 rows x 3 panels over k in blocks, so each
 // block's weight lines come from DRAM once for all the rows (column() says how).
 //
+// int8 weights (weight-only quantization: q [N, K] int8 with a float32 scale per output, torchao's int8_weight_only)
+// pack into the same layouts at a byte per weight. A step dequantizes its lines in registers, q * scale rounded to the
+// activations' dtype as torchao's dequantize rounds, and then runs the float step: so the output has the bits the
+// float kernel gives on the dequantized weight, from a quarter (fp32) or half (bf16) of the bytes.
+//
 // Every output is one fused multiply-add chain over k in order, whatever the row count or the tile it falls in,
 // so results do not depend on the batch. Plain C ABI like paged_attention_cpu.cpp; paged_backend/ops/
 // panel_linear.py mirrors it and holds the torch oracle (F.linear).
@@ -20,7 +25,7 @@
 #include <omp.h>
 
 #include "bf16.h"
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -41,7 +46,6 @@ constexpr int kBlockSteps = 64;
 constexpr int64_t kRowChunk = 6 * kTileRows;
 
 typedef uint16_t u16x32 __attribute__((vector_size(64)));  // (f32x16 and u32x16 come with bf16.h)
-
 inline f32x16 load16(const float* p) {
   f32x16 v;
   std::memcpy(&v, p, sizeof(v));
@@ -50,6 +54,74 @@ inline f32x16 load16(const float* p) {
 
 inline int64_t panels_of(int64_t n) { return (n + kLanes - 1) / kLanes; }
 inline int64_t padded_k(int64_t k, int32_t dtype) { return dtype == BF16 ? (k + 1) / 2 * 2 : k; }
+
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+// The byte distance a streaming tile prefetches ahead is the float weights': int8 lines hold `ratio` times the steps.
+template <int AHEAD, typename W, typename T>
+constexpr int ahead_steps() {
+  return AHEAD == kStreamAhead ? AHEAD * static_cast<int>(sizeof(T) / sizeof(W)) : AHEAD;
+}
+
+// One fp32 step of a panel: 16 floats, or 16 int8 dequantized (q * scale, one float32 rounding, as torchao's).
+template <typename W>
+inline f32x16 weights_f32(const W* line, f32x16 scale) {
+  if constexpr (std::is_same_v<W, int8_t>) {
+#if defined(__AVX512F__)
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(line));
+    return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)) * scale;
+#else
+    i8x16 q;
+    std::memcpy(&q, line, sizeof(q));
+    return __builtin_convertvector(q, f32x16) * scale;
+#endif
+  } else {
+    (void)scale;
+    return load16(line);
+  }
+}
+
+// A panel's bf16 scales in the pair layout: `low` for lanes 0-7 ([s0, s0, s1, s1, ..., s7, s7]), `high` for 8-15.
+struct PairScales {
+  f32x16 low, high;
+};
+
+inline PairScales pair_scales(f32x16 scale) {
+  PairScales out;
+  for (int i = 0; i < 16; ++i) {
+    out.low[i] = scale[i / 2];
+    out.high[i] = scale[8 + i / 2];
+  }
+  return out;
+}
+
+// One bf16 pair step of a panel: 32 bf16 as (k, k+1) pairs per lane, or 32 int8 in the same pairs dequantized and
+// rounded to bf16 (torchao's dequantize to the model's dtype; weights are finite, so no NaN case). The pair layout's
+// first 16 bytes are lanes 0-7, which is the order AVX512-BF16's two-source conversion fills: no shuffle.
+template <typename W>
+inline u16x32 weights_bf16(const W* line, const PairScales& scale) {
+  u16x32 w;
+  if constexpr (std::is_same_v<W, int8_t>) {
+#if defined(__AVX512BF16__)
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line))));
+    const __m512 high =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 16))));
+    w = (u16x32)_mm512_cvtne2ps_pbh((__m512)((f32x16)high * scale.high), (__m512)((f32x16)low * scale.low));
+#else
+    uint16_t rounded[32];
+    for (int half = 0; half < 2; ++half) {
+      i8x16 q;
+      std::memcpy(&q, line + 16 * half, sizeof(q));
+      float_to_bf16x16(__builtin_convertvector(q, f32x16) * (half == 0 ? scale.low : scale.high), rounded + 16 * half);
+    }
+    std::memcpy(&w, rounded, sizeof(w));
+#endif
+  } else {
+    (void)scale;
+    std::memcpy(&w, line, sizeof(w));
+  }
+  return w;
+}
 
 // Asks for step `step` of each of the tile's NP panels into L2 (`steps` per panel, `width` elements per step).
 // Prefetches never fault, so running past a panel's end is harmless. (Wrapping into the next tile's panels there
@@ -60,13 +132,13 @@ inline void prefetch_ahead(const T* panels, int64_t steps, int64_t step, int64_t
 }
 
 // Steps [k0, k1) of the float32 tile: acc[m][p] += x[m][k] * panel_p[k]. A step is one 64-byte line per panel.
-template <int MT, int NP, int AHEAD>
-inline void tile_f32(const float* x, int64_t x_stride, const float* panels, int64_t k_len, int64_t k0, int64_t k1,
-                     f32x16 (&acc)[MT][NP]) {
+template <int MT, int NP, int AHEAD, typename W>
+inline void tile_f32(const float* x, int64_t x_stride, const W* panels, int64_t k_len, int64_t k0, int64_t k1,
+                     const f32x16 (&scale)[NP], f32x16 (&acc)[MT][NP]) {
   for (int64_t k = k0; k < k1; ++k) {
-    if constexpr (AHEAD > 0) prefetch_ahead<NP>(panels, k_len, k + AHEAD, kLanes);
+    if constexpr (AHEAD > 0) prefetch_ahead<NP>(panels, k_len, k + ahead_steps<AHEAD, W, float>(), kLanes);
     f32x16 w[NP];
-    for (int p = 0; p < NP; ++p) w[p] = load16(panels + (p * k_len + k) * kLanes);
+    for (int p = 0; p < NP; ++p) w[p] = weights_f32(panels + (p * k_len + k) * kLanes, scale[p]);
     for (int m = 0; m < MT; ++m) {
       const f32x16 xb = f32x16{} + x[m * x_stride + k];
       for (int p = 0; p < NP; ++p) acc[m][p] += xb * w[p];
@@ -76,14 +148,17 @@ inline void tile_f32(const float* x, int64_t x_stride, const float* panels, int6
 
 // Pairs [k0, k1) of the bfloat16 tile: acc[m][p] += x[m][k] * w[k] + x[m][k+1] * w[k+1], AVX512-BF16's dot
 // product where the CPU has it, else the same products in float32 (the pair layout is the same).
-template <int MT, int NP, int AHEAD>
-inline void tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* panels, int64_t k_len, int64_t k0,
-                      int64_t k1, int64_t k_valid, f32x16 (&acc)[MT][NP]) {
+template <int MT, int NP, int AHEAD, typename W>
+inline void tile_bf16(const uint16_t* x, int64_t x_stride, const W* panels, int64_t k_len, int64_t k0, int64_t k1,
+                      int64_t k_valid, const f32x16 (&scale)[NP], f32x16 (&acc)[MT][NP]) {
   const int64_t pairs = k_len / 2;
+  PairScales pair[NP];
+  if constexpr (std::is_same_v<W, int8_t>)
+    for (int p = 0; p < NP; ++p) pair[p] = pair_scales(scale[p]);
   for (int64_t kp = k0; kp < k1; ++kp) {
-    if constexpr (AHEAD > 0) prefetch_ahead<NP>(panels, pairs, kp + AHEAD, 2 * kLanes);
+    if constexpr (AHEAD > 0) prefetch_ahead<NP>(panels, pairs, kp + ahead_steps<AHEAD, W, uint16_t>(), 2 * kLanes);
     u16x32 w[NP];
-    for (int p = 0; p < NP; ++p) std::memcpy(&w[p], panels + (p * pairs + kp) * 2 * kLanes, sizeof(w[p]));
+    for (int p = 0; p < NP; ++p) w[p] = weights_bf16(panels + (p * pairs + kp) * 2 * kLanes, pair[p]);
     const bool whole = 2 * kp + 1 < k_valid;  // both halves of the pair are real (an odd K ends in half a pair)
     for (int m = 0; m < MT; ++m) {
       const uint16_t* row = x + m * x_stride;
@@ -142,19 +217,21 @@ inline void store_row(const float* sums, const T* bias, T* out, int64_t n0, int6
 
 // One row tile over steps [k0, k1) of NP panels, its accumulators carried in `carry` ([MT][NP][16] floats)
 // between k blocks: every output stays one multiply-add chain over k in order, however k is blocked.
-template <typename T, int MT, int NP>
-void tile_steps(const T* x, int64_t x_stride, const T* panels, int64_t k_len, int64_t k_valid, int64_t k0, int64_t k1,
-                int64_t ahead, float* carry) {
-  f32x16 acc[MT][NP];
+template <typename T, typename W, int MT, int NP>
+void tile_steps(const T* x, int64_t x_stride, const W* panels, const float* scales, int64_t k_len, int64_t k_valid,
+                int64_t k0, int64_t k1, int64_t ahead, float* carry) {
+  f32x16 acc[MT][NP], scale[NP] = {};
   for (int m = 0; m < MT; ++m)
     for (int p = 0; p < NP; ++p) acc[m][p] = k0 == 0 ? f32x16{} : load16(carry + (m * NP + p) * kLanes);
+  if (scales != nullptr)
+    for (int p = 0; p < NP; ++p) scale[p] = load16(scales + p * kLanes);
   // The prefetch distance is a template argument: as a constant it is a displacement on the load's own address.
   // As a variable, one row's tile rebuilt its eight prefetch addresses every step and ran 5-7% slower in fp32.
   const auto run = [&](auto distance) {
     if constexpr (sizeof(T) == 4) {
-      tile_f32<MT, NP, decltype(distance)::value>(x, x_stride, panels, k_len, k0, k1, acc);
+      tile_f32<MT, NP, decltype(distance)::value>(x, x_stride, panels, k_len, k0, k1, scale, acc);
     } else {
-      tile_bf16<MT, NP, decltype(distance)::value>(x, x_stride, panels, k_len, k0, k1, k_valid, acc);
+      tile_bf16<MT, NP, decltype(distance)::value>(x, x_stride, panels, k_len, k0, k1, k_valid, scale, acc);
     }
   };
   if (ahead == kStreamAhead) {
@@ -170,22 +247,25 @@ void tile_steps(const T* x, int64_t x_stride, const T* panels, int64_t k_len, in
 
 // `rows` (1 to kTileRows) rows of the tile, dispatched to the template of that height. The 8-panel streaming tile
 // only ever has one or two rows (linear() picks it for those), so only those heights are built for it.
-template <typename T, int NP>
-void rows_steps(int64_t rows, const T* x, int64_t x_stride, const T* panels, int64_t k_len, int64_t k_valid,
-                int64_t k0, int64_t k1, int64_t ahead, float* carry) {
+template <typename T, typename W, int NP>
+void rows_steps(int64_t rows, const T* x, int64_t x_stride, const W* panels, const float* scales, int64_t k_len,
+                int64_t k_valid, int64_t k0, int64_t k1, int64_t ahead, float* carry) {
+  const auto height = [&](auto mt) {
+    tile_steps<T, W, decltype(mt)::value, NP>(x, x_stride, panels, scales, k_len, k_valid, k0, k1, ahead, carry);
+  };
   if constexpr (NP > kTilePanels) {
-    if (rows == 2) tile_steps<T, 2, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry);
-    if (rows == 1) tile_steps<T, 1, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry);
+    if (rows == 2) height(std::integral_constant<int, 2>{});
+    if (rows == 1) height(std::integral_constant<int, 1>{});
   } else {
     switch (rows) {
-      case 8: tile_steps<T, 8, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
-      case 7: tile_steps<T, 7, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
-      case 6: tile_steps<T, 6, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
-      case 5: tile_steps<T, 5, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
-      case 4: tile_steps<T, 4, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
-      case 3: tile_steps<T, 3, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
-      case 2: tile_steps<T, 2, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
-      case 1: tile_steps<T, 1, NP>(x, x_stride, panels, k_len, k_valid, k0, k1, ahead, carry); break;
+      case 8: height(std::integral_constant<int, 8>{}); break;
+      case 7: height(std::integral_constant<int, 7>{}); break;
+      case 6: height(std::integral_constant<int, 6>{}); break;
+      case 5: height(std::integral_constant<int, 5>{}); break;
+      case 4: height(std::integral_constant<int, 4>{}); break;
+      case 3: height(std::integral_constant<int, 3>{}); break;
+      case 2: height(std::integral_constant<int, 2>{}); break;
+      case 1: height(std::integral_constant<int, 1>{}); break;
       default: break;
     }
   }
@@ -197,10 +277,11 @@ void rows_steps(int64_t rows, const T* x, int64_t x_stride, const T* panels, int
 // over all of k instead, the first row tile waited on DRAM and the others found L2 (16 rows, bf16: 1.13x faster
 // this way; now ~350 GFLOP/s on 2 cores from DRAM, ~415 on cached weights, of a measured 468 peak). One or two
 // rows take k in one block with the prefetch kStreamAhead steps ahead: they stream.
-template <typename T, int NP>
-void column(const T* x, int64_t x_stride, const T* packed, const T* bias, T* y, int64_t y_stride, int64_t m_len,
-            int64_t first, int64_t n, int64_t k_len, int64_t k_valid) {
-  const T* panels = packed + first * k_len * kLanes;
+template <typename T, typename W, int NP>
+void column(const T* x, int64_t x_stride, const W* packed, const float* scales, const T* bias, T* y, int64_t y_stride,
+            int64_t m_len, int64_t first, int64_t n, int64_t k_len, int64_t k_valid) {
+  const W* panels = packed + first * k_len * kLanes;
+  const float* panel_scales = scales == nullptr ? nullptr : scales + first * kLanes;
   const int64_t n0 = first * kLanes, steps = sizeof(T) == 4 ? k_len : k_len / 2;
   const int64_t block = m_len <= 2 ? steps : kBlockSteps, ahead = m_len <= 2 ? kStreamAhead : kBlockSteps;
   alignas(64) float carry[kRowChunk * NP * kLanes];
@@ -211,8 +292,8 @@ void column(const T* x, int64_t x_stride, const T* packed, const T* bias, T* y, 
       const int64_t tiles = (chunk_rows + kTileRows - 1) / kTileRows;  // rows spread evenly: 12 as 6 + 6, not 8 + 4
       for (int64_t i = 0; i < tiles; ++i) {
         const int64_t m = chunk_rows * i / tiles, rows = chunk_rows * (i + 1) / tiles - m;
-        rows_steps<T, NP>(rows, x + (chunk + m) * x_stride, x_stride, panels, k_len, k_valid, k0, k1,
-                          i == 0 ? ahead : 0, carry + m * NP * kLanes);
+        rows_steps<T, W, NP>(rows, x + (chunk + m) * x_stride, x_stride, panels, panel_scales, k_len, k_valid, k0,
+                             k1, i == 0 ? ahead : 0, carry + m * NP * kLanes);
       }
     }
     for (int64_t m = 0; m < chunk_rows; ++m)
@@ -226,22 +307,25 @@ inline int threads_for(int64_t multiply_adds, int32_t num_threads) {
 }
 
 // `count` panels from `first`, in the widest tiles that fit (`widest`: 8 or kTilePanels).
-template <typename T>
-void columns(const T* x, int64_t x_stride, const T* packed, const T* bias, T* y, int64_t y_stride, int64_t m_len,
-             int64_t first, int64_t count, int64_t widest, int64_t n, int64_t k_len, int64_t k_valid) {
+template <typename T, typename W>
+void columns(const T* x, int64_t x_stride, const W* packed, const float* scales, const T* bias, T* y, int64_t y_stride,
+             int64_t m_len, int64_t first, int64_t count, int64_t widest, int64_t n, int64_t k_len, int64_t k_valid) {
   int64_t p = first;
   const int64_t end = first + count;
+  const auto run = [&](auto np) {
+    column<T, W, decltype(np)::value>(x, x_stride, packed, scales, bias, y, y_stride, m_len, p, n, k_len, k_valid);
+  };
   if (widest == 8)
-    for (; p + 8 <= end; p += 8) column<T, 8>(x, x_stride, packed, bias, y, y_stride, m_len, p, n, k_len, k_valid);
-  for (; p + kTilePanels <= end; p += kTilePanels)
-    column<T, kTilePanels>(x, x_stride, packed, bias, y, y_stride, m_len, p, n, k_len, k_valid);
-  for (; p + 2 <= end; p += 2) column<T, 2>(x, x_stride, packed, bias, y, y_stride, m_len, p, n, k_len, k_valid);
-  for (; p < end; ++p) column<T, 1>(x, x_stride, packed, bias, y, y_stride, m_len, p, n, k_len, k_valid);
+    for (; p + 8 <= end; p += 8) run(std::integral_constant<int, 8>{});
+  for (; p + kTilePanels <= end; p += kTilePanels) run(std::integral_constant<int, kTilePanels>{});
+  for (; p + 2 <= end; p += 2) run(std::integral_constant<int, 2>{});
+  for (; p < end; ++p) run(std::integral_constant<int, 1>{});
 }
 
-template <typename T>
-void linear(const T* x, int64_t x_stride, const T* packed, const T* bias, T* y, int64_t y_stride, int64_t m, int64_t n,
-            int64_t k, int32_t dtype, int32_t num_threads) {
+// `scales`: null for float weights, else one per output (padded to whole panels) for int8 ones.
+template <typename T, typename W>
+void linear(const T* x, int64_t x_stride, const W* packed, const float* scales, const T* bias, T* y, int64_t y_stride,
+            int64_t m, int64_t n, int64_t k, int32_t dtype, int32_t num_threads) {
   const int64_t k_len = padded_k(k, dtype), panels = panels_of(n);
   const int threads = threads_for(m * n * k, num_threads);
   // One or two rows stream the weights: 8 panels per tile keep 8 loads in flight. More rows reuse each panel
@@ -253,7 +337,8 @@ void linear(const T* x, int64_t x_stride, const T* packed, const T* bias, T* y, 
   {
     const int64_t share = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t first = panels * t / share, last = panels * (t + 1) / share;
-    if (last > first) columns(x, x_stride, packed, bias, y, y_stride, m, first, last - first, widest, n, k_len, k);
+    if (last > first)
+      columns(x, x_stride, packed, scales, bias, y, y_stride, m, first, last - first, widest, n, k_len, k);
   }
 }
 
@@ -284,6 +369,14 @@ int64_t pb_cpu_panel_packed_elements(int64_t n, int64_t k, int32_t dtype) {
   return panels_of(n) * kLanes * padded_k(k, dtype);
 }
 
+// int8 weights in the layout of the activations' `dtype` (pairs for bfloat16).
+int32_t pb_cpu_panel_pack_int8(const void* weight, int64_t n, int64_t k, int32_t dtype, void* out) {
+  if (n < 1 || k < 1) return BAD_SHAPE;
+  if (dtype != F32 && dtype != BF16) return BAD_DTYPE;
+  pack(static_cast<const int8_t*>(weight), n, k, dtype, static_cast<int8_t*>(out));
+  return OK;
+}
+
 int32_t pb_cpu_panel_pack(const void* weight, int64_t n, int64_t k, int32_t dtype, void* out) {
   if (n < 1 || k < 1) return BAD_SHAPE;
   if (dtype == F32) {
@@ -301,11 +394,31 @@ int32_t pb_cpu_panel_linear(const void* x, int64_t x_stride, const void* packed,
   if (m < 0 || n < 1 || k < 1) return BAD_SHAPE;
   if (m == 0) return OK;
   if (dtype == F32) {
-    linear(static_cast<const float*>(x), x_stride, static_cast<const float*>(packed), static_cast<const float*>(bias),
-           static_cast<float*>(y), y_stride, m, n, k, dtype, num_threads);
+    linear(static_cast<const float*>(x), x_stride, static_cast<const float*>(packed), nullptr,
+           static_cast<const float*>(bias), static_cast<float*>(y), y_stride, m, n, k, dtype, num_threads);
   } else if (dtype == BF16) {
-    linear(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(packed),
+    linear(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(packed), nullptr,
            static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), y_stride, m, n, k, dtype, num_threads);
+  } else {
+    return BAD_DTYPE;
+  }
+  return OK;
+}
+
+// int8 weights packed by pb_cpu_panel_pack_int8 for `dtype` activations, with a float32 scale per output (`scales`,
+// padded with zeros to whole panels). x, bias and y are in `dtype`.
+int32_t pb_cpu_panel_linear_int8(const void* x, int64_t x_stride, const void* packed, const float* scales,
+                                 const void* bias, void* y, int64_t y_stride, int64_t m, int64_t n, int64_t k,
+                                 int32_t dtype, int32_t num_threads) {
+  if (m < 0 || n < 1 || k < 1 || scales == nullptr) return BAD_SHAPE;
+  if (m == 0) return OK;
+  const auto* q = static_cast<const int8_t*>(packed);
+  if (dtype == F32) {
+    linear(static_cast<const float*>(x), x_stride, q, scales, static_cast<const float*>(bias), static_cast<float*>(y),
+           y_stride, m, n, k, dtype, num_threads);
+  } else if (dtype == BF16) {
+    linear(static_cast<const uint16_t*>(x), x_stride, q, scales, static_cast<const uint16_t*>(bias),
+           static_cast<uint16_t*>(y), y_stride, m, n, k, dtype, num_threads);
   } else {
     return BAD_DTYPE;
   }

@@ -33,6 +33,7 @@ class DecoderLayer(ctypes.Structure):
         ("q_norm", PTR), ("k_norm", PTR), ("q_norm_eps", F32), ("k_norm_eps", F32), ("skip_rotary", I32),
         ("post_attention_norm", PTR), ("post_mlp_norm", PTR), ("unit_offset", I32), ("activation", I32),
         ("residual_scale", F32),
+        ("qkv_scales", PTR), ("o_scales", PTR), ("gate_up_scales", PTR), ("down_scales", PTR),
     ]  # fmt: skip
 
 
@@ -132,6 +133,8 @@ class DecoderLayers:
                 **part.head_prep.fields,  # its unit_offset is the layer's one kind of norm, q/k norms included
                 post_attention_norm=_pointer(part.post_attention_norm), post_mlp_norm=_pointer(part.post_mlp_norm),
                 activation=part.activation, residual_scale=part.residual_scale,
+                qkv_scales=_pointer(part.qkv.scales), o_scales=_pointer(part.o.scales),
+                gate_up_scales=_pointer(part.gate_up.scales), down_scales=_pointer(part.down.scales),
             ))  # fmt: skip
             # The weights are kept alive here; the pools are not (sleep mode frees them): the caller rebuilds this
             # when a pool moves.

@@ -8,6 +8,10 @@ row's result does not depend on the other rows in the call.
 
 >>> packed = PanelWeight(layer.weight)     # doctest: +SKIP
 >>> y = packed(x, layer.bias)              # == F.linear(x, layer.weight, layer.bias) up to summation order
+
+`PanelWeight.int8(q, scale, dtype)` packs int8 weight-only quantized weights (q `[N, K]` int8, a float32 scale per
+output: torchao's int8_weight_only) for activations of `dtype`, a byte per weight. The kernel dequantizes each line in
+registers as torchao's `dequantize()` rounds, so the result has the bits of `PanelWeight(q * scale in dtype)`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ def _panel() -> ctypes.CDLL:
     lib.pb_cpu_panel_packed_elements.restype = I64
     lib.pb_cpu_panel_pack.argtypes = [PTR, I64, I64, I32, PTR]
     lib.pb_cpu_panel_linear.argtypes = [PTR, I64, PTR, PTR, PTR, I64, I64, I64, I64, I32, I32]
+    lib.pb_cpu_panel_pack_int8.argtypes = [PTR, I64, I64, I32, PTR]
+    lib.pb_cpu_panel_linear_int8.argtypes = [PTR, I64, PTR, PTR, PTR, PTR, I64, I64, I64, I64, I32, I32]
     lib.pb_cpu_panel_error_string.argtypes = [ctypes.c_int]
     lib.pb_cpu_panel_error_string.restype = ctypes.c_char_p
     return lib
@@ -44,6 +50,8 @@ def _check(status: int, what: str) -> None:
 class PanelWeight:
     """A weight `[N, K]` packed into panels; calling it with `x [..., K]` gives `[..., N]`."""
 
+    scales: torch.Tensor | None = None  # int8 weights: float32 [whole panels x 16], a scale per output, zero padded
+
     def __init__(self, weight: torch.Tensor) -> None:
         if weight.dtype not in PANEL_DTYPES or weight.device.type != "cpu" or weight.dim() != 2:
             raise ValueError(f"panel linear packs 2-D CPU float32/bfloat16 weights, not {weight.dtype} {weight.shape}")
@@ -54,11 +62,30 @@ class PanelWeight:
         _check(_panel().pb_cpu_panel_pack(source.data_ptr(), *weight.shape, self.code, self.packed.data_ptr()), "pack")
 
     @classmethod
-    def _over(cls, packed: torch.Tensor, out_features: int, in_features: int) -> PanelWeight:
-        """A weight over panels packed already (a slice of a stacked group)."""
+    def int8(cls, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> PanelWeight:
+        """int8 weights `q [N, K]` with a float32 scale per output (`[N]` or `[N, 1]`), for activations of `dtype`."""
+        if q.dtype != torch.int8 or q.device.type != "cpu" or q.dim() != 2 or dtype not in PANEL_DTYPES:
+            raise ValueError(f"int8 panels pack 2-D CPU int8 weights for float32/bfloat16 activations, not {q.dtype} "
+                             f"{tuple(q.shape)} for {dtype}")  # fmt: skip
+        out_features, in_features = q.shape
+        if scale.numel() != out_features:
+            raise ValueError(f"int8 panels take one scale per output: {scale.numel()} scales for {out_features}")
+        packed = torch.empty(_packed_elements(out_features, in_features, dtype), dtype=torch.int8)
+        source = q.detach().contiguous()
+        _check(_panel().pb_cpu_panel_pack_int8(source.data_ptr(), out_features, in_features, QUERY_DTYPES[dtype],
+                                               packed.data_ptr()), "pack int8")  # fmt: skip
+        scales = torch.zeros(_panels(out_features) * LANES)
+        scales[:out_features] = scale.detach().reshape(-1).float()
+        return cls._over(packed, out_features, in_features, dtype, scales)
+
+    @classmethod
+    def _over(cls, packed: torch.Tensor, out_features: int, in_features: int, dtype: torch.dtype | None = None,
+              scales: torch.Tensor | None = None) -> PanelWeight:  # fmt: skip
+        """A weight over panels packed already (a slice of a stacked group); int8 ones with their scales."""
         weight = cls.__new__(cls)
-        weight.out_features, weight.in_features, weight.packed = out_features, in_features, packed
-        weight.dtype, weight.code = packed.dtype, QUERY_DTYPES[packed.dtype]
+        weight.out_features, weight.in_features, weight.packed, weight.scales = out_features, in_features, packed, scales
+        weight.dtype = dtype or packed.dtype  # the activations' dtype: int8 panels serve float32 or bfloat16 rows
+        weight.code = QUERY_DTYPES[weight.dtype]
         return weight
 
     @classmethod
@@ -68,17 +95,20 @@ class PanelWeight:
         no memory). None when the parts cannot stack: another width or dtype, or a part other than the last
         ending in a partial panel (its padding would sit inside the group's output)."""
         first = parts[0]
-        if any(part.in_features != first.in_features or part.dtype != first.dtype for part in parts):
+        kinds = {(part.in_features, part.dtype, part.packed.dtype) for part in parts}
+        if len(kinds) > 1 or any(part.out_features % LANES for part in parts[:-1]):
             return None
-        if any(part.out_features % LANES for part in parts[:-1]):
-            return None
+        scales = None if first.scales is None else torch.cat([part.scales for part in parts])
         group = cls._over(torch.cat([part.packed for part in parts]), sum(p.out_features for p in parts),
-                          first.in_features)  # fmt: skip
-        offset = 0
+                          first.in_features, first.dtype, scales)  # fmt: skip
+        offset, scale_offset = 0, 0
         for part in parts:
             size = part.packed.numel()
             part.packed = group.packed[offset : offset + size]
             offset += size
+            if scales is not None:
+                part.scales = scales[scale_offset : scale_offset + part.scales.numel()]
+                scale_offset += part.scales.numel()
         return group
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -89,14 +119,16 @@ class PanelWeight:
             rows = rows.contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
         bias = panel_bias(bias, x.dtype)
-        _check(
-            _panel().pb_cpu_panel_linear(
-                rows.data_ptr(), rows.stride(0), self.packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                out.data_ptr(), out.stride(0), rows.shape[0], self.out_features, self.in_features, self.code,
-                torch.get_num_threads(),
-            ),
-            "panel linear",
-        )  # fmt: skip
+        shape = (rows.shape[0], self.out_features, self.in_features, self.code, torch.get_num_threads())
+        bias_pointer = None if bias is None else bias.data_ptr()
+        if self.scales is None:
+            status = _panel().pb_cpu_panel_linear(rows.data_ptr(), rows.stride(0), self.packed.data_ptr(),
+                                                  bias_pointer, out.data_ptr(), out.stride(0), *shape)  # fmt: skip
+        else:
+            status = _panel().pb_cpu_panel_linear_int8(rows.data_ptr(), rows.stride(0), self.packed.data_ptr(),
+                                                       self.scales.data_ptr(), bias_pointer, out.data_ptr(),
+                                                       out.stride(0), *shape)  # fmt: skip
+        _check(status, "panel linear")
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -105,6 +137,10 @@ def panel_bias(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | 
     if bias is None or (bias.dtype == dtype and bias.is_contiguous()):
         return bias
     return bias.detach().to(dtype).contiguous()
+
+
+def _panels(out_features: int) -> int:
+    return -(-out_features // LANES)
 
 
 def _packed_elements(out_features: int, in_features: int, dtype: torch.dtype) -> int:

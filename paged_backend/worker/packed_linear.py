@@ -11,6 +11,10 @@ attention: a caller's model object is the same between steps. A model the engine
 weights once packed (`release=True`): the packed copy replaces them, so packing costs no memory there. A caller's
 object keeps its weights, and the packed copies take as much memory again (`EngineConfig.prepack_weights=False`
 turns packing off). Layers that read the same input (q, k and v) can be stacked into one call (`stacked`).
+
+torchao's int8 weight-only layers (`--quantization torchao`, int8_weight_only) pack too, into int8 panels: a byte per
+weight, dequantized in registers as torchao's own forward dequantizes, so they run the fused forward and its C++
+layer loop at about the speed of reading their bytes (torchao's CPU path dequantizes the whole matrix per call).
 """
 
 from __future__ import annotations
@@ -52,15 +56,36 @@ def dtype_packs(dtype: torch.dtype) -> bool:
 
 def packable(module: nn.Module) -> bool:
     """A plain CPU `nn.Linear` in float32 or bfloat16 whose forward nobody else replaced (accelerate's offload
-    hooks do, and quantized weights are tensor subclasses with kernels of their own), in a dtype this CPU packs."""
+    hooks do, and quantized weights are tensor subclasses with kernels of their own), in a dtype this CPU packs;
+    or one whose weight is torchao's int8 weight-only tensor, which packs into int8 panels."""
     if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
         return False  # a subclass with a forward of its own (bitsandbytes' layers)
     if "forward" in module.__dict__:
         return False
     weight = module.weight
-    if type(weight.data) is not torch.Tensor or weight.device.type != "cpu" or weight.dim() != 2:
+    if weight.device.type != "cpu" or weight.dim() != 2:
         return False
-    return packs(weight.dtype)
+    if int8_weight_only(weight) is not None:
+        return panels_build() and weight.dtype in PANEL_DTYPES
+    return type(weight.data) is torch.Tensor and packs(weight.dtype)
+
+
+def int8_weight_only(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q [N, K] int8, scale [N, 1] float32) of torchao's int8 weight-only tensor (`int8_weight_only`: symmetric, one
+    scale per output, no activation quantization), whose `dequantize()` is q * scale in the weight's dtype; else
+    None. The int8 panels compute with exactly those dequantized weights, from a byte each."""
+    data = weight.data
+    if type(data).__name__ != "Int8Tensor" or not type(data).__module__.startswith("torchao"):
+        return None
+    if any(getattr(data, name, None) is not None for name in ("act_quant_kwargs", "act_pre_scale")):
+        return None  # dynamic activation quantization, or AWQ/SmoothQuant pre-scales: not this kernel
+    zero_point = getattr(data, "zero_point", None)
+    if zero_point is not None and bool(zero_point.any()):
+        return None  # asymmetric (torchao keeps zeros for the symmetric scheme)
+    q, scale = data.qdata, data.scale
+    if q.dtype != torch.int8 or list(data.block_size) != [1, q.shape[1]] or scale.numel() != q.shape[0]:
+        return None
+    return q, scale
 
 
 def packs(dtype: torch.dtype) -> bool:
@@ -76,7 +101,11 @@ def packed_forward(module: nn.Linear):
     its bias as `bias`."""
     bias = module.bias
     if panels_build():
-        panel = PanelWeight(module.weight.detach())
+        quantized = int8_weight_only(module.weight)
+        if quantized is None:
+            panel = PanelWeight(module.weight.detach())
+        else:
+            panel = PanelWeight.int8(*quantized, module.weight.dtype)
 
         def panel_forward(x: torch.Tensor) -> torch.Tensor:
             return panel(x, bias)
@@ -128,7 +157,8 @@ class PackedLinears:
                 continue
             forward = packed_forward(module)
             if release and id(module.weight) not in shared:  # a tied LM head keeps the embedding's weight
-                module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+                empty = torch.empty(0, dtype=module.weight.dtype)  # (a plain tensor, for a quantized weight too)
+                module.weight = nn.Parameter(empty, requires_grad=False)
             else:
                 self._watched.append(module)
             self.layers[module] = forward, _stamp(module)
