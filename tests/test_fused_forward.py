@@ -157,19 +157,25 @@ def test_the_native_layer_loop_equals_the_python_loop_bitwise(arch, overrides, d
     _native_equals_python(model, make_llm, monkeypatch)
 
 
-@pytest.mark.parametrize("arch, dtype", [("llama", torch.bfloat16), ("qwen2", torch.float32)])
-def test_int8_weight_only_layers_run_on_int8_panels_in_both_loops_bitwise(arch, dtype, make_llm, monkeypatch):
-    """torchao's int8 weight-only layers pack into int8 panels: the native loop and the Python loop give the same
-    bits, and the first layer's outputs equal torchao's own forward (its dequantized weight) up to summation order."""
+@pytest.mark.parametrize(
+    "arch, dtype, scheme, bits",
+    [("llama", torch.bfloat16, "int8_weight_only", 8), ("qwen2", torch.float32, "int8_weight_only", 8),
+     ("llama", torch.float32, "int4_weight_only", 4), ("qwen2", torch.bfloat16, "int4_weight_only", 4)],
+)  # fmt: skip
+def test_weight_only_layers_run_on_quantized_panels_in_both_loops_bitwise(arch, dtype, scheme, bits, make_llm,
+                                                                         monkeypatch):  # fmt: skip
+    """torchao's int8 and int4 weight-only layers pack into int8 / int4 panels: the native loop and the Python loop
+    give the same bits, and a layer's outputs equal torchao's own forward (its dequantized weight) up to summation
+    order."""
     model = hf_tiny_model(arch, seed=3).to(dtype)
     _distinct_norms(model)
     reference = model.model.layers[0].mlp.down_proj
     x = torch.randn(3, reference.in_features).to(dtype)
-    quantize_(model, torchao_config("int8_weight_only", torch.device("cpu")))
+    quantize_(model, torchao_config(scheme, torch.device("cpu")))
     expected = reference(x)  # torchao's forward: x times its dequantized weight
     llm = _native_equals_python(model, make_llm, monkeypatch)
     forward = llm.engine.runner.packed.layers[llm.engine.model.model.layers[0].mlp.down_proj][0]
-    assert forward.panel.packed.dtype == torch.int8 and forward.panel.scales is not None
+    assert forward.panel.bits == bits and forward.panel.scales is not None
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(forward(x).float(), expected.float(), **tolerance)
 

@@ -217,7 +217,73 @@ def test_int8_panels_on_a_cpu_without_avx512_give_that_build_s_float_bits(dtype,
     assert lib.pb_cpu_panel_pack(ptr((q.float() * scale).to(dtype)), i64(n), i64(k), code, ptr(packed_f)) == 0
     outs = [torch.empty(rows, n, dtype=dtype) for _ in range(2)]
     shape = (i64(rows), i64(n), i64(k), code, 1)
-    assert lib.pb_cpu_panel_linear_int8(ptr(x), i64(k), ptr(packed_q), ptr(scales), None, ptr(outs[0]), i64(n),
-                                        *shape) == 0  # fmt: skip
+    assert lib.pb_cpu_panel_linear_quantized(ptr(x), i64(k), ptr(packed_q), 8, ptr(scales), i64(0), None,
+                                             ptr(outs[0]), i64(n), *shape) == 0  # fmt: skip
+    assert lib.pb_cpu_panel_linear(ptr(x), i64(k), ptr(packed_f), None, ptr(outs[1]), i64(n), *shape) == 0
+    assert torch.equal(outs[0], outs[1])
+
+
+def int4_weight(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 values (int8 storage) with a bf16 scale per output and group, as torchao's int4_weight_only holds them."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (n, k), generator=generator, dtype=torch.int8)
+    return q, (torch.rand(n, k // group, generator=generator) * 0.02 + 1e-3).to(torch.bfloat16)
+
+
+def dequantized_int4(q: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale.float().repeat_interleave(group, dim=1)).to(dtype)
+
+
+# (N, K, group): whole and partial panels, groups of 32 (torchao's) across k blocks of 64 steps, and small groups
+INT4_SHAPES = [(576, 576, 32), (49, 1536, 32), (37, 160, 16), (200, 64, 2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", INT4_SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_int4_panels_give_the_float_panels_bits_on_the_dequantized_weight(dtype, shape, rows):
+    n, k, group = shape
+    q, scale = int4_weight(n, k, group, seed=n + rows)
+    dequantized = dequantized_int4(q, scale, group, dtype)
+    x, bias = randn(rows, k, dtype=dtype, seed=rows), randn(n, dtype=dtype, seed=8)
+    panel = PanelWeight.int4(q, scale, group, dtype)
+    assert panel.packed.numel() * 2 == PanelWeight(dequantized).packed.numel()  # two weights a byte
+    out = panel(x, bias)
+    assert out.dtype == dtype and torch.equal(out, PanelWeight(dequantized)(x, bias))
+    close(out, panel_linear_reference(x.float(), dequantized.float(), bias.float()), dtype)
+
+
+def test_int4_parts_stack_and_refuse_what_they_do_not_take():
+    parts = [PanelWeight.int4(*int4_weight(n, 64, 32, seed=n), 32, torch.bfloat16) for n in (32, 40)]
+    x = randn(2, 64, dtype=torch.bfloat16, seed=3)
+    alone = [part(x) for part in parts]
+    group = PanelWeight.stack(parts)
+    assert group is not None and torch.equal(group(x), torch.cat(alone, dim=-1))
+    int8 = PanelWeight.int8(*int8_weight(32, 64, seed=1), torch.bfloat16)
+    assert PanelWeight.stack([int8, PanelWeight.int4(*int4_weight(32, 64, 32, seed=2), 32, torch.bfloat16)]) is None
+    q, scale = int4_weight(8, 64, 32, seed=4)
+    with pytest.raises(ValueError, match="an even group size dividing K = 64, not 24"):
+        PanelWeight.int4(q, scale, 24, torch.float32)
+    with pytest.raises(ValueError, match=r"scales \[8, 2\] \(outputs, groups\), not \(8, 4\)"):
+        PanelWeight.int4(q, torch.ones(8, 4), 32, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int4_panels_on_a_cpu_without_avx512_give_that_build_s_float_bits(dtype, plain_library):
+    lib = plain_library
+    n, k, group, rows, code = 40, 96, 32, 3, 0 if dtype == torch.float32 else 2
+    q, scale = int4_weight(n, k, group, seed=23)
+    x = randn(rows, k, dtype=dtype, seed=24)
+    i64, ptr = ctypes.c_int64, lambda t: ctypes.c_void_p(t.data_ptr())
+    elements = lib.pb_cpu_panel_packed_elements(i64(n), i64(k), code)
+    packed_q, packed_f = torch.empty(elements // 2, dtype=torch.uint8), torch.empty(elements, dtype=dtype)
+    scales = PanelWeight.int4(q, scale, group, dtype).scales  # the same layout, from the native build's wrapper
+    assert lib.pb_cpu_panel_pack_int4(ptr(q), i64(n), i64(k), code, ptr(packed_q)) == 0
+    assert lib.pb_cpu_panel_pack(ptr(dequantized_int4(q, scale, group, dtype)), i64(n), i64(k), code,
+                                 ptr(packed_f)) == 0  # fmt: skip
+    outs = [torch.empty(rows, n, dtype=dtype) for _ in range(2)]
+    shape = (i64(rows), i64(n), i64(k), code, 1)
+    assert lib.pb_cpu_panel_linear_quantized(ptr(x), i64(k), ptr(packed_q), 4, ptr(scales), i64(group), None,
+                                             ptr(outs[0]), i64(n), *shape) == 0  # fmt: skip
     assert lib.pb_cpu_panel_linear(ptr(x), i64(k), ptr(packed_f), None, ptr(outs[1]), i64(n), *shape) == 0
     assert torch.equal(outs[0], outs[1])

@@ -55,14 +55,14 @@ def hf_greedy(path: str, param: str, prompt: tuple[int, ...], dtype: str = "auto
     return out[0, len(prompt) :].tolist()
 
 
-def held_quantized(engine: Engine, module: torch.nn.Module) -> bool:
-    """The layer's weights are held quantized: torchao's tensor (int4), or the int8 panels the engine packs torchao's
-    int8 weight-only tensor into on CPU (giving torchao's copy up)."""
+def held_quantized(engine: Engine, module: torch.nn.Module, bits: int) -> bool:
+    """The layer's weights are held at `bits`, in the int8 or int4 panels the engine packs torchao's weight-only
+    tensors into on CPU (giving torchao's copy up)."""
     packed = engine.runner.packed
-    if packed is not None and module in packed.layers:
-        panel = packed.layers[module][0].panel
-        return panel.packed.dtype == torch.int8 and panel.scales is not None
-    return type(module.weight).__module__.startswith("torchao")
+    if packed is None or module not in packed.layers:
+        return False
+    panel = packed.layers[module][0].panel
+    return panel.bits == bits and panel.scales is not None and panel.packed.element_size() == 1
 
 
 def held_bytes(engine: Engine) -> int:
@@ -88,7 +88,7 @@ def test_llm_matches_hf_generate_on_the_same_quantized_model(checkpoints, arch, 
     # greedy near-tie that HF's and the engine's rounding break differently.
     llm = LLM(checkpoints[arch], device="cpu", dtype="float32", num_blocks=64, block_size=4, quantization="torchao",
               quantization_param=param)  # fmt: skip
-    assert held_quantized(llm.engine, llm.engine.model.model.layers[0].mlp.up_proj)
+    assert held_quantized(llm.engine, llm.engine.model.model.layers[0].mlp.up_proj, 8 if param.startswith("int8") else 4)
     outputs = llm.generate(PROMPTS, greedy())
     expected = [hf_greedy(checkpoints[arch], param, tuple(p), "float32") for p in PROMPTS]
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -115,7 +115,7 @@ def test_checkpoint_saved_quantized_loads_with_no_flag(checkpoints, tmp_path):
     tokenizer.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["quant_method"] == "torchao"
     llm = LLM(str(tmp_path), device="cpu", num_blocks=64, block_size=4)
-    assert held_quantized(llm.engine, llm.engine.model.model.layers[0].self_attn.q_proj)
+    assert held_quantized(llm.engine, llm.engine.model.model.layers[0].self_attn.q_proj, 8)
     assert held_bytes(llm.engine) < 0.6 * weight_bytes(tiny_model("qwen2", seed=3))
     outputs = llm.generate(PROMPTS, greedy())
     expected = [hf_greedy(checkpoints["qwen2"], "int8_weight_only", tuple(p)) for p in PROMPTS]
@@ -214,7 +214,7 @@ def test_bad_names_and_schemes_say_what_to_choose(checkpoints):
 
 def test_embedded_model_quantizes_in_place():
     llm = LLM(TINY_MODEL, device="cpu", num_blocks=32, quantization="torchao")
-    assert held_quantized(llm.engine, llm.engine.model.model.layers[0].mlp.up_proj)
+    assert held_quantized(llm.engine, llm.engine.model.model.layers[0].mlp.up_proj, 8)
     assert len(llm.generate("Hi", greedy())[0].outputs[0].token_ids) == NEW_TOKENS
 
 

@@ -45,11 +45,14 @@ struct PbCpuDecoderLayer {
   int32_t unit_offset;              // Gemma's norms: (1 + weight) in fp32, one rounding (q/k norms too)
   int32_t activation;               // PbCpuActivation of the MLP's gate
   float residual_scale;             // Granite's residual multiplier on each branch's output (1: none)
-  // Or null: a float panel. Else the panel is int8 (pb_cpu_panel_pack_int8), with a float32 scale per output.
+  // Or null: a float panel. Else the panel is quantized: int8 (pb_cpu_panel_pack_int8) or int4
+  // (pb_cpu_panel_pack_int4), `weight_bits` wide, with float32 scales per output and group of `group_size` (0: one).
   const float* qkv_scales;
   const float* o_scales;
   const float* gate_up_scales;
   const float* down_scales;
+  int32_t weight_bits;
+  int32_t group_size;
 };
 
 struct PbCpuDecoderStep {
@@ -117,15 +120,16 @@ int32_t pb_cpu_decoder_layers(PbCpuDecoderStep* step) {
     return code != 0;
   };
   // y [t, n] = x [t, k] times a layer's panels, float or int8 (`scales` not null)
-  auto linear = [&](const void* x, int64_t x_stride, const void* panels, const float* scales, const void* bias, void* y,
-                    int64_t n, int64_t k) {
-    return scales == nullptr
-               ? pb_cpu_panel_linear(x, x_stride, panels, bias, y, n, t, n, k, s.dtype, threads)
-               : pb_cpu_panel_linear_int8(x, x_stride, panels, scales, bias, y, n, t, n, k, s.dtype, threads);
-  };
   for (int32_t i = 0; i < s.num_layers; ++i) {
     if (s.stop != nullptr && s.stop() != 0) return kStopped;
     const PbCpuDecoderLayer& layer = s.layers[i];
+    // y [t, n] = x [t, k] times one of the layer's panels, float or quantized (`scales` not null)
+    auto linear = [&](const void* x, int64_t x_stride, const void* panels, const float* scales, const void* bias,
+                      void* y, int64_t n, int64_t k) {
+      return scales == nullptr ? pb_cpu_panel_linear(x, x_stride, panels, bias, y, n, t, n, k, s.dtype, threads)
+                               : pb_cpu_panel_linear_quantized(x, x_stride, panels, layer.weight_bits, scales,
+                                                               layer.group_size, bias, y, n, t, n, k, s.dtype, threads);
+    };
     if (failed(linear(s.x, h, layer.qkv, layer.qkv_scales, layer.qkv_bias, qkv, qkv_width, h), PB_LINEAR))
       return status;
 

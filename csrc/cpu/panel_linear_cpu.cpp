@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include <omp.h>
 
@@ -57,16 +58,66 @@ inline int64_t padded_k(int64_t k, int32_t dtype) { return dtype == BF16 ? (k + 
 
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 
+// int4 weights: two a byte. Each line of L weights (16 for fp32 rows, 32 for a bf16 pair step) is L/2 bytes, byte i
+// holding weight i in its low half and weight i + L/2 in its high half, as two's-complement nibbles.
+struct Int4 {
+  uint8_t byte;
+};
+
+template <typename W>
+constexpr bool kQuantized = std::is_same_v<W, int8_t> || std::is_same_v<W, Int4>;
+
+// `elements` weights further along a panel array (an Int4 element is half a byte; offsets are whole lines).
+template <typename W>
+inline const W* advance(const W* p, int64_t elements) {
+  if constexpr (std::is_same_v<W, Int4>) {
+    return p + elements / 2;
+  } else {
+    return p + elements;
+  }
+}
+
+// A quantized tile's scales: [panel][group][16] floats from the tile's first panel, `group_steps` steps per group
+// (int8: one group spanning K; int4: 32 weights, i.e. 32 steps of fp32 rows or 16 bf16 pair steps).
+struct GroupScales {
+  const float* at;
+  int64_t groups, group_steps;
+};
+
+// Nibbles to int8: the low halves of 8 or 16 bytes, then the high halves (sign-extended from 4 bits).
+inline void unpack_nibbles(const uint8_t* bytes, int count, int8_t* out) {
+  for (int i = 0; i < count; ++i) {
+    out[i] = static_cast<int8_t>(((bytes[i] & 15) ^ 8) - 8);
+    out[i + count] = static_cast<int8_t>(((bytes[i] >> 4) ^ 8) - 8);
+  }
+}
+
 // The byte distance a streaming tile prefetches ahead is the float weights': int8 lines hold `ratio` times the steps.
 template <int AHEAD, typename W, typename T>
 constexpr int ahead_steps() {
-  return AHEAD == kStreamAhead ? AHEAD * static_cast<int>(sizeof(T) / sizeof(W)) : AHEAD;
+  const int ratio = static_cast<int>(sizeof(T) / sizeof(W)) * (std::is_same_v<W, Int4> ? 2 : 1);
+  return AHEAD == kStreamAhead ? AHEAD * ratio : AHEAD;
 }
 
 // One fp32 step of a panel: 16 floats, or 16 int8 dequantized (q * scale, one float32 rounding, as torchao's).
 template <typename W>
 inline f32x16 weights_f32(const W* line, f32x16 scale) {
-  if constexpr (std::is_same_v<W, int8_t>) {
+  if constexpr (std::is_same_v<W, Int4>) {
+    const auto* bytes = reinterpret_cast<const uint8_t*>(line);
+#if defined(__AVX512F__)
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
+    const __m128i mask = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+    __m128i q = _mm_unpacklo_epi64(_mm_and_si128(v, mask), _mm_and_si128(_mm_srli_epi16(v, 4), mask));
+    q = _mm_sub_epi8(_mm_xor_si128(q, eight), eight);
+    return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)) * scale;
+#else
+    i8x16 q;
+    int8_t unpacked[16];
+    unpack_nibbles(bytes, 8, unpacked);
+    std::memcpy(&q, unpacked, sizeof(q));
+    return __builtin_convertvector(q, f32x16) * scale;
+#endif
+  } else if constexpr (std::is_same_v<W, int8_t>) {
 #if defined(__AVX512F__)
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(line));
     return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)) * scale;
@@ -101,7 +152,27 @@ inline PairScales pair_scales(f32x16 scale) {
 template <typename W>
 inline u16x32 weights_bf16(const W* line, const PairScales& scale) {
   u16x32 w;
-  if constexpr (std::is_same_v<W, int8_t>) {
+  if constexpr (std::is_same_v<W, Int4>) {  // byte i: weight i of the line (low half) and weight i + 16 (high)
+    const auto* bytes = reinterpret_cast<const uint8_t*>(line);
+#if defined(__AVX512BF16__)
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+    const __m128i mask = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+    const __m128i lo = _mm_sub_epi8(_mm_xor_si128(_mm_and_si128(v, mask), eight), eight);
+    const __m128i hi = _mm_sub_epi8(_mm_xor_si128(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight), eight);
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+    w = (u16x32)_mm512_cvtne2ps_pbh((__m512)((f32x16)high * scale.high), (__m512)((f32x16)low * scale.low));
+#else
+    int8_t unpacked[32];
+    unpack_nibbles(bytes, 16, unpacked);
+    uint16_t rounded[32];
+    for (int half = 0; half < 2; ++half) {
+      i8x16 q;
+      std::memcpy(&q, unpacked + 16 * half, sizeof(q));
+      float_to_bf16x16(__builtin_convertvector(q, f32x16) * (half == 0 ? scale.low : scale.high), rounded + 16 * half);
+    }
+    std::memcpy(&w, rounded, sizeof(w));
+#endif
+  } else if constexpr (std::is_same_v<W, int8_t>) {
 #if defined(__AVX512BF16__)
     const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line))));
     const __m512 high =
@@ -128,20 +199,31 @@ inline u16x32 weights_bf16(const W* line, const PairScales& scale) {
 // gained nothing measurable.)
 template <int NP, typename T>
 inline void prefetch_ahead(const T* panels, int64_t steps, int64_t step, int64_t width) {
-  for (int p = 0; p < NP; ++p) __builtin_prefetch(panels + (p * steps + step) * width, 0, 1);
+  for (int p = 0; p < NP; ++p) __builtin_prefetch(advance(panels, (p * steps + step) * width), 0, 1);
 }
 
-// Steps [k0, k1) of the float32 tile: acc[m][p] += x[m][k] * panel_p[k]. A step is one 64-byte line per panel.
+// Steps [k0, k1) of the float32 tile: acc[m][p] += x[m][k] * panel_p[k]. A step is one 64-byte line per panel
+// (quantized: a quarter or an eighth of one). Quantized weights go group by group, the group's scales loaded once
+// and its steps a plain loop (a per-step check for the next group cost int4 ~1.7x at one row).
 template <int MT, int NP, int AHEAD, typename W>
 inline void tile_f32(const float* x, int64_t x_stride, const W* panels, int64_t k_len, int64_t k0, int64_t k1,
-                     const f32x16 (&scale)[NP], f32x16 (&acc)[MT][NP]) {
-  for (int64_t k = k0; k < k1; ++k) {
-    if constexpr (AHEAD > 0) prefetch_ahead<NP>(panels, k_len, k + ahead_steps<AHEAD, W, float>(), kLanes);
-    f32x16 w[NP];
-    for (int p = 0; p < NP; ++p) w[p] = weights_f32(panels + (p * k_len + k) * kLanes, scale[p]);
-    for (int m = 0; m < MT; ++m) {
-      const f32x16 xb = f32x16{} + x[m * x_stride + k];
-      for (int p = 0; p < NP; ++p) acc[m][p] += xb * w[p];
+                     const GroupScales& scales, f32x16 (&acc)[MT][NP]) {
+  f32x16 scale[NP] = {};
+  for (int64_t start = k0, end; start < k1; start = end) {
+    end = k1;
+    if constexpr (kQuantized<W>) {
+      const int64_t group = start / scales.group_steps;
+      end = std::min(k1, (group + 1) * scales.group_steps);
+      for (int p = 0; p < NP; ++p) scale[p] = load16(scales.at + (p * scales.groups + group) * kLanes);
+    }
+    for (int64_t k = start; k < end; ++k) {
+      if constexpr (AHEAD > 0) prefetch_ahead<NP>(panels, k_len, k + ahead_steps<AHEAD, W, float>(), kLanes);
+      f32x16 w[NP];
+      for (int p = 0; p < NP; ++p) w[p] = weights_f32(advance(panels, (p * k_len + k) * kLanes), scale[p]);
+      for (int m = 0; m < MT; ++m) {
+        const f32x16 xb = f32x16{} + x[m * x_stride + k];
+        for (int p = 0; p < NP; ++p) acc[m][p] += xb * w[p];
+      }
     }
   }
 }
@@ -150,36 +232,42 @@ inline void tile_f32(const float* x, int64_t x_stride, const W* panels, int64_t 
 // product where the CPU has it, else the same products in float32 (the pair layout is the same).
 template <int MT, int NP, int AHEAD, typename W>
 inline void tile_bf16(const uint16_t* x, int64_t x_stride, const W* panels, int64_t k_len, int64_t k0, int64_t k1,
-                      int64_t k_valid, const f32x16 (&scale)[NP], f32x16 (&acc)[MT][NP]) {
+                      int64_t k_valid, const GroupScales& scales, f32x16 (&acc)[MT][NP]) {
   const int64_t pairs = k_len / 2;
-  PairScales pair[NP];
-  if constexpr (std::is_same_v<W, int8_t>)
-    for (int p = 0; p < NP; ++p) pair[p] = pair_scales(scale[p]);
-  for (int64_t kp = k0; kp < k1; ++kp) {
-    if constexpr (AHEAD > 0) prefetch_ahead<NP>(panels, pairs, kp + ahead_steps<AHEAD, W, uint16_t>(), 2 * kLanes);
-    u16x32 w[NP];
-    for (int p = 0; p < NP; ++p) w[p] = weights_bf16(panels + (p * pairs + kp) * 2 * kLanes, pair[p]);
-    const bool whole = 2 * kp + 1 < k_valid;  // both halves of the pair are real (an odd K ends in half a pair)
-    for (int m = 0; m < MT; ++m) {
-      const uint16_t* row = x + m * x_stride;
-      uint32_t pair = row[2 * kp];
-      if (whole) std::memcpy(&pair, row + 2 * kp, sizeof(pair));  // x[k] low, x[k+1] high: one 32-bit load
+  PairScales pair_scale[NP];
+  for (int64_t start = k0, end; start < k1; start = end) {
+    end = k1;
+    if constexpr (kQuantized<W>) {
+      const int64_t group = start / scales.group_steps;
+      end = std::min(k1, (group + 1) * scales.group_steps);
+      for (int p = 0; p < NP; ++p) pair_scale[p] = pair_scales(load16(scales.at + (p * scales.groups + group) * kLanes));
+    }
+    for (int64_t kp = start; kp < end; ++kp) {
+      if constexpr (AHEAD > 0) prefetch_ahead<NP>(panels, pairs, kp + ahead_steps<AHEAD, W, uint16_t>(), 2 * kLanes);
+      u16x32 w[NP];
+      for (int p = 0; p < NP; ++p) w[p] = weights_bf16(advance(panels, (p * pairs + kp) * 2 * kLanes), pair_scale[p]);
+      const bool whole = 2 * kp + 1 < k_valid;  // both halves of the pair are real (an odd K ends in half a pair)
+      for (int m = 0; m < MT; ++m) {
+        const uint16_t* row = x + m * x_stride;
+        uint32_t pair = row[2 * kp];
+        if (whole) std::memcpy(&pair, row + 2 * kp, sizeof(pair));  // x[k] low, x[k+1] high: one 32-bit load
 #if defined(__AVX512BF16__)
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
-      for (int p = 0; p < NP; ++p) acc[m][p] = (f32x16)_mm512_dpbf16_ps((__m512)acc[m][p], xb, (__m512bh)w[p]);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
+        for (int p = 0; p < NP; ++p) acc[m][p] = (f32x16)_mm512_dpbf16_ps((__m512)acc[m][p], xb, (__m512bh)w[p]);
 #else
-      const f32x16 b0 = f32x16{} + bf16_to_float(static_cast<uint16_t>(pair)),
-                   b1 = f32x16{} + bf16_to_float(static_cast<uint16_t>(pair >> 16));
-      for (int p = 0; p < NP; ++p) {
-        const u32x16 bits = (u32x16)w[p];
-        f32x16 even, odd;  // the pair's k and k+1 halves of each 32-bit lane
-        const u32x16 lo = bits << 16, hi = bits & 0xffff0000u;
-        std::memcpy(&even, &lo, sizeof(even));
-        std::memcpy(&odd, &hi, sizeof(odd));
-        acc[m][p] += b1 * odd;
-        acc[m][p] += b0 * even;
-      }
+        const f32x16 b0 = f32x16{} + bf16_to_float(static_cast<uint16_t>(pair)),
+                     b1 = f32x16{} + bf16_to_float(static_cast<uint16_t>(pair >> 16));
+        for (int p = 0; p < NP; ++p) {
+          const u32x16 bits = (u32x16)w[p];
+          f32x16 even, odd;  // the pair's k and k+1 halves of each 32-bit lane
+          const u32x16 lo = bits << 16, hi = bits & 0xffff0000u;
+          std::memcpy(&even, &lo, sizeof(even));
+          std::memcpy(&odd, &hi, sizeof(odd));
+          acc[m][p] += b1 * odd;
+          acc[m][p] += b0 * even;
+        }
 #endif
+      }
     }
   }
 }
@@ -218,20 +306,18 @@ inline void store_row(const float* sums, const T* bias, T* out, int64_t n0, int6
 // One row tile over steps [k0, k1) of NP panels, its accumulators carried in `carry` ([MT][NP][16] floats)
 // between k blocks: every output stays one multiply-add chain over k in order, however k is blocked.
 template <typename T, typename W, int MT, int NP>
-void tile_steps(const T* x, int64_t x_stride, const W* panels, const float* scales, int64_t k_len, int64_t k_valid,
-                int64_t k0, int64_t k1, int64_t ahead, float* carry) {
-  f32x16 acc[MT][NP], scale[NP] = {};
+void tile_steps(const T* x, int64_t x_stride, const W* panels, const GroupScales& scales, int64_t k_len,
+                int64_t k_valid, int64_t k0, int64_t k1, int64_t ahead, float* carry) {
+  f32x16 acc[MT][NP];
   for (int m = 0; m < MT; ++m)
     for (int p = 0; p < NP; ++p) acc[m][p] = k0 == 0 ? f32x16{} : load16(carry + (m * NP + p) * kLanes);
-  if (scales != nullptr)
-    for (int p = 0; p < NP; ++p) scale[p] = load16(scales + p * kLanes);
   // The prefetch distance is a template argument: as a constant it is a displacement on the load's own address.
   // As a variable, one row's tile rebuilt its eight prefetch addresses every step and ran 5-7% slower in fp32.
   const auto run = [&](auto distance) {
     if constexpr (sizeof(T) == 4) {
-      tile_f32<MT, NP, decltype(distance)::value>(x, x_stride, panels, k_len, k0, k1, scale, acc);
+      tile_f32<MT, NP, decltype(distance)::value>(x, x_stride, panels, k_len, k0, k1, scales, acc);
     } else {
-      tile_bf16<MT, NP, decltype(distance)::value>(x, x_stride, panels, k_len, k0, k1, k_valid, scale, acc);
+      tile_bf16<MT, NP, decltype(distance)::value>(x, x_stride, panels, k_len, k0, k1, k_valid, scales, acc);
     }
   };
   if (ahead == kStreamAhead) {
@@ -248,7 +334,7 @@ void tile_steps(const T* x, int64_t x_stride, const W* panels, const float* scal
 // `rows` (1 to kTileRows) rows of the tile, dispatched to the template of that height. The 8-panel streaming tile
 // only ever has one or two rows (linear() picks it for those), so only those heights are built for it.
 template <typename T, typename W, int NP>
-void rows_steps(int64_t rows, const T* x, int64_t x_stride, const W* panels, const float* scales, int64_t k_len,
+void rows_steps(int64_t rows, const T* x, int64_t x_stride, const W* panels, const GroupScales& scales, int64_t k_len,
                 int64_t k_valid, int64_t k0, int64_t k1, int64_t ahead, float* carry) {
   const auto height = [&](auto mt) {
     tile_steps<T, W, decltype(mt)::value, NP>(x, x_stride, panels, scales, k_len, k_valid, k0, k1, ahead, carry);
@@ -278,10 +364,11 @@ void rows_steps(int64_t rows, const T* x, int64_t x_stride, const W* panels, con
 // this way; now ~350 GFLOP/s on 2 cores from DRAM, ~415 on cached weights, of a measured 468 peak). One or two
 // rows take k in one block with the prefetch kStreamAhead steps ahead: they stream.
 template <typename T, typename W, int NP>
-void column(const T* x, int64_t x_stride, const W* packed, const float* scales, const T* bias, T* y, int64_t y_stride,
-            int64_t m_len, int64_t first, int64_t n, int64_t k_len, int64_t k_valid) {
-  const W* panels = packed + first * k_len * kLanes;
-  const float* panel_scales = scales == nullptr ? nullptr : scales + first * kLanes;
+void column(const T* x, int64_t x_stride, const W* packed, const GroupScales& scales, const T* bias, T* y,
+            int64_t y_stride, int64_t m_len, int64_t first, int64_t n, int64_t k_len, int64_t k_valid) {
+  const W* panels = advance(packed, first * k_len * kLanes);
+  const GroupScales panel_scales{scales.at == nullptr ? nullptr : scales.at + first * scales.groups * kLanes,
+                                 scales.groups, scales.group_steps};
   const int64_t n0 = first * kLanes, steps = sizeof(T) == 4 ? k_len : k_len / 2;
   const int64_t block = m_len <= 2 ? steps : kBlockSteps, ahead = m_len <= 2 ? kStreamAhead : kBlockSteps;
   alignas(64) float carry[kRowChunk * NP * kLanes];
@@ -308,8 +395,9 @@ inline int threads_for(int64_t multiply_adds, int32_t num_threads) {
 
 // `count` panels from `first`, in the widest tiles that fit (`widest`: 8 or kTilePanels).
 template <typename T, typename W>
-void columns(const T* x, int64_t x_stride, const W* packed, const float* scales, const T* bias, T* y, int64_t y_stride,
-             int64_t m_len, int64_t first, int64_t count, int64_t widest, int64_t n, int64_t k_len, int64_t k_valid) {
+void columns(const T* x, int64_t x_stride, const W* packed, const GroupScales& scales, const T* bias, T* y,
+             int64_t y_stride, int64_t m_len, int64_t first, int64_t count, int64_t widest, int64_t n, int64_t k_len,
+             int64_t k_valid) {
   int64_t p = first;
   const int64_t end = first + count;
   const auto run = [&](auto np) {
@@ -322,11 +410,15 @@ void columns(const T* x, int64_t x_stride, const W* packed, const float* scales,
   for (; p < end; ++p) run(std::integral_constant<int, 1>{});
 }
 
-// `scales`: null for float weights, else one per output (padded to whole panels) for int8 ones.
+// `scales`: null for float weights, else [panel][group][16] floats for quantized ones, `group_size` weights along K
+// per group (0: one group spanning K, int8's scale per output).
 template <typename T, typename W>
-void linear(const T* x, int64_t x_stride, const W* packed, const float* scales, const T* bias, T* y, int64_t y_stride,
-            int64_t m, int64_t n, int64_t k, int32_t dtype, int32_t num_threads) {
+void linear(const T* x, int64_t x_stride, const W* packed, const float* scales, int64_t group_size, const T* bias, T* y,
+            int64_t y_stride, int64_t m, int64_t n, int64_t k, int32_t dtype, int32_t num_threads) {
   const int64_t k_len = padded_k(k, dtype), panels = panels_of(n);
+  const int64_t steps = dtype == BF16 ? k_len / 2 : k_len, per_step = dtype == BF16 ? 2 : 1;
+  const int64_t group_steps = group_size > 0 ? group_size / per_step : steps;
+  const GroupScales grouped{scales, group_size > 0 ? k / group_size : 1, group_steps};
   const int threads = threads_for(m * n * k, num_threads);
   // One or two rows stream the weights: 8 panels per tile keep 8 loads in flight. More rows reuse each panel
   // from L1 across row tiles: kTilePanels per tile.
@@ -338,7 +430,7 @@ void linear(const T* x, int64_t x_stride, const W* packed, const float* scales, 
     const int64_t share = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t first = panels * t / share, last = panels * (t + 1) / share;
     if (last > first)
-      columns(x, x_stride, packed, scales, bias, y, y_stride, m, first, last - first, widest, n, k_len, k);
+      columns(x, x_stride, packed, grouped, bias, y, y_stride, m, first, last - first, widest, n, k_len, k);
   }
 }
 
@@ -394,10 +486,10 @@ int32_t pb_cpu_panel_linear(const void* x, int64_t x_stride, const void* packed,
   if (m < 0 || n < 1 || k < 1) return BAD_SHAPE;
   if (m == 0) return OK;
   if (dtype == F32) {
-    linear(static_cast<const float*>(x), x_stride, static_cast<const float*>(packed), nullptr,
+    linear(static_cast<const float*>(x), x_stride, static_cast<const float*>(packed), nullptr, 0,
            static_cast<const float*>(bias), static_cast<float*>(y), y_stride, m, n, k, dtype, num_threads);
   } else if (dtype == BF16) {
-    linear(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(packed), nullptr,
+    linear(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(packed), nullptr, 0,
            static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), y_stride, m, n, k, dtype, num_threads);
   } else {
     return BAD_DTYPE;
@@ -405,23 +497,47 @@ int32_t pb_cpu_panel_linear(const void* x, int64_t x_stride, const void* packed,
   return OK;
 }
 
-// int8 weights packed by pb_cpu_panel_pack_int8 for `dtype` activations, with a float32 scale per output (`scales`,
-// padded with zeros to whole panels). x, bias and y are in `dtype`.
-int32_t pb_cpu_panel_linear_int8(const void* x, int64_t x_stride, const void* packed, const float* scales,
-                                 const void* bias, void* y, int64_t y_stride, int64_t m, int64_t n, int64_t k,
-                                 int32_t dtype, int32_t num_threads) {
-  if (m < 0 || n < 1 || k < 1 || scales == nullptr) return BAD_SHAPE;
+// Quantized weights packed by pb_cpu_panel_pack_int8 (`bits` 8; `scales` [panel][16], `group_size` 0) or
+// pb_cpu_panel_pack_int4 (`bits` 4; `scales` [panel][K / group_size][16]) for `dtype` activations; the scales are
+// float32, zero past the last output. x, bias and y are in `dtype`.
+int32_t pb_cpu_panel_linear_quantized(const void* x, int64_t x_stride, const void* packed, int32_t bits,
+                                      const float* scales, int64_t group_size, const void* bias, void* y,
+                                      int64_t y_stride, int64_t m, int64_t n, int64_t k, int32_t dtype,
+                                      int32_t num_threads) {
+  if (m < 0 || n < 1 || k < 1 || scales == nullptr || group_size < 0) return BAD_SHAPE;
+  if (bits == 4 && (group_size < 2 || group_size % 2 != 0 || k % group_size != 0)) return BAD_SHAPE;
+  if (bits != 4 && bits != 8) return BAD_DTYPE;
   if (m == 0) return OK;
-  const auto* q = static_cast<const int8_t*>(packed);
-  if (dtype == F32) {
-    linear(static_cast<const float*>(x), x_stride, q, scales, static_cast<const float*>(bias), static_cast<float*>(y),
-           y_stride, m, n, k, dtype, num_threads);
-  } else if (dtype == BF16) {
-    linear(static_cast<const uint16_t*>(x), x_stride, q, scales, static_cast<const uint16_t*>(bias),
-           static_cast<uint16_t*>(y), y_stride, m, n, k, dtype, num_threads);
+  const auto run = [&](auto weights) {
+    if (dtype == F32) {
+      linear(static_cast<const float*>(x), x_stride, weights, scales, group_size, static_cast<const float*>(bias),
+             static_cast<float*>(y), y_stride, m, n, k, dtype, num_threads);
+    } else {
+      linear(static_cast<const uint16_t*>(x), x_stride, weights, scales, group_size, static_cast<const uint16_t*>(bias),
+             static_cast<uint16_t*>(y), y_stride, m, n, k, dtype, num_threads);
+    }
+  };
+  if (dtype != F32 && dtype != BF16) return BAD_DTYPE;
+  if (bits == 8) {
+    run(static_cast<const int8_t*>(packed));
   } else {
-    return BAD_DTYPE;
+    run(static_cast<const Int4*>(packed));
   }
+  return OK;
+}
+
+// int4 values (int8 storage, -8 to 7) in the layout of `dtype` activations, two a byte: `out` holds half the
+// elements pb_cpu_panel_packed_elements counts.
+int32_t pb_cpu_panel_pack_int4(const void* weight, int64_t n, int64_t k, int32_t dtype, void* out) {
+  if (n < 1 || k < 1) return BAD_SHAPE;
+  if (dtype != F32 && dtype != BF16) return BAD_DTYPE;
+  const int64_t elements = pb_cpu_panel_packed_elements(n, k, dtype), line = dtype == BF16 ? 2 * kLanes : kLanes;
+  std::vector<int8_t> spread(elements);
+  pack(static_cast<const int8_t*>(weight), n, k, dtype, spread.data());
+  auto* bytes = static_cast<uint8_t*>(out);
+  for (int64_t first = 0, b = 0; first < elements; first += line)
+    for (int64_t i = 0; i < line / 2; ++i, ++b)
+      bytes[b] = static_cast<uint8_t>((spread[first + i] & 15) | ((spread[first + i + line / 2] & 15) << 4));
   return OK;
 }
 

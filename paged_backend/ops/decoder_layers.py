@@ -34,6 +34,7 @@ class DecoderLayer(ctypes.Structure):
         ("post_attention_norm", PTR), ("post_mlp_norm", PTR), ("unit_offset", I32), ("activation", I32),
         ("residual_scale", F32),
         ("qkv_scales", PTR), ("o_scales", PTR), ("gate_up_scales", PTR), ("down_scales", PTR),
+        ("weight_bits", I32), ("group_size", I32),
     ]  # fmt: skip
 
 
@@ -135,6 +136,7 @@ class DecoderLayers:
                 activation=part.activation, residual_scale=part.residual_scale,
                 qkv_scales=_pointer(part.qkv.scales), o_scales=_pointer(part.o.scales),
                 gate_up_scales=_pointer(part.gate_up.scales), down_scales=_pointer(part.down.scales),
+                weight_bits=part.qkv.bits, group_size=part.qkv.group_size,
             ))  # fmt: skip
             # The weights are kept alive here; the pools are not (sleep mode frees them): the caller rebuilds this
             # when a pool moves.

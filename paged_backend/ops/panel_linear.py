@@ -10,8 +10,10 @@ row's result does not depend on the other rows in the call.
 >>> y = packed(x, layer.bias)              # == F.linear(x, layer.weight, layer.bias) up to summation order
 
 `PanelWeight.int8(q, scale, dtype)` packs int8 weight-only quantized weights (q `[N, K]` int8, a float32 scale per
-output: torchao's int8_weight_only) for activations of `dtype`, a byte per weight. The kernel dequantizes each line in
-registers as torchao's `dequantize()` rounds, so the result has the bits of `PanelWeight(q * scale in dtype)`.
+output: torchao's int8_weight_only) for activations of `dtype`, a byte per weight; `PanelWeight.int4(q, scale,
+group_size, dtype)` int4 ones (a scale per output and group of K: torchao's int4_weight_only), two a byte. The kernel
+dequantizes each line in registers as torchao's `dequantize()` rounds, so the result has the bits of
+`PanelWeight(q * scale in dtype)`.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def _panel() -> ctypes.CDLL:
     lib.pb_cpu_panel_pack.argtypes = [PTR, I64, I64, I32, PTR]
     lib.pb_cpu_panel_linear.argtypes = [PTR, I64, PTR, PTR, PTR, I64, I64, I64, I64, I32, I32]
     lib.pb_cpu_panel_pack_int8.argtypes = [PTR, I64, I64, I32, PTR]
-    lib.pb_cpu_panel_linear_int8.argtypes = [PTR, I64, PTR, PTR, PTR, PTR, I64, I64, I64, I64, I32, I32]
+    lib.pb_cpu_panel_pack_int4.argtypes = [PTR, I64, I64, I32, PTR]
+    lib.pb_cpu_panel_linear_quantized.argtypes = [PTR, I64, PTR, I32, PTR, I64, PTR, PTR, I64, I64, I64, I64, I32, I32]
     lib.pb_cpu_panel_error_string.argtypes = [ctypes.c_int]
     lib.pb_cpu_panel_error_string.restype = ctypes.c_char_p
     return lib
@@ -50,7 +53,11 @@ def _check(status: int, what: str) -> None:
 class PanelWeight:
     """A weight `[N, K]` packed into panels; calling it with `x [..., K]` gives `[..., N]`."""
 
-    scales: torch.Tensor | None = None  # int8 weights: float32 [whole panels x 16], a scale per output, zero padded
+    # Quantized weights: their float32 scales [panel][group][16] (zero past the last output), `bits` (8 or 4) and the
+    # weights along K per group (0: one group, int8's scale per output).
+    scales: torch.Tensor | None = None
+    bits: int = 0
+    group_size: int = 0
 
     def __init__(self, weight: torch.Tensor) -> None:
         if weight.dtype not in PANEL_DTYPES or weight.device.type != "cpu" or weight.dim() != 2:
@@ -74,16 +81,34 @@ class PanelWeight:
         source = q.detach().contiguous()
         _check(_panel().pb_cpu_panel_pack_int8(source.data_ptr(), out_features, in_features, QUERY_DTYPES[dtype],
                                                packed.data_ptr()), "pack int8")  # fmt: skip
-        scales = torch.zeros(_panels(out_features) * LANES)
-        scales[:out_features] = scale.detach().reshape(-1).float()
-        return cls._over(packed, out_features, in_features, dtype, scales)
+        return cls._over(packed, out_features, in_features, dtype, _panel_scales(scale.reshape(-1, 1)), 8, 0)
+
+    @classmethod
+    def int4(cls, q: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype) -> PanelWeight:
+        """int4 weights `q [N, K]` (int8 storage, -8 to 7) with a scale per output and group of `group_size` weights
+        along K (`scale [N, K / group_size]`: torchao's int4_weight_only), for activations of `dtype`, two a byte."""
+        if q.dtype != torch.int8 or q.device.type != "cpu" or q.dim() != 2 or dtype not in PANEL_DTYPES:
+            raise ValueError(f"int4 panels pack 2-D CPU int8-stored weights for float32/bfloat16 activations, not "
+                             f"{q.dtype} {tuple(q.shape)} for {dtype}")  # fmt: skip
+        out_features, in_features = q.shape
+        if group_size < 2 or group_size % 2 or in_features % group_size:
+            raise ValueError(f"int4 panels take an even group size dividing K = {in_features}, not {group_size}")
+        if tuple(scale.shape) != (out_features, in_features // group_size):
+            raise ValueError(f"int4 panels take scales [{out_features}, {in_features // group_size}] (outputs, groups),"
+                             f" not {tuple(scale.shape)}")  # fmt: skip
+        packed = torch.empty(_packed_elements(out_features, in_features, dtype) // 2, dtype=torch.uint8)
+        source = q.detach().contiguous()
+        _check(_panel().pb_cpu_panel_pack_int4(source.data_ptr(), out_features, in_features, QUERY_DTYPES[dtype],
+                                               packed.data_ptr()), "pack int4")  # fmt: skip
+        return cls._over(packed, out_features, in_features, dtype, _panel_scales(scale), 4, group_size)
 
     @classmethod
     def _over(cls, packed: torch.Tensor, out_features: int, in_features: int, dtype: torch.dtype | None = None,
-              scales: torch.Tensor | None = None) -> PanelWeight:  # fmt: skip
-        """A weight over panels packed already (a slice of a stacked group); int8 ones with their scales."""
+              scales: torch.Tensor | None = None, bits: int = 0, group_size: int = 0) -> PanelWeight:  # fmt: skip
+        """A weight over panels packed already (a slice of a stacked group); quantized ones with their scales."""
         weight = cls.__new__(cls)
         weight.out_features, weight.in_features, weight.packed, weight.scales = out_features, in_features, packed, scales
+        weight.bits, weight.group_size = bits, group_size
         weight.dtype = dtype or packed.dtype  # the activations' dtype: int8 panels serve float32 or bfloat16 rows
         weight.code = QUERY_DTYPES[weight.dtype]
         return weight
@@ -95,12 +120,12 @@ class PanelWeight:
         no memory). None when the parts cannot stack: another width or dtype, or a part other than the last
         ending in a partial panel (its padding would sit inside the group's output)."""
         first = parts[0]
-        kinds = {(part.in_features, part.dtype, part.packed.dtype) for part in parts}
+        kinds = {(part.in_features, part.dtype, part.packed.dtype, part.bits, part.group_size) for part in parts}
         if len(kinds) > 1 or any(part.out_features % LANES for part in parts[:-1]):
             return None
         scales = None if first.scales is None else torch.cat([part.scales for part in parts])
         group = cls._over(torch.cat([part.packed for part in parts]), sum(p.out_features for p in parts),
-                          first.in_features, first.dtype, scales)  # fmt: skip
+                          first.in_features, first.dtype, scales, first.bits, first.group_size)  # fmt: skip
         offset, scale_offset = 0, 0
         for part in parts:
             size = part.packed.numel()
@@ -125,9 +150,9 @@ class PanelWeight:
             status = _panel().pb_cpu_panel_linear(rows.data_ptr(), rows.stride(0), self.packed.data_ptr(),
                                                   bias_pointer, out.data_ptr(), out.stride(0), *shape)  # fmt: skip
         else:
-            status = _panel().pb_cpu_panel_linear_int8(rows.data_ptr(), rows.stride(0), self.packed.data_ptr(),
-                                                       self.scales.data_ptr(), bias_pointer, out.data_ptr(),
-                                                       out.stride(0), *shape)  # fmt: skip
+            status = _panel().pb_cpu_panel_linear_quantized(rows.data_ptr(), rows.stride(0), self.packed.data_ptr(),
+                                                            self.bits, self.scales.data_ptr(), self.group_size,
+                                                            bias_pointer, out.data_ptr(), out.stride(0), *shape)  # fmt: skip
         _check(status, "panel linear")
         return out.view(*x.shape[:-1], self.out_features)
 
@@ -141,6 +166,14 @@ def panel_bias(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | 
 
 def _panels(out_features: int) -> int:
     return -(-out_features // LANES)
+
+
+def _panel_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Scales `[N, groups]` as the kernel reads them: float32 `[panel][group][16]`, zero past the last output."""
+    out_features, groups = scale.shape
+    padded = torch.zeros(_panels(out_features) * LANES, groups)
+    padded[:out_features] = scale.detach().float()
+    return padded.view(-1, LANES, groups).transpose(1, 2).contiguous().view(-1)
 
 
 def _packed_elements(out_features: int, in_features: int, dtype: torch.dtype) -> int:

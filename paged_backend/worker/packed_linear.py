@@ -12,9 +12,10 @@ weights once packed (`release=True`): the packed copy replaces them, so packing 
 object keeps its weights, and the packed copies take as much memory again (`EngineConfig.prepack_weights=False`
 turns packing off). Layers that read the same input (q, k and v) can be stacked into one call (`stacked`).
 
-torchao's int8 weight-only layers (`--quantization torchao`, int8_weight_only) pack too, into int8 panels: a byte per
-weight, dequantized in registers as torchao's own forward dequantizes, so they run the fused forward and its C++
-layer loop at about the speed of reading their bytes (torchao's CPU path dequantizes the whole matrix per call).
+torchao's int8 and int4 weight-only layers (`--quantization torchao`, int8_weight_only / int4_weight_only) pack too,
+into int8 or int4 panels: a byte or half a byte per weight, dequantized in registers as torchao's own forward
+dequantizes, so they run the fused forward and its C++ layer loop (torchao's CPU path dequantizes the whole matrix
+per call).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def packable(module: nn.Module) -> bool:
     weight = module.weight
     if weight.device.type != "cpu" or weight.dim() != 2:
         return False
-    if int8_weight_only(weight) is not None:
+    if int8_weight_only(weight) is not None or int4_weight_only(weight) is not None:
         return panels_build() and weight.dtype in PANEL_DTYPES
     return type(weight.data) is torch.Tensor and packs(weight.dtype)
 
@@ -88,6 +89,27 @@ def int8_weight_only(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] 
     return q, scale
 
 
+def int4_weight_only(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """(q [N, K] int8 storage of -8 to 7, scale [N, K / group], group) of torchao's int4 weight-only tensor on CPU
+    (`int4_weight_only`: the intx workflow, symmetric, a scale per output and group of K), whose `dequantize()` is
+    q * scale in the weight's dtype; else None. The int4 panels compute with exactly those dequantized weights."""
+    data = weight.data
+    if type(data).__name__ != "IntxUnpackedToInt8Tensor" or not type(data).__module__.startswith("torchao"):
+        return None
+    if getattr(data, "target_dtype", None) != torch.int4 or getattr(data, "activation_quantization", None) is not None:
+        return None
+    zero_point = getattr(data, "zero_point", None)
+    if zero_point is not None and bool(zero_point.any()):
+        return None
+    q, scale, block = data.qdata, data.scale, tuple(data.block_size)
+    if q.dtype != torch.int8 or len(block) != 2 or block[0] != 1:
+        return None
+    group = block[1]
+    if group < 2 or group % 2 or q.shape[1] % group or tuple(scale.shape) != (q.shape[0], q.shape[1] // group):
+        return None
+    return q, scale, group
+
+
 def packs(dtype: torch.dtype) -> bool:
     """Whether layers of `dtype` pack here: float32 and bfloat16 wherever the panel kernel builds; without it,
     what oneDNN packs (bfloat16 only on AVX512-BF16-class CPUs)."""
@@ -101,11 +123,13 @@ def packed_forward(module: nn.Linear):
     its bias as `bias`."""
     bias = module.bias
     if panels_build():
-        quantized = int8_weight_only(module.weight)
-        if quantized is None:
-            panel = PanelWeight(module.weight.detach())
+        weight, dtype = module.weight, module.weight.dtype
+        if (int8 := int8_weight_only(weight)) is not None:
+            panel = PanelWeight.int8(*int8, dtype)
+        elif (int4 := int4_weight_only(weight)) is not None:
+            panel = PanelWeight.int4(*int4, dtype)
         else:
-            panel = PanelWeight.int8(*quantized, module.weight.dtype)
+            panel = PanelWeight(weight.detach())
 
         def panel_forward(x: torch.Tensor) -> torch.Tensor:
             return panel(x, bias)
