@@ -84,14 +84,6 @@ struct GroupScales {
   int64_t groups, group_steps;
 };
 
-// Nibbles to int8: the low halves of 8 or 16 bytes, then the high halves (sign-extended from 4 bits).
-inline void unpack_nibbles(const uint8_t* bytes, int count, int8_t* out) {
-  for (int i = 0; i < count; ++i) {
-    out[i] = static_cast<int8_t>(((bytes[i] & 15) ^ 8) - 8);
-    out[i + count] = static_cast<int8_t>(((bytes[i] >> 4) ^ 8) - 8);
-  }
-}
-
 // The byte distance a streaming tile prefetches ahead is the float weights': int8 lines hold `ratio` times the steps.
 template <int AHEAD, typename W, typename T>
 constexpr int ahead_steps() {
@@ -99,33 +91,50 @@ constexpr int ahead_steps() {
   return AHEAD == kStreamAhead ? AHEAD * ratio : AHEAD;
 }
 
-// One fp32 step of a panel: 16 floats, or 16 int8 dequantized (q * scale, one float32 rounding, as torchao's).
+// 16 int8 weights as floats times their scales (one float32 rounding: q * scale, as torchao's dequantize).
+inline f32x16 scaled(i8x16 q, f32x16 scale) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32((__m128i)q)) * scale;
+#else
+  return __builtin_convertvector(q, f32x16) * scale;
+#endif
+}
+
+// A line of int4 weights (8 or 16 bytes) as int8: the low nibbles (the line's first half), then the high ones.
+template <int BYTES>
+inline void nibbles(const uint8_t* bytes, i8x16 (&out)[BYTES / 8]) {
+#if defined(__AVX512F__)
+  const __m128i v = BYTES == 8 ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))
+                               : _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  const __m128i mask = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+  const __m128i lo = _mm_sub_epi8(_mm_xor_si128(_mm_and_si128(v, mask), eight), eight);  // sign from 4 bits
+  const __m128i hi = _mm_sub_epi8(_mm_xor_si128(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight), eight);
+  if constexpr (BYTES == 8) {
+    out[0] = (i8x16)_mm_unpacklo_epi64(lo, hi);
+  } else {
+    out[0] = (i8x16)lo, out[1] = (i8x16)hi;
+  }
+#else
+  int8_t unpacked[2 * BYTES];
+  for (int i = 0; i < BYTES; ++i) {
+    unpacked[i] = static_cast<int8_t>(((bytes[i] & 15) ^ 8) - 8);
+    unpacked[i + BYTES] = static_cast<int8_t>(((bytes[i] >> 4) ^ 8) - 8);
+  }
+  std::memcpy(out, unpacked, sizeof(unpacked));
+#endif
+}
+
+// One fp32 step of a panel: 16 floats, or 16 int8 / int4 weights dequantized.
 template <typename W>
 inline f32x16 weights_f32(const W* line, f32x16 scale) {
   if constexpr (std::is_same_v<W, Int4>) {
-    const auto* bytes = reinterpret_cast<const uint8_t*>(line);
-#if defined(__AVX512F__)
-    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
-    const __m128i mask = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
-    __m128i q = _mm_unpacklo_epi64(_mm_and_si128(v, mask), _mm_and_si128(_mm_srli_epi16(v, 4), mask));
-    q = _mm_sub_epi8(_mm_xor_si128(q, eight), eight);
-    return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)) * scale;
-#else
-    i8x16 q;
-    int8_t unpacked[16];
-    unpack_nibbles(bytes, 8, unpacked);
-    std::memcpy(&q, unpacked, sizeof(q));
-    return __builtin_convertvector(q, f32x16) * scale;
-#endif
+    i8x16 q[1];
+    nibbles<8>(reinterpret_cast<const uint8_t*>(line), q);
+    return scaled(q[0], scale);
   } else if constexpr (std::is_same_v<W, int8_t>) {
-#if defined(__AVX512F__)
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(line));
-    return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)) * scale;
-#else
     i8x16 q;
     std::memcpy(&q, line, sizeof(q));
-    return __builtin_convertvector(q, f32x16) * scale;
-#endif
+    return scaled(q, scale);
   } else {
     (void)scale;
     return load16(line);
@@ -146,45 +155,26 @@ inline PairScales pair_scales(f32x16 scale) {
   return out;
 }
 
-// One bf16 pair step of a panel: 32 bf16 as (k, k+1) pairs per lane, or 32 int8 in the same pairs dequantized and
-// rounded to bf16 (torchao's dequantize to the model's dtype; weights are finite, so no NaN case). The pair layout's
-// first 16 bytes are lanes 0-7, which is the order AVX512-BF16's two-source conversion fills: no shuffle.
+// One bf16 pair step of a panel: 32 bf16 as (k, k+1) pairs per lane, or 32 int8 / int4 weights in the same pairs
+// dequantized and rounded to bf16 (torchao's dequantize to the model's dtype; weights are finite: no NaN case). The
+// pair layout's first 16 weights are lanes 0-7, the order AVX512-BF16's two-source conversion fills: no shuffle.
 template <typename W>
 inline u16x32 weights_bf16(const W* line, const PairScales& scale) {
   u16x32 w;
-  if constexpr (std::is_same_v<W, Int4>) {  // byte i: weight i of the line (low half) and weight i + 16 (high)
-    const auto* bytes = reinterpret_cast<const uint8_t*>(line);
-#if defined(__AVX512BF16__)
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-    const __m128i mask = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
-    const __m128i lo = _mm_sub_epi8(_mm_xor_si128(_mm_and_si128(v, mask), eight), eight);
-    const __m128i hi = _mm_sub_epi8(_mm_xor_si128(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight), eight);
-    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
-    w = (u16x32)_mm512_cvtne2ps_pbh((__m512)((f32x16)high * scale.high), (__m512)((f32x16)low * scale.low));
-#else
-    int8_t unpacked[32];
-    unpack_nibbles(bytes, 16, unpacked);
-    uint16_t rounded[32];
-    for (int half = 0; half < 2; ++half) {
-      i8x16 q;
-      std::memcpy(&q, unpacked + 16 * half, sizeof(q));
-      float_to_bf16x16(__builtin_convertvector(q, f32x16) * (half == 0 ? scale.low : scale.high), rounded + 16 * half);
+  if constexpr (kQuantized<W>) {
+    i8x16 q[2];
+    if constexpr (std::is_same_v<W, Int4>) {
+      nibbles<16>(reinterpret_cast<const uint8_t*>(line), q);
+    } else {
+      std::memcpy(q, line, sizeof(q));
     }
-    std::memcpy(&w, rounded, sizeof(w));
-#endif
-  } else if constexpr (std::is_same_v<W, int8_t>) {
+    const f32x16 low = scaled(q[0], scale.low), high = scaled(q[1], scale.high);
 #if defined(__AVX512BF16__)
-    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line))));
-    const __m512 high =
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 16))));
-    w = (u16x32)_mm512_cvtne2ps_pbh((__m512)((f32x16)high * scale.high), (__m512)((f32x16)low * scale.low));
+    w = (u16x32)_mm512_cvtne2ps_pbh((__m512)high, (__m512)low);
 #else
     uint16_t rounded[32];
-    for (int half = 0; half < 2; ++half) {
-      i8x16 q;
-      std::memcpy(&q, line + 16 * half, sizeof(q));
-      float_to_bf16x16(__builtin_convertvector(q, f32x16) * (half == 0 ? scale.low : scale.high), rounded + 16 * half);
-    }
+    float_to_bf16x16(low, rounded);
+    float_to_bf16x16(high, rounded + 16);
     std::memcpy(&w, rounded, sizeof(w));
 #endif
   } else {
