@@ -173,14 +173,14 @@ def test_int8_panels_give_the_float_panels_bits_on_the_dequantized_weight(dtype,
     q, scale = int8_weight(*shape, seed=shape[0] + rows)
     dequantized = (q.float() * scale).to(dtype)
     x, bias = randn(rows, shape[1], dtype=dtype, seed=rows), randn(shape[0], dtype=dtype, seed=7)
-    out = PanelWeight.int8(q, scale, dtype)(x, bias)
+    out = PanelWeight.quantized(q, scale, 8, dtype)(x, bias)
     assert out.dtype == dtype and torch.equal(out, PanelWeight(dequantized)(x, bias))
     close(out, panel_linear_reference(x.float(), dequantized.float(), bias.float()), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_int8_parts_stack_with_their_scales(dtype):
-    parts = [PanelWeight.int8(*int8_weight(n, 64, seed=n), dtype) for n in (96, 32, 40)]
+    parts = [PanelWeight.quantized(*int8_weight(n, 64, seed=n), 8, dtype) for n in (96, 32, 40)]
     x = randn(2, 64, dtype=dtype, seed=5)
     alone = [part(x) for part in parts]
     group = PanelWeight.stack(parts)
@@ -193,11 +193,11 @@ def test_int8_parts_stack_with_their_scales(dtype):
 def test_int8_panels_refuse_what_they_do_not_take():
     q, scale = int8_weight(8, 16, seed=1)
     with pytest.raises(ValueError, match="int8 panels pack 2-D CPU int8 weights"):
-        PanelWeight.int8(q.float(), scale, torch.float32)
+        PanelWeight.quantized(q.float(), scale, 8, torch.float32)
     with pytest.raises(ValueError, match="for torch.float16"):
-        PanelWeight.int8(q, scale, torch.float16)
+        PanelWeight.quantized(q, scale, 8, torch.float16)
     with pytest.raises(ValueError, match="one scale per output: 4 scales for 8"):
-        PanelWeight.int8(q, scale[:4], torch.float32)
+        PanelWeight.quantized(q, scale[:4], 8, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -246,7 +246,7 @@ def test_int4_panels_give_the_float_panels_bits_on_the_dequantized_weight(dtype,
     q, scale = int4_weight(n, k, group, seed=n + rows)
     dequantized = dequantized_int4(q, scale, group, dtype)
     x, bias = randn(rows, k, dtype=dtype, seed=rows), randn(n, dtype=dtype, seed=8)
-    panel = PanelWeight.int4(q, scale, group, dtype)
+    panel = PanelWeight.quantized(q, scale, 4, dtype, group)
     assert panel.packed.numel() * 2 == PanelWeight(dequantized).packed.numel()  # two weights a byte
     out = panel(x, bias)
     assert out.dtype == dtype and torch.equal(out, PanelWeight(dequantized)(x, bias))
@@ -254,18 +254,19 @@ def test_int4_panels_give_the_float_panels_bits_on_the_dequantized_weight(dtype,
 
 
 def test_int4_parts_stack_and_refuse_what_they_do_not_take():
-    parts = [PanelWeight.int4(*int4_weight(n, 64, 32, seed=n), 32, torch.bfloat16) for n in (32, 40)]
+    parts = [PanelWeight.quantized(*int4_weight(n, 64, 32, seed=n), 4, torch.bfloat16, 32) for n in (32, 40)]
     x = randn(2, 64, dtype=torch.bfloat16, seed=3)
     alone = [part(x) for part in parts]
     group = PanelWeight.stack(parts)
     assert group is not None and torch.equal(group(x), torch.cat(alone, dim=-1))
-    int8 = PanelWeight.int8(*int8_weight(32, 64, seed=1), torch.bfloat16)
-    assert PanelWeight.stack([int8, PanelWeight.int4(*int4_weight(32, 64, 32, seed=2), 32, torch.bfloat16)]) is None
+    int8 = PanelWeight.quantized(*int8_weight(32, 64, seed=1), 8, torch.bfloat16)
+    int4 = PanelWeight.quantized(*int4_weight(32, 64, 32, seed=2), 4, torch.bfloat16, 32)
+    assert PanelWeight.stack([int8, int4]) is None
     q, scale = int4_weight(8, 64, 32, seed=4)
     with pytest.raises(ValueError, match="an even group size dividing K = 64, not 24"):
-        PanelWeight.int4(q, scale, 24, torch.float32)
+        PanelWeight.quantized(q, scale, 4, torch.float32, 24)
     with pytest.raises(ValueError, match=r"scales \[8, 2\] \(outputs, groups\), not \(8, 4\)"):
-        PanelWeight.int4(q, torch.ones(8, 4), 32, torch.float32)
+        PanelWeight.quantized(q, torch.ones(8, 4), 4, torch.float32, 32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -277,7 +278,7 @@ def test_int4_panels_on_a_cpu_without_avx512_give_that_build_s_float_bits(dtype,
     i64, ptr = ctypes.c_int64, lambda t: ctypes.c_void_p(t.data_ptr())
     elements = lib.pb_cpu_panel_packed_elements(i64(n), i64(k), code)
     packed_q, packed_f = torch.empty(elements // 2, dtype=torch.uint8), torch.empty(elements, dtype=dtype)
-    scales = PanelWeight.int4(q, scale, group, dtype).scales  # the same layout, from the native build's wrapper
+    scales = PanelWeight.quantized(q, scale, 4, dtype, group).scales  # the same layout, from the native build's wrapper
     assert lib.pb_cpu_panel_pack_int4(ptr(q), i64(n), i64(k), code, ptr(packed_q)) == 0
     assert lib.pb_cpu_panel_pack(ptr(dequantized_int4(q, scale, group, dtype)), i64(n), i64(k), code,
                                  ptr(packed_f)) == 0  # fmt: skip

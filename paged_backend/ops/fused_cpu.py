@@ -181,8 +181,6 @@ def act_mul_reference(gate, up, activation: int = SILU) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-
-
 def rotary_cache_reference(query, key, value, cos, sin, key_cache, value_cache, slot_mapping,
                            prep: HeadPrep = PLAIN, head_dim: int | None = None) -> torch.Tensor:  # fmt: skip
     def rotate(x):  # [T, H, D] with cos/sin [T, 1, R]: the first R dims rotate, the rest pass (partial rotary)

@@ -9,11 +9,10 @@ row's result does not depend on the other rows in the call.
 >>> packed = PanelWeight(layer.weight)     # doctest: +SKIP
 >>> y = packed(x, layer.bias)              # == F.linear(x, layer.weight, layer.bias) up to summation order
 
-`PanelWeight.int8(q, scale, dtype)` packs int8 weight-only quantized weights (q `[N, K]` int8, a float32 scale per
-output: torchao's int8_weight_only) for activations of `dtype`, a byte per weight; `PanelWeight.int4(q, scale,
-group_size, dtype)` int4 ones (a scale per output and group of K: torchao's int4_weight_only), two a byte. The kernel
-dequantizes each line in registers as torchao's `dequantize()` rounds, so the result has the bits of
-`PanelWeight(q * scale in dtype)`.
+`PanelWeight.quantized(q, scale, bits, dtype, group_size)` packs weight-only quantized weights for activations of
+`dtype`: int8 (a byte per weight, a scale per output: torchao's int8_weight_only) or int4 (two a byte, a scale per
+output and group of K: its int4_weight_only). The kernel dequantizes each line in registers as torchao's
+`dequantize()` rounds, so the result has the bits of `PanelWeight(q * scale in dtype)`.
 """
 
 from __future__ import annotations
@@ -69,38 +68,32 @@ class PanelWeight:
         _check(_panel().pb_cpu_panel_pack(source.data_ptr(), *weight.shape, self.code, self.packed.data_ptr()), "pack")
 
     @classmethod
-    def int8(cls, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> PanelWeight:
-        """int8 weights `q [N, K]` with a float32 scale per output (`[N]` or `[N, 1]`), for activations of `dtype`."""
+    def quantized(cls, q: torch.Tensor, scale: torch.Tensor, bits: int, dtype: torch.dtype,
+                  group_size: int = 0) -> PanelWeight:  # fmt: skip
+        """Weight-only quantized weights `q [N, K]` (int8 storage; int4 values -8 to 7) for activations of `dtype`:
+        `bits` 8 packs a byte per weight, 4 two a byte. `scale` has one float per output (`group_size` 0, torchao's
+        int8_weight_only) or `[N, K / group_size]`, one per output and group of K (its int4_weight_only)."""
         if q.dtype != torch.int8 or q.device.type != "cpu" or q.dim() != 2 or dtype not in PANEL_DTYPES:
-            raise ValueError(f"int8 panels pack 2-D CPU int8 weights for float32/bfloat16 activations, not {q.dtype} "
-                             f"{tuple(q.shape)} for {dtype}")  # fmt: skip
+            raise ValueError(f"int{bits} panels pack 2-D CPU int8 weights{' (int4 values -8 to 7)' * (bits == 4)} "
+                             f"for float32/bfloat16 activations, not {q.dtype} {tuple(q.shape)} for {dtype}")  # fmt: skip
+        if bits not in (8, 4):
+            raise ValueError(f"quantized panels hold 8 or 4 bits a weight, not {bits}")
         out_features, in_features = q.shape
-        if scale.numel() != out_features:
-            raise ValueError(f"int8 panels take one scale per output: {scale.numel()} scales for {out_features}")
-        packed = torch.empty(_packed_elements(out_features, in_features, dtype), dtype=torch.int8)
+        if group_size == 0 and scale.numel() != out_features:
+            raise ValueError(f"int{bits} panels take one scale per output: {scale.numel()} scales for {out_features}")
+        if group_size and (group_size < 2 or group_size % 2 or in_features % group_size):
+            raise ValueError(f"int{bits} panels take an even group size dividing K = {in_features}, not {group_size}")
+        if group_size and tuple(scale.shape) != (out_features, in_features // group_size):
+            raise ValueError(f"int{bits} panels take scales [{out_features}, {in_features // group_size}] (outputs, "
+                             f"groups), not {tuple(scale.shape)}")  # fmt: skip
+        elements = _packed_elements(out_features, in_features, dtype)
+        packed = torch.empty(elements * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8)
+        pack = _panel().pb_cpu_panel_pack_int8 if bits == 8 else _panel().pb_cpu_panel_pack_int4
         source = q.detach().contiguous()
-        _check(_panel().pb_cpu_panel_pack_int8(source.data_ptr(), out_features, in_features, QUERY_DTYPES[dtype],
-                                               packed.data_ptr()), "pack int8")  # fmt: skip
-        return cls._over(packed, out_features, in_features, dtype, _panel_scales(scale.reshape(-1, 1)), 8, 0)
-
-    @classmethod
-    def int4(cls, q: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype) -> PanelWeight:
-        """int4 weights `q [N, K]` (int8 storage, -8 to 7) with a scale per output and group of `group_size` weights
-        along K (`scale [N, K / group_size]`: torchao's int4_weight_only), for activations of `dtype`, two a byte."""
-        if q.dtype != torch.int8 or q.device.type != "cpu" or q.dim() != 2 or dtype not in PANEL_DTYPES:
-            raise ValueError(f"int4 panels pack 2-D CPU int8-stored weights for float32/bfloat16 activations, not "
-                             f"{q.dtype} {tuple(q.shape)} for {dtype}")  # fmt: skip
-        out_features, in_features = q.shape
-        if group_size < 2 or group_size % 2 or in_features % group_size:
-            raise ValueError(f"int4 panels take an even group size dividing K = {in_features}, not {group_size}")
-        if tuple(scale.shape) != (out_features, in_features // group_size):
-            raise ValueError(f"int4 panels take scales [{out_features}, {in_features // group_size}] (outputs, groups),"
-                             f" not {tuple(scale.shape)}")  # fmt: skip
-        packed = torch.empty(_packed_elements(out_features, in_features, dtype) // 2, dtype=torch.uint8)
-        source = q.detach().contiguous()
-        _check(_panel().pb_cpu_panel_pack_int4(source.data_ptr(), out_features, in_features, QUERY_DTYPES[dtype],
-                                               packed.data_ptr()), "pack int4")  # fmt: skip
-        return cls._over(packed, out_features, in_features, dtype, _panel_scales(scale), 4, group_size)
+        _check(pack(source.data_ptr(), out_features, in_features, QUERY_DTYPES[dtype], packed.data_ptr()),
+               f"pack int{bits}")  # fmt: skip
+        scales = _panel_scales(scale.reshape(out_features, -1))
+        return cls._over(packed, out_features, in_features, dtype, scales, bits, group_size)
 
     @classmethod
     def _over(cls, packed: torch.Tensor, out_features: int, in_features: int, dtype: torch.dtype | None = None,

@@ -58,7 +58,7 @@ def dtype_packs(dtype: torch.dtype) -> bool:
 def packable(module: nn.Module) -> bool:
     """A plain CPU `nn.Linear` in float32 or bfloat16 whose forward nobody else replaced (accelerate's offload
     hooks do, and quantized weights are tensor subclasses with kernels of their own), in a dtype this CPU packs;
-    or one whose weight is torchao's int8 weight-only tensor, which packs into int8 panels."""
+    or one whose weight is torchao's int8 or int4 weight-only tensor, which packs into quantized panels."""
     if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
         return False  # a subclass with a forward of its own (bitsandbytes' layers)
     if "forward" in module.__dict__:
@@ -66,48 +66,38 @@ def packable(module: nn.Module) -> bool:
     weight = module.weight
     if weight.device.type != "cpu" or weight.dim() != 2:
         return False
-    if int8_weight_only(weight) is not None or int4_weight_only(weight) is not None:
+    if torchao_weight_only(weight) is not None:
         return panels_build() and weight.dtype in PANEL_DTYPES
     return type(weight.data) is torch.Tensor and packs(weight.dtype)
 
 
-def int8_weight_only(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(q [N, K] int8, scale [N, 1] float32) of torchao's int8 weight-only tensor (`int8_weight_only`: symmetric, one
-    scale per output, no activation quantization), whose `dequantize()` is q * scale in the weight's dtype; else
-    None. The int8 panels compute with exactly those dequantized weights, from a byte each."""
+def torchao_weight_only(weight: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:
+    """(bits, q [N, K] int8, scale, group size) of torchao's weight-only tensors that the panels take, else None:
+    - int8_weight_only (`Int8Tensor`): bits 8, a float32 scale per output, group size 0;
+    - int4_weight_only on CPU (`IntxUnpackedToInt8Tensor`, the intx workflow): bits 4, values -8 to 7, a scale
+      `[N, K / group]` per output and group of K.
+    Both symmetric, without activation quantization, so `dequantize()` is q * scale in the weight's dtype, which the
+    quantized panels compute exactly."""
     data = weight.data
-    if type(data).__name__ != "Int8Tensor" or not type(data).__module__.startswith("torchao"):
+    kind = type(data).__name__
+    if kind not in ("Int8Tensor", "IntxUnpackedToInt8Tensor") or not type(data).__module__.startswith("torchao"):
         return None
-    if any(getattr(data, name, None) is not None for name in ("act_quant_kwargs", "act_pre_scale")):
-        return None  # dynamic activation quantization, or AWQ/SmoothQuant pre-scales: not this kernel
-    zero_point = getattr(data, "zero_point", None)
-    if zero_point is not None and bool(zero_point.any()):
-        return None  # asymmetric (torchao keeps zeros for the symmetric scheme)
-    q, scale = data.qdata, data.scale
-    if q.dtype != torch.int8 or list(data.block_size) != [1, q.shape[1]] or scale.numel() != q.shape[0]:
-        return None
-    return q, scale
-
-
-def int4_weight_only(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """(q [N, K] int8 storage of -8 to 7, scale [N, K / group], group) of torchao's int4 weight-only tensor on CPU
-    (`int4_weight_only`: the intx workflow, symmetric, a scale per output and group of K), whose `dequantize()` is
-    q * scale in the weight's dtype; else None. The int4 panels compute with exactly those dequantized weights."""
-    data = weight.data
-    if type(data).__name__ != "IntxUnpackedToInt8Tensor" or not type(data).__module__.startswith("torchao"):
-        return None
-    if getattr(data, "target_dtype", None) != torch.int4 or getattr(data, "activation_quantization", None) is not None:
+    activation_side = ("act_quant_kwargs", "act_pre_scale", "activation_quantization")  # dynamic or AWQ pre-scaled
+    if any(getattr(data, name, None) is not None for name in activation_side):
         return None
     zero_point = getattr(data, "zero_point", None)
     if zero_point is not None and bool(zero_point.any()):
-        return None
+        return None  # asymmetric (torchao keeps zeros for the symmetric schemes)
     q, scale, block = data.qdata, data.scale, tuple(data.block_size)
-    if q.dtype != torch.int8 or len(block) != 2 or block[0] != 1:
+    if q.dtype != torch.int8 or q.dim() != 2 or len(block) != 2 or block[0] != 1:
         return None
+    rows, columns = q.shape
+    if kind == "Int8Tensor":
+        return (8, q, scale, 0) if block[1] == columns and scale.numel() == rows else None
     group = block[1]
-    if group < 2 or group % 2 or q.shape[1] % group or tuple(scale.shape) != (q.shape[0], q.shape[1] // group):
+    if getattr(data, "target_dtype", None) != torch.int4 or group < 2 or group % 2 or columns % group:
         return None
-    return q, scale, group
+    return (4, q, scale, group) if tuple(scale.shape) == (rows, columns // group) else None
 
 
 def packs(dtype: torch.dtype) -> bool:
@@ -123,13 +113,12 @@ def packed_forward(module: nn.Linear):
     its bias as `bias`."""
     bias = module.bias
     if panels_build():
-        weight, dtype = module.weight, module.weight.dtype
-        if (int8 := int8_weight_only(weight)) is not None:
-            panel = PanelWeight.int8(*int8, dtype)
-        elif (int4 := int4_weight_only(weight)) is not None:
-            panel = PanelWeight.int4(*int4, dtype)
+        quantized = torchao_weight_only(module.weight)
+        if quantized is None:
+            panel = PanelWeight(module.weight.detach())
         else:
-            panel = PanelWeight(weight.detach())
+            bits, q, scale, group_size = quantized
+            panel = PanelWeight.quantized(q, scale, bits, module.weight.dtype, group_size)
 
         def panel_forward(x: torch.Tensor) -> torch.Tensor:
             return panel(x, bias)
