@@ -243,8 +243,12 @@ def test_line_usage_reads_every_endpoints_names():
 
 
 def test_a_batch_resumes_after_a_restart_without_redoing_lines(tmp_path):
-    lines = [chat_line(f"line-{i}", f"Resume item {i}", max_tokens=16) for i in range(24)]
-    slow = ("--max-num-seqs", "2")  # two lines at a time: the batch is still running when the server stops
+    # Two lines at a time, 160 tokens each past EOS: ~12 x 160 steps, seconds of work on a busy CI box, so the batch
+    # is still running when the server stops (16 tokens a line once let it finish before the stop took effect).
+    lines = [chat_line(f"line-{i}", f"Resume item {i}", max_tokens=160) for i in range(24)]
+    for line in lines:
+        line["body"]["ignore_eos"] = True
+    slow = ("--max-num-seqs", "2")
     with running_server(*EXACT, *slow, "--files-dir", str(tmp_path)) as first:
         client = first.client()
         created = submit(client, lines)
