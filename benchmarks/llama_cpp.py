@@ -4,6 +4,7 @@
     python benchmarks/llama_cpp.py --dtype float32,bfloat16 --quant q4_1,q8_0 --concurrency 1,16,64 --max-tokens 128
     python benchmarks/llama_cpp.py --concurrency 1,4 --num-requests 8 --max-tokens 32   # a quick check
     python benchmarks/llama_cpp.py --dtype bfloat16 --quant q8_0,q4_1 --paged-quant int8_weight_only,int4_weight_only
+    python benchmarks/llama_cpp.py --dtype float32 --quant q4_1,q8_0 --paged-quant gguf,gguf   # the same quantized file
     python benchmarks/llama_cpp.py --prompt-tokens 2048 --concurrency 1 --num-requests 4 --max-tokens 16  # prefill
 
 The first run builds llama-server and llama-quantize from the llama-cpp-python sdist (it vendors llama.cpp; 8 to 16
@@ -89,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", help="comma list of float32 | bfloat16")
     parser.add_argument("--quant", default="", help="extra llama.cpp rows, e.g. q4_1,q8_0 (quantized weights)")
     parser.add_argument("--paged-quant", default="",
-                        help="paged-backend rows on torchao schemes, one per --quant and compared with it in order, "
-                             "e.g. int4_weight_only,int8_weight_only beside --quant q4_1,q8_0")
+                        help="paged-backend rows, one per --quant and compared with it in order: a torchao scheme "
+                             "(int4_weight_only,int8_weight_only beside --quant q4_1,q8_0) on the F32 file, or 'gguf': "
+                             "llama.cpp's own quantized file, run on its blocks (int4/int8 panels)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for each server")
     parser.add_argument("--llama-cpp-version", default=None, help="llama-cpp-python sdist version; default newest")
     parser.add_argument("--build-jobs", type=int, default=2)
@@ -135,7 +137,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def paged_system(gguf: Path, dtype: str, slots: int, slot_tokens: int, args, quantization: tuple = ()) -> System:
+def paged_system(gguf: Path, dtype: str, slots: int, slot_tokens: int, args, quantization: tuple = (),
+                 tag: str = "") -> System:  # fmt: skip
     # The same KV capacity as llama.cpp's slots (16-token blocks), so neither preempts; plus the null block and the
     # admission watermark (1% of the pool), which one sequence may not take.
     needed = slots * -(-slot_tokens // 16)
@@ -143,7 +146,7 @@ def paged_system(gguf: Path, dtype: str, slots: int, slot_tokens: int, args, qua
     command = [sys.executable, "-m", "paged_backend.server", "--model", str(gguf), "--dtype", dtype,
                "--device", "cpu", "--num-blocks", str(blocks), "--max-model-len", str(slot_tokens),
                "--log-level", "warning", *quantization, *shlex.split(args.paged_args)]  # fmt: skip
-    label = f"{PAGED} {dtype}" + (f" {quantization[-1]}" if quantization else "")
+    label = f"{PAGED} {dtype}" + (f" {tag}" if tag else "")
     return System(label, command, "/v1/models", env={"OMP_NUM_THREADS": str(args.threads)})
 
 
@@ -359,8 +362,11 @@ def systems(bin_dir: Path, source: Path, slots: int, slot_tokens: int, args) -> 
         quant_file = source if source.name.endswith(f".{quant}.gguf") else requantize(bin_dir, f32, quant)
         llama = llama_system(bin_dir, quant_file, f"llama.cpp {quant} (KV f16)", "f16", slots, slot_tokens, args)
         paged = out[0]
-        if schemes:  # the engine on its own quantized weights, from the same F32 file
-            paged = paged_system(f32, dtypes[0], slots, slot_tokens, args,
+        if schemes and schemes[index] == "gguf":  # the engine on the same quantized file, run on its blocks
+            paged = paged_system(quant_file, dtypes[0], slots, slot_tokens, args, tag=f"{quant} blocks")
+            out.append(paged)
+        elif schemes:  # the engine on its own quantized weights, from the same F32 file
+            paged = paged_system(f32, dtypes[0], slots, slot_tokens, args, tag=schemes[index],
                                  quantization=("--quantization", "torchao", "--quantization-param", schemes[index]))
             out.append(paged)
         out.append(llama)

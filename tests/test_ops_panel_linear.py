@@ -190,14 +190,31 @@ def test_int8_parts_stack_with_their_scales(dtype):
     assert PanelWeight.stack([parts[0], PanelWeight(torch.zeros(32, 64, dtype=dtype))]) is None  # int8 beside float
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(576, 576), (49, 1536), (40, 64)])
+@pytest.mark.parametrize("rows", [1, 3, 12])
+def test_int8_panels_with_a_scale_per_group_of_32_give_the_float_panels_bits(dtype, shape, rows):
+    """GGUF's Q8_0: int8 values with a float16 scale per output and 32 weights along K."""
+    n, k = shape
+    generator = torch.Generator().manual_seed(n + rows)
+    q = torch.randint(-128, 128, (n, k), generator=generator, dtype=torch.int8)
+    scale = (torch.rand(n, k // 32, generator=generator) * 0.02 + 1e-3).half().float()
+    dequantized = (q.float() * scale.repeat_interleave(32, dim=1)).to(dtype)
+    x, bias = randn(rows, k, dtype=dtype, seed=rows), randn(n, dtype=dtype, seed=9)
+    out = PanelWeight.quantized(q, scale, 8, dtype, 32)(x, bias)
+    assert out.dtype == dtype and torch.equal(out, PanelWeight(dequantized)(x, bias))
+
+
 def test_int8_panels_refuse_what_they_do_not_take():
     q, scale = int8_weight(8, 16, seed=1)
     with pytest.raises(ValueError, match="int8 panels pack 2-D CPU int8 weights"):
         PanelWeight.quantized(q.float(), scale, 8, torch.float32)
     with pytest.raises(ValueError, match="for torch.float16"):
         PanelWeight.quantized(q, scale, 8, torch.float16)
-    with pytest.raises(ValueError, match="one scale per output: 4 scales for 8"):
+    with pytest.raises(ValueError, match="one scale per output: 4 scales for 8 outputs"):
         PanelWeight.quantized(q, scale[:4], 8, torch.float32)
+    with pytest.raises(ValueError, match="int8 panels take none"):
+        PanelWeight.quantized(q, scale, 8, torch.float32, 0, torch.zeros(8))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -223,15 +240,25 @@ def test_int8_panels_on_a_cpu_without_avx512_give_that_build_s_float_bits(dtype,
     assert torch.equal(outs[0], outs[1])
 
 
-def int4_weight(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """int4 values (int8 storage) with a bf16 scale per output and group, as torchao's int4_weight_only holds them."""
+def int4_weight(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """(q, scale, group, offset): int4 values 0 to 15 with a float16 scale and minimum per output and group, as GGUF's
+    Q4_1 holds them (each weight scale * q + minimum)."""
     generator = torch.Generator().manual_seed(seed)
-    q = torch.randint(-8, 8, (n, k), generator=generator, dtype=torch.int8)
-    return q, (torch.rand(n, k // group, generator=generator) * 0.02 + 1e-3).to(torch.bfloat16)
+    q = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    scale = (torch.rand(n, k // group, generator=generator) * 0.02 + 1e-3).half().float()
+    minimum = (torch.rand(n, k // group, generator=generator) * -0.15).half().float()
+    return q, scale, group, minimum
 
 
-def dequantized_int4(q: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
-    return (q.float() * scale.float().repeat_interleave(group, dim=1)).to(dtype)
+def dequantized_int4(q: torch.Tensor, scale: torch.Tensor, group: int, offset: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """q * scale + offset in float32 (as gguf-py's dequantize: the product is exact), then `dtype`."""
+    weights = q.float() * scale.repeat_interleave(group, dim=1)
+    return (weights + offset.repeat_interleave(group, dim=1)).to(dtype)
+
+
+def quantized_int4(q, scale, group, offset, dtype) -> PanelWeight:
+    return PanelWeight.quantized(q, scale, 4, dtype, group, offset)
 
 
 # (N, K, group): whole and partial panels, groups of 32 (torchao's) across k blocks of 64 steps, and small groups
@@ -243,45 +270,65 @@ INT4_SHAPES = [(576, 576, 32), (49, 1536, 32), (37, 160, 16), (200, 64, 2)]
 @pytest.mark.parametrize("rows", ROWS)
 def test_int4_panels_give_the_float_panels_bits_on_the_dequantized_weight(dtype, shape, rows):
     n, k, group = shape
-    q, scale = int4_weight(n, k, group, seed=n + rows)
-    dequantized = dequantized_int4(q, scale, group, dtype)
+    weight = int4_weight(n, k, group, seed=n + rows)
+    dequantized = dequantized_int4(*weight, dtype)
     x, bias = randn(rows, k, dtype=dtype, seed=rows), randn(n, dtype=dtype, seed=8)
-    panel = PanelWeight.quantized(q, scale, 4, dtype, group)
+    panel = quantized_int4(*weight, dtype)
     assert panel.packed.numel() * 2 == PanelWeight(dequantized).packed.numel()  # two weights a byte
     out = panel(x, bias)
     assert out.dtype == dtype and torch.equal(out, PanelWeight(dequantized)(x, bias))
     close(out, panel_linear_reference(x.float(), dequantized.float(), bias.float()), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torchao_s_symmetric_int4_shifted_by_8_gives_q_times_scale_rounded_once(dtype):
+    """torchao's int4 (values -8 to 7, any float32 scale) runs as q + 8 with offset -8 * scale: the one rounding of
+    (q + 8) * scale - 8 * scale is that of q * scale, even where the product is not exact in float32."""
+    n, k, group = 48, 128, 32
+    generator = torch.Generator().manual_seed(11)
+    q = torch.randint(-8, 8, (n, k), generator=generator, dtype=torch.int8)
+    scale = torch.rand(n, k // group, generator=generator) * 0.02 + 1e-3  # full float32 mantissas
+    dequantized = (q.float() * scale.repeat_interleave(group, dim=1)).to(dtype)
+    x = randn(3, k, dtype=dtype, seed=12)
+    panel = PanelWeight.quantized((q + 8).to(torch.uint8), scale, 4, dtype, group, scale * -8)
+    assert torch.equal(panel(x), PanelWeight(dequantized)(x))
+
+
 def test_int4_parts_stack_and_refuse_what_they_do_not_take():
-    parts = [PanelWeight.quantized(*int4_weight(n, 64, 32, seed=n), 4, torch.bfloat16, 32) for n in (32, 40)]
+    parts = [quantized_int4(*int4_weight(n, 64, 32, seed=n), torch.bfloat16) for n in (32, 40)]
     x = randn(2, 64, dtype=torch.bfloat16, seed=3)
     alone = [part(x) for part in parts]
     group = PanelWeight.stack(parts)
     assert group is not None and torch.equal(group(x), torch.cat(alone, dim=-1))
     int8 = PanelWeight.quantized(*int8_weight(32, 64, seed=1), 8, torch.bfloat16)
-    int4 = PanelWeight.quantized(*int4_weight(32, 64, 32, seed=2), 4, torch.bfloat16, 32)
+    int4 = quantized_int4(*int4_weight(32, 64, 32, seed=2), torch.bfloat16)
     assert PanelWeight.stack([int8, int4]) is None
-    q, scale = int4_weight(8, 64, 32, seed=4)
+    q, scale, _, offset = int4_weight(8, 64, 32, seed=4)
     with pytest.raises(ValueError, match="an even group size dividing K = 64, not 24"):
-        PanelWeight.quantized(q, scale, 4, torch.float32, 24)
+        PanelWeight.quantized(q, scale, 4, torch.float32, 24, offset)
     with pytest.raises(ValueError, match=r"scales \[8, 2\] \(outputs, groups\), not \(8, 4\)"):
-        PanelWeight.quantized(q, torch.ones(8, 4), 4, torch.float32, 32)
+        PanelWeight.quantized(q, torch.ones(8, 4), 4, torch.float32, 32, offset)
+    with pytest.raises(ValueError, match=r"offsets \[8, 2\] \(outputs, groups\), not \(8, 1\)"):
+        PanelWeight.quantized(q, scale, 4, torch.float32, 32, offset[:, :1])
+    with pytest.raises(ValueError, match="int4 panels take an offset per scale"):
+        PanelWeight.quantized(q, scale, 4, torch.float32, 32)
+    with pytest.raises(ValueError, match=r"int4 panels pack 2-D CPU uint8 weights \(0 to 15\)"):
+        PanelWeight.quantized(q.to(torch.int8), scale, 4, torch.float32, 32, offset)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_int4_panels_on_a_cpu_without_avx512_give_that_build_s_float_bits(dtype, plain_library):
     lib = plain_library
     n, k, group, rows, code = 40, 96, 32, 3, 0 if dtype == torch.float32 else 2
-    q, scale = int4_weight(n, k, group, seed=23)
+    weight = int4_weight(n, k, group, seed=23)
+    q = weight[0]
     x = randn(rows, k, dtype=dtype, seed=24)
     i64, ptr = ctypes.c_int64, lambda t: ctypes.c_void_p(t.data_ptr())
     elements = lib.pb_cpu_panel_packed_elements(i64(n), i64(k), code)
     packed_q, packed_f = torch.empty(elements // 2, dtype=torch.uint8), torch.empty(elements, dtype=dtype)
-    scales = PanelWeight.quantized(q, scale, 4, dtype, group).scales  # the same layout, from the native build's wrapper
+    scales = quantized_int4(*weight, dtype).scales  # the same layout, from the native build's wrapper
     assert lib.pb_cpu_panel_pack_int4(ptr(q), i64(n), i64(k), code, ptr(packed_q)) == 0
-    assert lib.pb_cpu_panel_pack(ptr(dequantized_int4(q, scale, group, dtype)), i64(n), i64(k), code,
-                                 ptr(packed_f)) == 0  # fmt: skip
+    assert lib.pb_cpu_panel_pack(ptr(dequantized_int4(*weight, dtype)), i64(n), i64(k), code, ptr(packed_f)) == 0
     outs = [torch.empty(rows, n, dtype=dtype) for _ in range(2)]
     shape = (i64(rows), i64(n), i64(k), code, 1)
     assert lib.pb_cpu_panel_linear_quantized(ptr(x), i64(k), ptr(packed_q), 4, ptr(scales), i64(group), None,

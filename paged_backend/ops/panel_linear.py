@@ -9,16 +9,19 @@ row's result does not depend on the other rows in the call.
 >>> packed = PanelWeight(layer.weight)     # doctest: +SKIP
 >>> y = packed(x, layer.bias)              # == F.linear(x, layer.weight, layer.bias) up to summation order
 
-`PanelWeight.quantized(q, scale, bits, dtype, group_size)` packs weight-only quantized weights for activations of
-`dtype`: int8 (a byte per weight, a scale per output: torchao's int8_weight_only) or int4 (two a byte, a scale per
-output and group of K: its int4_weight_only). The kernel dequantizes each line in registers as torchao's
-`dequantize()` rounds, so the result has the bits of `PanelWeight(q * scale in dtype)`.
+`PanelWeight.quantized(q, scale, bits, dtype, group_size, offset)` packs weight-only quantized weights for activations
+of `dtype`: int8 (a byte per weight, a scale per output, torchao's int8_weight_only, or per output and group of K,
+GGUF's Q8_0) or int4 (0 to 15, two a byte, a scale and an offset per output and group of K: GGUF's Q4_1 and Q4_0,
+and torchao's int4_weight_only shifted by 8). The kernel dequantizes each line in registers, q * scale (+ offset) in
+one float32 rounding and then the activations' dtype, as those formats' dequantization does: so the result has the
+bits of `PanelWeight(the dequantized weight in dtype)`.
 """
 
 from __future__ import annotations
 
 import ctypes
 from functools import cache
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,11 +52,36 @@ def _check(status: int, what: str) -> None:
     check_status(status, _panel().pb_cpu_panel_error_string, what)
 
 
+class QuantizedWeight(NamedTuple):
+    """A weight-only quantized weight as the quantized panels take it: each weight q * scale (+ offset), rounded once
+    in float32 (see `PanelWeight.quantized` for the shapes)."""
+
+    bits: int  # 8: int8 q; 4: uint8 q from 0 to 15
+    q: torch.Tensor  # [N, K]
+    scale: torch.Tensor  # [N] (group_size 0) or [N, K / group_size]
+    group_size: int
+    offset: torch.Tensor | None = None  # 4 bits: like scale
+
+    def panels(self, dtype: torch.dtype) -> PanelWeight:
+        """Packed for activations of `dtype`."""
+        return PanelWeight.quantized(self.q, self.scale, self.bits, dtype, self.group_size, self.offset)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight `[N, K]` the panels compute with (what a check compares with a model's own weight)."""
+        rows, columns = self.q.shape
+        groups = columns // self.group_size if self.group_size else 1
+        q = self.q.float().view(rows, groups, -1)
+        scale = self.scale.float().reshape(rows, groups, 1)
+        if self.offset is None:
+            return (q * scale).view(rows, columns)
+        return torch.addcmul(self.offset.float().reshape(rows, groups, 1), q, scale).view(rows, columns)
+
+
 class PanelWeight:
     """A weight `[N, K]` packed into panels; calling it with `x [..., K]` gives `[..., N]`."""
 
-    # Quantized weights: their float32 scales [panel][group][16] (zero past the last output), `bits` (8 or 4) and the
-    # weights along K per group (0: one group, int8's scale per output).
+    # Quantized weights: their float32 scales [panel][group][16] (int4: [panel][group][2][16], scales then offsets;
+    # zero past the last output), `bits` (8 or 4) and the weights along K per group (0: one group, a scale per output).
     scales: torch.Tensor | None = None
     bits: int = 0
     group_size: int = 0
@@ -68,31 +96,39 @@ class PanelWeight:
         _check(_panel().pb_cpu_panel_pack(source.data_ptr(), *weight.shape, self.code, self.packed.data_ptr()), "pack")
 
     @classmethod
-    def quantized(cls, q: torch.Tensor, scale: torch.Tensor, bits: int, dtype: torch.dtype,
-                  group_size: int = 0) -> PanelWeight:  # fmt: skip
-        """Weight-only quantized weights `q [N, K]` (int8 storage; int4 values -8 to 7) for activations of `dtype`:
-        `bits` 8 packs a byte per weight, 4 two a byte. `scale` has one float per output (`group_size` 0, torchao's
-        int8_weight_only) or `[N, K / group_size]`, one per output and group of K (its int4_weight_only)."""
-        if q.dtype != torch.int8 or q.device.type != "cpu" or q.dim() != 2 or dtype not in PANEL_DTYPES:
-            raise ValueError(f"int{bits} panels pack 2-D CPU int8 weights{' (int4 values -8 to 7)' * (bits == 4)} "
+    def quantized(cls, q: torch.Tensor, scale: torch.Tensor, bits: int, dtype: torch.dtype, group_size: int = 0,
+                  offset: torch.Tensor | None = None) -> PanelWeight:  # fmt: skip
+        """Weight-only quantized weights `q [N, K]` for activations of `dtype`, each weight q * scale (+ offset):
+        - `bits` 8: int8 q, a byte per weight; `scale` one float per output (`group_size` 0, torchao's
+          int8_weight_only) or `[N, K / group_size]`, one per output and group of K (GGUF's Q8_0); no offset;
+        - `bits` 4: uint8 q from 0 to 15, two a byte; `scale` and `offset` `[N, K / group_size]` (GGUF's Q4_1)."""
+        storage = torch.int8 if bits == 8 else torch.uint8
+        if q.dtype != storage or q.device.type != "cpu" or q.dim() != 2 or dtype not in PANEL_DTYPES:
+            raise ValueError(f"int{bits} panels pack 2-D CPU {str(storage)[6:]} weights{' (0 to 15)' * (bits == 4)} "
                              f"for float32/bfloat16 activations, not {q.dtype} {tuple(q.shape)} for {dtype}")  # fmt: skip
         if bits not in (8, 4):
             raise ValueError(f"quantized panels hold 8 or 4 bits a weight, not {bits}")
+        if (offset is None) != (bits == 8):
+            raise ValueError("int4 panels take an offset per scale (q * scale + offset); int8 panels take none")
         out_features, in_features = q.shape
-        if group_size == 0 and scale.numel() != out_features:
-            raise ValueError(f"int{bits} panels take one scale per output: {scale.numel()} scales for {out_features}")
+        if group_size == 0 and (bits == 4 or scale.numel() != out_features):
+            raise ValueError(f"int{bits} panels take one scale per output{' and group of K' * (bits == 4)}: "
+                             f"{scale.numel()} scales for {out_features} outputs")  # fmt: skip
         if group_size and (group_size < 2 or group_size % 2 or in_features % group_size):
             raise ValueError(f"int{bits} panels take an even group size dividing K = {in_features}, not {group_size}")
-        if group_size and tuple(scale.shape) != (out_features, in_features // group_size):
-            raise ValueError(f"int{bits} panels take scales [{out_features}, {in_features // group_size}] (outputs, "
-                             f"groups), not {tuple(scale.shape)}")  # fmt: skip
+        groups = in_features // group_size if group_size else 1
+        for name, tensor in (("scales", scale), ("offsets", offset)):
+            if group_size and tensor is not None and tuple(tensor.shape) != (out_features, groups):
+                raise ValueError(f"int{bits} panels take {name} [{out_features}, {groups}] (outputs, groups), not "
+                                 f"{tuple(tensor.shape)}")  # fmt: skip
         elements = _packed_elements(out_features, in_features, dtype)
         packed = torch.empty(elements * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8)
         pack = _panel().pb_cpu_panel_pack_int8 if bits == 8 else _panel().pb_cpu_panel_pack_int4
         source = q.detach().contiguous()
         _check(pack(source.data_ptr(), out_features, in_features, QUERY_DTYPES[dtype], packed.data_ptr()),
                f"pack int{bits}")  # fmt: skip
-        scales = _panel_scales(scale.reshape(out_features, -1))
+        parts = [scale] if offset is None else [scale, offset]
+        scales = _panel_scales([part.reshape(out_features, groups) for part in parts])
         return cls._over(packed, out_features, in_features, dtype, scales, bits, group_size)
 
     @classmethod
@@ -161,12 +197,13 @@ def _panels(out_features: int) -> int:
     return -(-out_features // LANES)
 
 
-def _panel_scales(scale: torch.Tensor) -> torch.Tensor:
-    """Scales `[N, groups]` as the kernel reads them: float32 `[panel][group][16]`, zero past the last output."""
-    out_features, groups = scale.shape
-    padded = torch.zeros(_panels(out_features) * LANES, groups)
-    padded[:out_features] = scale.detach().float()
-    return padded.view(-1, LANES, groups).transpose(1, 2).contiguous().view(-1)
+def _panel_scales(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Scales (and offsets) `[N, groups]` as the kernel reads them: float32 `[panel][group][part][16]`, zero past the
+    last output."""
+    out_features, groups = parts[0].shape
+    padded = torch.zeros(_panels(out_features) * LANES, groups, len(parts))
+    padded[:out_features] = torch.stack([part.detach().float() for part in parts], dim=-1)
+    return padded.view(-1, LANES, groups, len(parts)).permute(0, 2, 3, 1).contiguous().view(-1)
 
 
 def _packed_elements(out_features: int, in_features: int, dtype: torch.dtype) -> int:

@@ -5,7 +5,8 @@ A `.gguf` file (or a directory holding exactly one) carries the architecture, th
 the chat template. transformers reads all of it and dequantizes the tensors, which takes seconds to tens of
 seconds (mostly parsing the tokenizer's fields). The result is saved once under
 `cache_root()/gguf/<content hash>` as config + safetensors (float32: the exact dequantized values) +
-tokenizer, with a manifest of the entry's file checksums. The next start hashes the GGUF file, finds the entry,
+tokenizer, plus the Q4_0/Q4_1/Q8_0 blocks of its linear weights (`gguf_blocks`: the CPU panels run on them), with a
+manifest of the entry's file checksums. The next start hashes the GGUF file, finds the entry,
 checks the manifest, and loads a directory in well under a second. An entry whose files do not match their
 manifest is deleted and rebuilt, never trusted.
 """
@@ -23,10 +24,11 @@ import numpy as np
 
 from paged_backend.core.build_cache import build_once, cache_root
 from paged_backend.errors import InvalidRequest, UnsupportedModel
+from paged_backend.worker import gguf_blocks
 
 MAGIC = b"GGUF"
 MANIFEST = "manifest.json"
-CACHE_FORMAT = 2  # bump when the layout of an entry changes
+CACHE_FORMAT = 3  # bump when the layout of an entry changes
 
 
 def gguf_file(model: str) -> Path | None:
@@ -127,6 +129,7 @@ def _convert(path: Path, out: Path) -> None:
     model.config.save_pretrained(out)
     model.generation_config.save_pretrained(out)
     save_model(model, str(out / "model.safetensors"))  # handles the tied embedding / lm_head pair
+    gguf_blocks.save(model, path, out / gguf_blocks.BLOCKS_FILE)  # the quantized blocks, for the panels
     tokenizer.save_pretrained(out)
     files = {p.name: _checksum(p) for p in sorted(out.iterdir())}
     (out / MANIFEST).write_text(json.dumps({"source": str(path), "files": files}, indent=1))

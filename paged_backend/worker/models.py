@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,7 +33,7 @@ from transformers import (
 
 from paged_backend.errors import InvalidRequest
 from paged_backend.ops._cpu_build import cpu_signature
-from paged_backend.worker import gguf_source
+from paged_backend.worker import gguf_blocks, gguf_source
 from paged_backend.worker import quantization as quantization_module
 from paged_backend.worker.default_model import TINY_MODEL, default_model
 from paged_backend.worker.int4_checkpoint import load_int4_checkpoint
@@ -243,6 +244,10 @@ def load_model(
             placement |= dispatch_kwargs(source, torch_dtype, target, device_map=device_map, max_memory=max_memory,
                                          cpu_offload_gb=cpu_offload_gb, offload_folder=offload_folder)  # fmt: skip
         loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **placement)
+        if gguf is not None and quantized is None and not dispatched and target.type == "cpu":
+            summary = gguf_blocks.attach(loaded, Path(source))
+            if summary:
+                print(f"paged-backend: {summary}", file=sys.stderr)
         tok = load_tokenizer(source, tokenizer)
     except OSError as exc:
         raise InvalidRequest(f"model path or id '{model}' not found: {exc}") from exc

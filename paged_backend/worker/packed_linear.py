@@ -12,10 +12,12 @@ weights once packed (`release=True`): the packed copy replaces them, so packing 
 object keeps its weights, and the packed copies take as much memory again (`EngineConfig.prepack_weights=False`
 turns packing off). Layers that read the same input (q, k and v) can be stacked into one call (`stacked`).
 
-torchao's int8 and int4 weight-only layers (`--quantization torchao`, int8_weight_only / int4_weight_only) pack too,
-into int8 or int4 panels: a byte or half a byte per weight, dequantized in registers as torchao's own forward
-dequantizes, so they run the fused forward and its C++ layer loop (torchao's CPU path dequantizes the whole matrix
-per call).
+Quantized weights pack too, into int8 or int4 panels (a byte or half a byte per weight, dequantized in registers as
+the format's own dequantization computes), so they run the fused forward and its C++ layer loop:
+- torchao's int8 and int4 weight-only layers (`--quantization torchao`, int8_weight_only / int4_weight_only), whose
+  CPU path dequantizes the whole matrix per call;
+- the linear layers of a model loaded from a GGUF file, from the Q4_0/Q4_1/Q8_0 blocks they were dequantized from
+  (`gguf_blocks`): the same values from a fifth to a half of the bytes.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch
 from torch import nn
 
 from paged_backend.ops.cpu import unavailable_reason
-from paged_backend.ops.panel_linear import PANEL_DTYPES, PanelWeight
+from paged_backend.ops.panel_linear import PANEL_DTYPES, PanelWeight, QuantizedWeight
+from paged_backend.worker import gguf_blocks
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -58,7 +61,7 @@ def dtype_packs(dtype: torch.dtype) -> bool:
 def packable(module: nn.Module) -> bool:
     """A plain CPU `nn.Linear` in float32 or bfloat16 whose forward nobody else replaced (accelerate's offload
     hooks do, and quantized weights are tensor subclasses with kernels of their own), in a dtype this CPU packs;
-    or one whose weight is torchao's int8 or int4 weight-only tensor, which packs into quantized panels."""
+    or one whose weight is quantized in a way the quantized panels take (`quantized_weight`)."""
     if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
         return False  # a subclass with a forward of its own (bitsandbytes' layers)
     if "forward" in module.__dict__:
@@ -66,18 +69,24 @@ def packable(module: nn.Module) -> bool:
     weight = module.weight
     if weight.device.type != "cpu" or weight.dim() != 2:
         return False
-    if torchao_weight_only(weight) is not None:
-        return panels_build() and weight.dtype in PANEL_DTYPES
-    return type(weight.data) is torch.Tensor and packs(weight.dtype)
+    if quantized_weight(weight) is not None and panels_build() and weight.dtype in PANEL_DTYPES:
+        return True
+    return type(weight.data) is torch.Tensor and packs(weight.dtype)  # (a GGUF-loaded one as plain float weights)
 
 
-def torchao_weight_only(weight: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:
-    """(bits, q [N, K] int8, scale, group size) of torchao's weight-only tensors that the panels take, else None:
+def quantized_weight(weight: torch.Tensor) -> QuantizedWeight | None:
+    """The quantized form of `weight` the quantized panels run, else None: torchao's weight-only tensor, or the GGUF
+    blocks a loaded model's float weight was dequantized from (while it is unchanged)."""
+    return torchao_weight_only(weight) or gguf_blocks.source_of(weight)
+
+
+def torchao_weight_only(weight: torch.Tensor) -> QuantizedWeight | None:
+    """torchao's weight-only tensors that the panels take, else None:
     - int8_weight_only (`Int8Tensor`): bits 8, a float32 scale per output, group size 0;
-    - int4_weight_only on CPU (`IntxUnpackedToInt8Tensor`, the intx workflow): bits 4, values -8 to 7, a scale
-      `[N, K / group]` per output and group of K.
+    - int4_weight_only on CPU (`IntxUnpackedToInt8Tensor`, the intx workflow): values -8 to 7 and a scale per output
+      and group of K; the panels take them as q + 8 with an offset of -8 * scale.
     Both symmetric, without activation quantization, so `dequantize()` is q * scale in the weight's dtype, which the
-    quantized panels compute exactly."""
+    quantized panels compute exactly ((q + 8) * scale - 8 * scale has one rounding, and -8 * scale is exact)."""
     data = weight.data
     kind = type(data).__name__
     if kind not in ("Int8Tensor", "IntxUnpackedToInt8Tensor") or not type(data).__module__.startswith("torchao"):
@@ -93,11 +102,13 @@ def torchao_weight_only(weight: torch.Tensor) -> tuple[int, torch.Tensor, torch.
         return None
     rows, columns = q.shape
     if kind == "Int8Tensor":
-        return (8, q, scale, 0) if block[1] == columns and scale.numel() == rows else None
+        return QuantizedWeight(8, q, scale, 0) if block[1] == columns and scale.numel() == rows else None
     group = block[1]
     if getattr(data, "target_dtype", None) != torch.int4 or group < 2 or group % 2 or columns % group:
         return None
-    return (4, q, scale, group) if tuple(scale.shape) == (rows, columns // group) else None
+    if tuple(scale.shape) != (rows, columns // group):
+        return None
+    return QuantizedWeight(4, (q + 8).to(torch.uint8), scale, group, scale.float() * -8)
 
 
 def packs(dtype: torch.dtype) -> bool:
@@ -113,12 +124,8 @@ def packed_forward(module: nn.Linear):
     its bias as `bias`."""
     bias = module.bias
     if panels_build():
-        quantized = torchao_weight_only(module.weight)
-        if quantized is None:
-            panel = PanelWeight(module.weight.detach())
-        else:
-            bits, q, scale, group_size = quantized
-            panel = PanelWeight.quantized(q, scale, bits, module.weight.dtype, group_size)
+        quantized = quantized_weight(module.weight)
+        panel = PanelWeight(module.weight.detach()) if quantized is None else quantized.panels(module.weight.dtype)
 
         def panel_forward(x: torch.Tensor) -> torch.Tensor:
             return panel(x, bias)
@@ -169,6 +176,7 @@ class PackedLinears:
             if not packable(module) or module in self.layers:
                 continue
             forward = packed_forward(module)
+            gguf_blocks.drop(module.weight)
             if release and id(module.weight) not in shared:  # a tied LM head keeps the embedding's weight
                 empty = torch.empty(0, dtype=module.weight.dtype)  # (a plain tensor, for a quantized weight too)
                 module.weight = nn.Parameter(empty, requires_grad=False)

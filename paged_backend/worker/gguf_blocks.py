@@ -1,0 +1,148 @@
+"""A GGUF model's block-quantized linear weights, run as they ship.
+
+`gguf_source` converts a GGUF file once into float32 safetensors, the exact values transformers' loader dequantizes,
+and the model loads from them. The linear weights the file stores as Q4_0, Q4_1 or Q8_0 blocks (SmolLM2's file: Q4_1
+layers and a Q8_0 embedding tied to the LM head) are kept beside them too (`save`, into `BLOCKS_FILE`, rows in the HF
+weight's order). At load, `attach` hangs each weight's blocks on it, and the panel packer (`packed_linear`) packs them
+into int4 or int8 panels: a fifth (Q4_1) to a quarter (Q8_0) of the float32 bytes, the same values, so the same
+tokens, bit for bit.
+
+Each block holds 32 weights of a row: a float16 scale d (Q4_1: and a minimum m) and 32 values q, a weight being
+d * q + m (Q4_1), d * (q - 8) (Q4_0) or d * q (Q8_0, q signed). The int4 panels take q * scale + offset rounded once,
+which is each of these to the bit (d * q is exact in float32). Blocks are used only where their dequantization
+equals the loaded weight in its own dtype (checked at conversion and again at each load, ~0.5 s for SmolLM2): a model
+never runs on values other than the ones it loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from paged_backend.ops.panel_linear import QuantizedWeight
+
+BLOCKS_FILE = "gguf_blocks.safetensors"  # beside model.safetensors in a conversion; transformers does not read it
+BLOCK = 32  # weights per block in Q4_0, Q4_1 and Q8_0
+KINDS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def save(model: nn.Module, path: Path, out: Path) -> None:
+    """Write the Q4_0/Q4_1/Q8_0 blocks of GGUF file `path` that `model` (transformers' float32 load of it) holds as
+    linear weights, keyed by the weights' names, into `out` (nothing when there are none)."""
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    reader = GGUFReader(path)
+    stored = {tensor.name: tensor for tensor in reader.tensors if tensor.tensor_type.name in KINDS}
+    if not stored:
+        return
+    field = reader.fields["general.architecture"]
+    architecture = bytes(field.parts[field.data[0]]).decode()
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
+    try:
+        names = get_gguf_hf_weights_map(model, processor)
+    except (NotImplementedError, KeyError, ValueError):  # an architecture gguf-py names otherwise: it runs dense
+        return
+    weights = _linear_weights(model)
+    blocks, kinds = {}, {}
+    for gguf_name, tensor in stored.items():
+        name = names.get(gguf_name)
+        if name not in weights:
+            continue
+        rows = processor.process(weights=np.asarray(tensor.data), name=gguf_name).weights  # llama's q/k row order
+        kind = tensor.tensor_type.name
+        if _matching(kind, rows, weights[name]) is not None:
+            blocks[name] = torch.from_numpy(np.array(rows, dtype=np.uint8))
+            kinds[name] = kind
+    if blocks:
+        save_file(blocks, str(out), metadata={"kinds": json.dumps(kinds)})
+
+
+def attach(model: nn.Module, directory: Path) -> str | None:
+    """Hang the blocks saved in `directory` on the CPU linear weights of `model` (loaded from that directory) whose
+    value they give; a sentence saying how many, or None when there are none."""
+    from safetensors import safe_open
+
+    file = Path(directory) / BLOCKS_FILE
+    if not file.is_file():
+        return None
+    weights = _linear_weights(model)
+    used: dict[str, int] = {}
+    refused = 0
+    with safe_open(str(file), framework="pt") as blocks:
+        kinds = json.loads(blocks.metadata()["kinds"])
+        for name, kind in kinds.items():
+            weight = weights.get(name)
+            if weight is None or weight.device.type != "cpu":
+                continue
+            quantized = _matching(kind, blocks.get_tensor(name).numpy(), weight)
+            if quantized is None:
+                refused += 1
+                continue
+            weight.gguf_blocks = quantized, _fingerprint(weight)
+            used[kind] = used.get(kind, 0) + 1
+    if refused:
+        print(f"paged-backend: {refused} saved GGUF block tensors do not give the loaded weights; those run as float "
+              f"weights", file=sys.stderr)  # fmt: skip
+    kinds_used = ", ".join(f"{count} {kind}" for kind, count in sorted(used.items()))
+    return f"{sum(used.values())} linear weights run on their GGUF blocks ({kinds_used})" if used else None
+
+
+def _linear_weights(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The model's parameters by name (tied ones under each name) that are some linear layer's weight."""
+    linear = {id(module.weight) for module in model.modules() if isinstance(module, nn.Linear)}
+    return {name: p for name, p in model.named_parameters(remove_duplicate=False) if id(p) in linear}
+
+
+def _matching(kind: str, rows: np.ndarray, weight: torch.Tensor) -> QuantizedWeight | None:
+    """`rows`' blocks as the panels take them, if they fit `weight` and dequantize to its exact value in its dtype."""
+    quantized = decoded(kind, rows, tuple(weight.shape))
+    if quantized is None or not torch.equal(quantized.dequantized().to(weight.dtype), weight.detach()):
+        return None
+    return quantized
+
+
+def source_of(weight: torch.Tensor) -> QuantizedWeight | None:
+    """The blocks `attach` hung on `weight`, while the weight is unchanged since: no in-place write (its version),
+    and the same storage, dtype and shape (a tensor-parallel shard or a cast replaces the data under the object)."""
+    attached = getattr(weight, "gguf_blocks", None)
+    if attached is None or attached[1] != _fingerprint(weight):
+        return None
+    return attached[0]
+
+
+def _fingerprint(weight: torch.Tensor) -> tuple:
+    return weight._version, weight.data_ptr(), weight.dtype, tuple(weight.shape)
+
+
+def drop(weight: torch.Tensor) -> None:
+    """Free `weight`'s blocks once packed (a later repack follows a change, which they no longer match)."""
+    if getattr(weight, "gguf_blocks", None) is not None:
+        del weight.gguf_blocks
+
+
+def decoded(kind: str, rows: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight | None:
+    """A weight `[N, K]`'s blocks (`rows` [N, bytes]) as the panels take them, or None if they do not fit `shape`."""
+    out_features, in_features = shape
+    head = 4 if kind == "Q4_1" else 2  # float16 d (and m)
+    size = head + (BLOCK if kind == "Q8_0" else BLOCK // 2)
+    if in_features % BLOCK or rows.shape != (out_features, in_features // BLOCK * size):
+        return None
+    blocks = torch.from_numpy(np.array(rows, dtype=np.uint8)).view(out_features, in_features // BLOCK, size)
+    scale = blocks[..., :2].contiguous().view(torch.float16).squeeze(-1).float()
+    if kind == "Q8_0":
+        q = blocks[..., head:].contiguous().view(torch.int8).reshape(out_features, in_features)
+        return QuantizedWeight(8, q, scale, BLOCK)
+    packed = blocks[..., head:]
+    q = torch.cat([packed & 15, packed >> 4], dim=-1).reshape(out_features, in_features)  # low nibbles first
+    if kind == "Q4_1":
+        offset = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+    else:
+        offset = scale * -8
+    return QuantizedWeight(4, q.contiguous(), scale, BLOCK, offset)

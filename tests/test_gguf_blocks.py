@@ -1,0 +1,122 @@
+"""A GGUF model's Q4_0/Q4_1/Q8_0 linear weights run on int4/int8 panels packed from their own blocks (`gguf_blocks`):
+the same values as the float32 weights transformers dequantizes, so the engine's tokens equal HF generate on them,
+and its logprobs equal the engine's on float panels of the same model bit for bit (float32 and bfloat16), from a
+fifth to a quarter of the bytes. A block that does not give its weight's value is not used, nor one whose weight
+changed since it was loaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf", reason="GGUF support needs the gguf package: pip install 'paged-backend[gguf]'")
+
+from paged_backend.engine import LLM, SamplingParams  # noqa: E402
+from paged_backend.worker import gguf_blocks, gguf_source  # noqa: E402
+from paged_backend.worker.default_model import INSTALL_HINT, default_model_file  # noqa: E402
+from paged_backend.worker.models import byte_tokenizer, load_model  # noqa: E402
+from paged_backend.worker.packed_linear import panels_build  # noqa: E402
+from tests._gguf_files import requantize  # noqa: E402
+from tests._gguf_tiny import tiny_llama_gguf  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not panels_build(), reason="the panel kernel (csrc/cpu) does not build here")
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [20 + i for i in range(18)]]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama.F32.gguf"
+    tiny_llama_gguf(path, seed=5)
+    return path
+
+
+@pytest.fixture(scope="module", params=list(BITS))
+def copy(request, tiny, tmp_path_factory):
+    """The tiny Llama requantized as Q4_0, Q4_1 or Q8_0 (every linear weight: rows of 64 and 128 weights)."""
+    qtype = request.param
+    path = requantize(tiny, tmp_path_factory.mktemp(qtype) / f"tiny-llama.{qtype}.gguf",
+                      getattr(gguf.GGMLQuantizationType, qtype))  # fmt: skip
+    return qtype, path
+
+
+def panels(llm: LLM) -> dict:
+    return {module: forward.panel for module, (forward, _) in llm.engine.runner.packed.layers.items()}
+
+
+def run(llm: LLM) -> list[tuple[list[int], list]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+
+def hf_greedy(model, prompt: list[int], new_tokens: int = 8) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_engine_runs_the_blocks_and_gives_the_float_weights_tokens_and_logprobs(copy, dtype):
+    qtype, path = copy
+    llm = LLM(str(path), device="cpu", dtype=dtype, num_blocks=32, block_size=4)
+    held = panels(llm)
+    quantized = [panel for panel in held.values() if panel.scales is not None]
+    stored = [t for t in gguf.GGUFReader(path).tensors if t.tensor_type.name == qtype and len(t.shape) == 2]
+    assert len(quantized) == len(held) == len(stored) - 1  # every linear weight; the embedding is no linear layer
+    assert all(panel.bits == BITS[qtype] and panel.group_size == 32 for panel in quantized)
+    ours = run(llm)
+    # The same weights as float panels: the model object loaded from the conversion, which carries no blocks.
+    model, _ = load_model(str(gguf_source.cache_entry(path)), device="cpu", dtype=dtype)
+    float_llm = LLM(model, tokenizer=byte_tokenizer(), device="cpu", num_blocks=32, block_size=4)
+    assert all(panel.scales is None for panel in panels(float_llm).values())
+    assert ours == run(float_llm)  # tokens and logprobs, bit for bit
+    if dtype == "float32":
+        assert [tokens for tokens, _ in ours] == [hf_greedy(model, p) for p in PROMPTS]
+    float_bytes = sum(panel.packed.nbytes for panel in panels(float_llm).values())
+    block_bytes = sum(panel.packed.nbytes + panel.scales.nbytes for panel in quantized)
+    # int4: 4 bits and 2 x 32 float32 bits per 32 weights; int8: 8 and 32 (a fifth or a third of float32's bytes)
+    float_bits = 32 if dtype == "float32" else 16
+    assert block_bytes / float_bytes == pytest.approx((6 if BITS[qtype] == 4 else 9) / float_bits, rel=0.02)
+    for engine in (llm.engine, float_llm.engine):
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks - 1
+
+
+def test_blocks_that_do_not_give_the_loaded_weight_are_not_used(copy, capsys):
+    qtype, path = copy
+    LLM(str(path), device="cpu", dtype="float32", num_blocks=8, block_size=4)  # converts once
+    entry = gguf_source.cache_entry(path)
+    model, _ = load_model(str(entry), device="cpu", dtype="float32")  # the directory: no blocks attached
+    linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    assert not any(gguf_blocks.source_of(module.weight) for module in linears)
+    every = len(linears)  # q, k, v, o, gate, up and down per layer, and the LM head
+    assert gguf_blocks.attach(model, entry) == f"{every} linear weights run on their GGUF blocks ({every} {qtype})"
+    for module in linears:
+        gguf_blocks.drop(module.weight)
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        layer.self_attn.q_proj.weight.data[0, 0] += 1.0  # another value than its blocks give
+    capsys.readouterr()
+    assert gguf_blocks.attach(model, entry) == f"{every - 1} linear weights run on their GGUF blocks ({every - 1} {qtype})"
+    assert "1 saved GGUF block tensors do not give the loaded weights" in capsys.readouterr().err
+    assert gguf_blocks.source_of(layer.self_attn.q_proj.weight) is None
+    with torch.no_grad():
+        layer.mlp.up_proj.weight.mul_(1.0)  # an in-place write moves the version: the blocks no longer count
+    assert gguf_blocks.source_of(layer.mlp.up_proj.weight) is None
+    gate = layer.mlp.gate_proj.weight
+    gate.data = gate.data[: gate.shape[0] // 2].clone()  # a shard of it under the same object (tensor parallelism)
+    assert gguf_blocks.source_of(gate) is None
+    assert gguf_blocks.source_of(layer.mlp.down_proj.weight) is not None
+
+
+@pytest.mark.skipif(default_model_file() is None, reason=f"the default model is not installed ({INSTALL_HINT})")
+def test_the_default_model_runs_its_q4_1_layers_and_q8_0_head_as_they_ship():
+    """SmolLM2's file: 210 Q4_1 linear weights and a Q8_0 embedding, tied to the LM head."""
+    llm = LLM(device="cpu", dtype="float32", num_blocks=16)
+    held = panels(llm)
+    bits = sorted(panel.bits for panel in held.values())
+    assert bits == [4] * 210 + [8] and all(panel.group_size == 32 for panel in held.values())
+    head = held[llm.engine.model.lm_head]
+    assert head.bits == 8 and head.out_features == llm.engine.model.config.vocab_size
