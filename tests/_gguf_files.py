@@ -110,8 +110,24 @@ def tiny_file(dst: Path | str, architecture: str = "llama",
             writer.add_tensor(name, rng.standard_normal(shape, dtype=np.float32), raw_dtype=qtype)
         else:
             byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype)
-            writer.add_tensor(name, rng.integers(0, 256, byte_shape, dtype=np.uint8), raw_dtype=qtype)
+            writer.add_tensor(name, _random_blocks(rng, byte_shape, qtype), raw_dtype=qtype)
     return _finish(writer, dst)
+
+
+# Where each block keeps its float16 scales (d, and Q4_K's dmin), as byte offsets in the block.
+SCALE_FIELDS = {GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q6_K: (208,)}
+
+
+def _random_blocks(rng: np.random.Generator, byte_shape: tuple, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Random bytes of `qtype` blocks; where SCALE_FIELDS knows the type, its scales are small finite float16s (random
+    bits there could be NaN or infinite), so the tensor dequantizes to finite weights a model can run."""
+    data = rng.integers(0, 256, byte_shape, dtype=np.uint8)
+    _, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = data.reshape(-1, block_bytes)
+    for offset in SCALE_FIELDS.get(qtype, ()):
+        scales = (rng.random(blocks.shape[0]) * 2e-3 + 1e-4).astype(np.float16)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return data
 
 
 def _architecture(reader: GGUFReader) -> str:

@@ -16,7 +16,7 @@ from paged_backend.worker import gguf_blocks, gguf_source  # noqa: E402
 from paged_backend.worker.default_model import INSTALL_HINT, default_model_file  # noqa: E402
 from paged_backend.worker.models import byte_tokenizer, load_model  # noqa: E402
 from paged_backend.worker.packed_linear import panels_build  # noqa: E402
-from tests._gguf_files import requantize  # noqa: E402
+from tests._gguf_files import requantize, tiny_file  # noqa: E402
 from tests._gguf_tiny import tiny_llama_gguf  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not panels_build(), reason="the panel kernel (csrc/cpu) does not build here")
@@ -109,6 +109,28 @@ def test_blocks_that_do_not_give_the_loaded_weight_are_not_used(copy, capsys):
     gate.data = gate.data[: gate.shape[0] // 2].clone()  # a shard of it under the same object (tensor parallelism)
     assert gguf_blocks.source_of(gate) is None
     assert gguf_blocks.source_of(layer.mlp.down_proj.weight) is not None
+
+
+def test_k_quant_layers_q4_k_and_q6_k_run_on_the_panels_and_equal_hf_generate(tmp_path):
+    """llama.cpp's Q4_K_M mix: Q4_K (groups of 32 with six-bit scales and minimums under a float16 pair) on int4
+    panels, Q6_K (groups of 16, six-bit signed values) on int8 panels; rows of 264 weights stay float32."""
+    q4_k, q6_k = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
+    types = {f"blk.0.{name}.weight": q4_k for name in ("attn_q", "attn_k", "attn_output", "ffn_gate")}
+    types |= {"blk.0.attn_v.weight": q6_k, "blk.0.ffn_up.weight": q6_k}
+    path = tiny_file(tmp_path / "tiny.Q4_K_M.gguf", types=types)
+    llm = LLM(str(path), device="cpu", dtype="float32", num_blocks=16, block_size=4)
+    layer = llm.engine.model.model.layers[0]
+    held = panels(llm)
+    expected = {"q_proj": (4, 32), "k_proj": (4, 32), "v_proj": (8, 16), "o_proj": (4, 32)}
+    for name, kind in expected.items():
+        panel = held[getattr(layer.self_attn, name)]
+        assert (panel.bits, panel.group_size) == kind, name
+    assert (held[layer.mlp.gate_proj].bits, held[layer.mlp.up_proj].bits) == (4, 8)
+    assert held[layer.mlp.down_proj].scales is None  # float32 in the file
+    prompts = [[2, 3, 4, 5], [6, 7, 2, 3, 4, 5, 6]]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    model, _ = load_model(str(gguf_source.cache_entry(path)), device="cpu", dtype="float32")
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p) for p in prompts]
 
 
 @pytest.mark.skipif(default_model_file() is None, reason=f"the default model is not installed ({INSTALL_HINT})")

@@ -27,8 +27,7 @@ from torch import nn
 from paged_backend.ops.panel_linear import QuantizedWeight
 
 BLOCKS_FILE = "gguf_blocks.safetensors"  # beside model.safetensors in a conversion; transformers does not read it
-BLOCK = 32  # weights per block in Q4_0, Q4_1 and Q8_0
-KINDS = ("Q4_0", "Q4_1", "Q8_0")
+BLOCK = 32  # weights per block in Q4_0, Q4_1 and Q8_0 (Q4_K and Q6_K: 256)
 
 
 def save(model: nn.Module, path: Path, out: Path) -> None:
@@ -39,7 +38,7 @@ def save(model: nn.Module, path: Path, out: Path) -> None:
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     reader = GGUFReader(path)
-    stored = {tensor.name: tensor for tensor in reader.tensors if tensor.tensor_type.name in KINDS}
+    stored = {tensor.name: tensor for tensor in reader.tensors if tensor.tensor_type.name in DECODERS}
     if not stored:
         return
     field = reader.fields["general.architecture"]
@@ -129,20 +128,62 @@ def drop(weight: torch.Tensor) -> None:
 
 def decoded(kind: str, rows: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight | None:
     """A weight `[N, K]`'s blocks (`rows` [N, bytes]) as the panels take them, or None if they do not fit `shape`."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     out_features, in_features = shape
-    head = 4 if kind == "Q4_1" else 2  # float16 d (and m)
-    size = head + (BLOCK if kind == "Q8_0" else BLOCK // 2)
-    if in_features % BLOCK or rows.shape != (out_features, in_features // BLOCK * size):
+    weights, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]  # per block
+    if in_features % weights or rows.shape != (out_features, in_features // weights * size):
         return None
-    blocks = torch.from_numpy(np.array(rows, dtype=np.uint8)).view(out_features, in_features // BLOCK, size)
-    scale = blocks[..., :2].contiguous().view(torch.float16).squeeze(-1).float()
-    if kind == "Q8_0":
-        q = blocks[..., head:].contiguous().view(torch.int8).reshape(out_features, in_features)
-        return QuantizedWeight(8, q, scale, BLOCK)
-    packed = blocks[..., head:]
-    q = torch.cat([packed & 15, packed >> 4], dim=-1).reshape(out_features, in_features)  # low nibbles first
-    if kind == "Q4_1":
-        offset = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
-    else:
-        offset = scale * -8
-    return QuantizedWeight(4, q.contiguous(), scale, BLOCK, offset)
+    bits, q, scale, group, offset = DECODERS[kind](np.array(rows, dtype=np.uint8).reshape(-1, size))
+
+    def by_row(values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values).reshape(out_features, -1))
+
+    return QuantizedWeight(bits, by_row(q), by_row(scale), group, None if offset is None else by_row(offset))
+
+
+# Each decoder: blocks [n, bytes] -> (bits, q [n, weights], scale [n, groups], group size, offset [n, groups] or None),
+# the layouts and arithmetic of gguf-py's dequantize_blocks (ggml's own), written as the panels' q * scale + offset.
+
+
+def _half(field: np.ndarray) -> np.ndarray:
+    """A float16 field of each block ([n, 2] bytes) as float32 [n, 1]."""
+    return np.ascontiguousarray(field).view(np.float16).astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray, run: int) -> np.ndarray:
+    """Bytes [n, b] -> 4-bit values [n, 2b]: each run of `run` bytes gives its low nibbles, then its high ones."""
+    halves = packed.reshape(packed.shape[0], -1, 1, run) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (halves & 15).reshape(packed.shape[0], -1)
+
+
+def _q4_0(blocks):  # d * (q - 8)
+    d = _half(blocks[:, :2])
+    return 4, _nibbles(blocks[:, 2:], 16), d, BLOCK, d * -8
+
+
+def _q4_1(blocks):  # d * q + m
+    return 4, _nibbles(blocks[:, 4:], 16), _half(blocks[:, :2]), BLOCK, _half(blocks[:, 2:4])
+
+
+def _q8_0(blocks):  # d * q, q signed
+    return 8, np.ascontiguousarray(blocks[:, 2:]).view(np.int8), _half(blocks[:, :2]), BLOCK, None
+
+
+def _q4_k(blocks):  # 256 weights in 8 groups of 32: (d * sc) * q - dmin * m, six-bit sc and m per group
+    from gguf.quants import Q4_K
+
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+    scale, offset = _half(blocks[:, :2]) * sc.astype(np.float32), -(_half(blocks[:, 2:4]) * m.astype(np.float32))
+    return 4, _nibbles(blocks[:, 16:], 32), scale, 32, offset
+
+
+def _q6_k(blocks):  # 256 weights in 16 groups of 16: (d * sc) * (q - 32), q of 4 low bits and 2 high ones
+    low = _nibbles(blocks[:, :128], 64)
+    high = (blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    q = (low | (high.reshape(low.shape) << 4)).astype(np.int8) - np.int8(32)
+    scale = _half(blocks[:, 208:210]) * np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
+    return 8, q, scale, 16, None
+
+
+DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
