@@ -334,13 +334,14 @@ inline void store_row(const float* sums, const T* bias, T* out, int64_t n0, int6
 }
 
 // One row tile over steps [k0, k1) of NP panels, its accumulators carried in `carry` ([MT][NP][16] floats)
-// between k blocks: every output stays one multiply-add chain over k in order, however k is blocked.
+// between k blocks (`resume`: this block follows another): every output stays one multiply-add chain over k in
+// order, however k is blocked.
 template <typename T, typename W, int MT, int NP>
 void tile_steps(const T* x, int64_t x_stride, const W* panels, const GroupScales& scales, int64_t k_len,
-                int64_t k_valid, int64_t k0, int64_t k1, int64_t ahead, float* carry) {
+                int64_t k_valid, int64_t k0, int64_t k1, bool resume, int64_t ahead, float* carry) {
   f32x16 acc[MT][NP];
   for (int m = 0; m < MT; ++m)
-    for (int p = 0; p < NP; ++p) acc[m][p] = k0 == 0 ? f32x16{} : load16(carry + (m * NP + p) * kLanes);
+    for (int p = 0; p < NP; ++p) acc[m][p] = resume ? load16(carry + (m * NP + p) * kLanes) : f32x16{};
   // The prefetch distance is a template argument: as a constant it is a displacement on the load's own address.
   // As a variable, one row's tile rebuilt its eight prefetch addresses every step and ran 5-7% slower in fp32.
   const auto run = [&](auto distance) {
@@ -365,9 +366,10 @@ void tile_steps(const T* x, int64_t x_stride, const W* panels, const GroupScales
 // only ever has one or two rows (linear() picks it for those), so only those heights are built for it.
 template <typename T, typename W, int NP>
 void rows_steps(int64_t rows, const T* x, int64_t x_stride, const W* panels, const GroupScales& scales, int64_t k_len,
-                int64_t k_valid, int64_t k0, int64_t k1, int64_t ahead, float* carry) {
+                int64_t k_valid, int64_t k0, int64_t k1, bool resume, int64_t ahead, float* carry) {
   const auto height = [&](auto mt) {
-    tile_steps<T, W, decltype(mt)::value, NP>(x, x_stride, panels, scales, k_len, k_valid, k0, k1, ahead, carry);
+    tile_steps<T, W, decltype(mt)::value, NP>(x, x_stride, panels, scales, k_len, k_valid, k0, k1, resume, ahead,
+                                              carry);
   };
   if constexpr (NP > kTilePanels) {
     if (rows == 2) height(std::integral_constant<int, 2>{});
@@ -387,12 +389,42 @@ void rows_steps(int64_t rows, const T* x, int64_t x_stride, const W* panels, con
   }
 }
 
+// Steps [k0, k1) of NP quantized panels (`steps` per panel) dequantized into `out`, float panels of that block in the
+// activations' layout ([panel][step][16] floats, or [panel][pair][16][2] bf16), each line exactly as the tiles
+// dequantize it; asks for the next block's lines as it goes.
+template <typename T, typename W, int NP>
+void dequantize_block(const W* panels, const GroupScales& scales, int64_t steps, int64_t k0, int64_t k1, T* out) {
+  constexpr int64_t width = sizeof(T) == 4 ? kLanes : 2 * kLanes;  // elements per step
+  for (int p = 0; p < NP; ++p) {
+    for (int64_t start = k0, end; start < k1; start = end) {
+      const int64_t group = start / scales.group_steps;
+      end = std::min(k1, (group + 1) * scales.group_steps);
+      const Dequant dequant = group_of<W>(scales, p, group);
+      [[maybe_unused]] const PairDequant pair = pair_dequant(dequant);
+      for (int64_t k = start; k < end; ++k) {
+        __builtin_prefetch(advance(panels, (p * steps + k + kBlockSteps) * width), 0, 1);
+        const W* line = advance(panels, (p * steps + k) * width);
+        T* to = out + (p * (k1 - k0) + k - k0) * width;
+        if constexpr (sizeof(T) == 4) {
+          const f32x16 w = weights_f32(line, dequant);
+          std::memcpy(to, &w, sizeof(w));
+        } else {
+          const u16x32 w = weights_bf16(line, pair);
+          std::memcpy(to, &w, sizeof(w));
+        }
+      }
+    }
+  }
+}
+
 // Rows x[0, m_len) against NP panels starting at panel `first`, kRowChunk rows at a time. k goes in blocks, and
 // every row tile of the chunk runs over a block before the next block starts: the block's weight lines come from
 // DRAM once, while the first row tile asks for the next block's, and stay in L1 for the other row tiles. Tiled
 // over all of k instead, the first row tile waited on DRAM and the others found L2 (16 rows, bf16: 1.13x faster
 // this way; now ~350 GFLOP/s on 2 cores from DRAM, ~415 on cached weights, of a measured 468 peak). One or two
-// rows take k in one block with the prefetch kStreamAhead steps ahead: they stream.
+// rows take k in one block with the prefetch kStreamAhead steps ahead: they stream. More rows of a quantized weight
+// dequantize each block once (dequantize_block) and run the float tiles on it, the same values so the same bits:
+// dequantized again by each row tile, int4 at 64 rows ran 8% (fp32) to 23% (bf16) below the float panels' throughput.
 template <typename T, typename W, int NP>
 void column(const T* x, int64_t x_stride, const W* packed, const GroupScales& scales, const T* bias, T* y,
             int64_t y_stride, int64_t m_len, int64_t first, int64_t n, int64_t k_len, int64_t k_valid) {
@@ -402,15 +434,30 @@ void column(const T* x, int64_t x_stride, const W* packed, const GroupScales& sc
   const int64_t n0 = first * kLanes, steps = sizeof(T) == 4 ? k_len : k_len / 2;
   const int64_t block = m_len <= 2 ? steps : kBlockSteps, ahead = m_len <= 2 ? kStreamAhead : kBlockSteps;
   alignas(64) float carry[kRowChunk * NP * kLanes];
+  constexpr bool kOnce = kQuantized<W> && NP <= kTilePanels;  // (the 8-panel tile only ever streams one or two rows)
+  constexpr int64_t kWidth = sizeof(T) == 4 ? kLanes : 2 * kLanes;
+  alignas(64) T block_weights[kOnce ? NP * kBlockSteps * kWidth : 1];
   for (int64_t chunk = 0; chunk < m_len; chunk += kRowChunk) {
     const int64_t chunk_rows = std::min(kRowChunk, m_len - chunk);
     for (int64_t k0 = 0; k0 < steps; k0 += block) {
       const int64_t k1 = std::min(steps, k0 + block);
+      const bool once = kOnce && m_len > 2;
+      if constexpr (kOnce) {
+        if (once) dequantize_block<T, W, NP>(panels, panel_scales, steps, k0, k1, block_weights);
+      }
       const int64_t tiles = (chunk_rows + kTileRows - 1) / kTileRows;  // rows spread evenly: 12 as 6 + 6, not 8 + 4
       for (int64_t i = 0; i < tiles; ++i) {
         const int64_t m = chunk_rows * i / tiles, rows = chunk_rows * (i + 1) / tiles - m;
-        rows_steps<T, W, NP>(rows, x + (chunk + m) * x_stride, x_stride, panels, panel_scales, k_len, k_valid, k0,
-                             k1, i == 0 ? ahead : 0, carry + m * NP * kLanes);
+        const T* row_x = x + (chunk + m) * x_stride;
+        float* row_carry = carry + m * NP * kLanes;
+        if (once) {  // the block's float panels: steps [0, k1 - k0) of x's elements from the block's first
+          const int64_t skip = sizeof(T) == 4 ? k0 : 2 * k0, block_len = sizeof(T) == 4 ? k1 - k0 : 2 * (k1 - k0);
+          rows_steps<T, T, NP>(rows, row_x + skip, x_stride, block_weights, GroupScales{}, block_len, k_valid - skip, 0,
+                               k1 - k0, k0 != 0, 0, row_carry);
+        } else {
+          rows_steps<T, W, NP>(rows, row_x, x_stride, panels, panel_scales, k_len, k_valid, k0, k1, k0 != 0,
+                               i == 0 ? ahead : 0, row_carry);
+        }
       }
     }
     for (int64_t m = 0; m < chunk_rows; ++m)

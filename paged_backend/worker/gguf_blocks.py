@@ -1,15 +1,17 @@
 """A GGUF model's block-quantized linear weights, run as they ship.
 
 `gguf_source` converts a GGUF file once into float32 safetensors, the exact values transformers' loader dequantizes,
-and the model loads from them. The linear weights the file stores as Q4_0, Q4_1 or Q8_0 blocks (SmolLM2's file: Q4_1
-layers and a Q8_0 embedding tied to the LM head) are kept beside them too (`save`, into `BLOCKS_FILE`, rows in the HF
+and the model loads from them. The linear weights the file stores as Q4_0, Q4_1, Q8_0, Q4_K or Q6_K blocks (SmolLM2's
+file: Q4_1 layers and a Q8_0 embedding tied to the LM head; llama.cpp's Q4_K_M: Q4_K and Q6_K) are kept beside them too (`save`, into `BLOCKS_FILE`, rows in the HF
 weight's order). At load, `attach` hangs each weight's blocks on it, and the panel packer (`packed_linear`) packs them
 into int4 or int8 panels: a fifth (Q4_1) to a quarter (Q8_0) of the float32 bytes, the same values, so the same
 tokens, bit for bit.
 
-Each block holds 32 weights of a row: a float16 scale d (Q4_1: and a minimum m) and 32 values q, a weight being
-d * q + m (Q4_1), d * (q - 8) (Q4_0) or d * q (Q8_0, q signed). The int4 panels take q * scale + offset rounded once,
-which is each of these to the bit (d * q is exact in float32). Blocks are used only where their dequantization
+A block holds 32 weights of a row: a float16 scale d (Q4_1: and a minimum m) and 32 values q, a weight being
+d * q + m (Q4_1), d * (q - 8) (Q4_0) or d * q (Q8_0, q signed); Q4_K and Q6_K hold 256 in groups of 32 or 16, each
+group's scale (and minimum) a float16 times a small integer, exact in float32. The panels take q * scale (+ offset)
+rounded once, which is each of these to the bit (gguf-py's dequantization rounds once too: d * q is exact where an
+offset follows). Blocks are used only where their dequantization
 equals the loaded weight in its own dtype (checked at conversion and again at each load, ~0.5 s for SmolLM2): a model
 never runs on values other than the ones it loaded.
 """
