@@ -103,8 +103,12 @@ def test_the_second_start_loads_from_the_cache_and_a_damaged_entry_is_rebuilt(ti
     path, reference = tiny
     entry = gguf_source.cache_entry(path)
     shutil.rmtree(entry, ignore_errors=True)
+    older = entry.with_name(entry.name.rsplit("-v", 1)[0] + "-v1")  # an entry of an older cache format
+    (older / "model.safetensors").parent.mkdir(parents=True, exist_ok=True)
+    (older / "model.safetensors").write_bytes(b"old")
     load_model(str(path), device="cpu")
     assert "converting tiny-llama.F32.gguf once" in capsys.readouterr().err
+    assert not older.exists()  # replaced, not left to take disk
     load_model(str(path), device="cpu")
     assert "converting" not in capsys.readouterr().err  # the cache answered
     weights = entry / "model.safetensors"

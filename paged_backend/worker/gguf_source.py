@@ -56,6 +56,8 @@ def converted(path: Path) -> Path:
     if not entry.exists():
         check(path)
         print(f"paged-backend: converting {path.name} once (cached in {entry})", file=sys.stderr)
+        for stale in entry.parent.glob(f"{entry.name.rsplit('-v', 1)[0]}-v*"):  # this file's older-format entries
+            shutil.rmtree(stale, ignore_errors=True)
     return build_once(entry, lambda scratch: _convert(path, scratch))
 
 
