@@ -53,10 +53,15 @@ def save(model: nn.Module, path: Path, out: Path) -> None:
     weights = _linear_weights(model)
     blocks, kinds = {}, {}
     for gguf_name, tensor in stored.items():
-        name = names.get(gguf_name)
+        if names.get(gguf_name) not in weights:
+            continue
+        try:  # llama's q/k rows back in HF's order; the rows of a block tensor permute like those of its values
+            processed = processor.process(weights=np.asarray(tensor.data), name=gguf_name)
+        except Exception:  # noqa: BLE001 - a processor that needs the whole load (MoE experts): that layer runs dense
+            continue
+        name, rows = names.get(processed.name), processed.weights
         if name not in weights:
             continue
-        rows = processor.process(weights=np.asarray(tensor.data), name=gguf_name).weights  # llama's q/k row order
         kind = tensor.tensor_type.name
         if _matching(kind, rows, weights[name]) is not None:
             blocks[name] = torch.from_numpy(np.array(rows, dtype=np.uint8))
