@@ -328,6 +328,7 @@ def test_int4_panels_on_a_cpu_without_avx512_give_that_build_s_float_bits(dtype,
     packed_q, packed_f = torch.empty(elements // 2, dtype=torch.uint8), torch.empty(elements, dtype=dtype)
     scales = quantized_int4(*weight, dtype).scales  # the same layout, from the native build's wrapper
     assert lib.pb_cpu_panel_pack_int4(ptr(q), i64(n), i64(k), code, ptr(packed_q)) == 0
+    assert lib.pb_cpu_panel_pack_int4(ptr(q), i64(n), i64(k - 1), 0, ptr(packed_q)) == 2  # fp32 lines hold two steps
     assert lib.pb_cpu_panel_pack(ptr(dequantized_int4(*weight, dtype)), i64(n), i64(k), code, ptr(packed_f)) == 0
     outs = [torch.empty(rows, n, dtype=dtype) for _ in range(2)]
     shape = (i64(rows), i64(n), i64(k), code, 1)

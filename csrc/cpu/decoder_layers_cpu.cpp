@@ -46,7 +46,8 @@ struct PbCpuDecoderLayer {
   int32_t activation;               // PbCpuActivation of the MLP's gate
   float residual_scale;             // Granite's residual multiplier on each branch's output (1: none)
   // Or null: a float panel. Else the panel is quantized: int8 (pb_cpu_panel_pack_int8) or int4
-  // (pb_cpu_panel_pack_int4), `weight_bits` wide, with float32 scales per output and group of `group_size` (0: one).
+  // (pb_cpu_panel_pack_int4), `weight_bits` wide, with float32 scales per output and group of `group_size` (0: one;
+  // int4: each group's scales followed by its offsets, as pb_cpu_panel_linear_quantized reads them).
   const float* qkv_scales;
   const float* o_scales;
   const float* gate_up_scales;
@@ -119,7 +120,6 @@ int32_t pb_cpu_decoder_layers(PbCpuDecoderStep* step) {
     if (code != 0) s.failed = kernel;
     return code != 0;
   };
-  // y [t, n] = x [t, k] times a layer's panels, float or int8 (`scales` not null)
   for (int32_t i = 0; i < s.num_layers; ++i) {
     if (s.stop != nullptr && s.stop() != 0) return kStopped;
     const PbCpuDecoderLayer& layer = s.layers[i];

@@ -61,8 +61,9 @@ inline int64_t padded_k(int64_t k, int32_t dtype) { return dtype == BF16 ? (k + 
 
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 
-// int4 weights: two a byte. Each line of L weights (16 for fp32 rows, 32 for a bf16 pair step) is L/2 bytes, byte i
-// holding weight i in its low half and weight i + L/2 in its high half, as unsigned nibbles (0 to 15).
+// int4 weights: two a byte. Each line of 32 weights (two fp32 steps k and k + 1, or one bf16 pair step) is 16 bytes,
+// byte i holding weight i in its low half and weight i + 16 in its high half, as unsigned nibbles (0 to 15). (fp32
+// lines of one step, 8 bytes, cost a broadcast and a variable shift per step: 12 -> 8 instructions a step pair.)
 struct UInt4 {
   uint8_t byte;
 };
@@ -121,29 +122,22 @@ inline f32x16 affine(f32x16 q, f32x16 scale, f32x16 offset) {
 #endif
 }
 
-// A line of int4 weights (8 or 16 bytes) as floats 0 to 15: the low nibbles (the line's first half), then the high
-// ones. With AVX-512 each byte widens to a 32-bit lane and a permute of the table 0, 1, ..., 15 reads the lane's low
-// four bits: no masks and no int-to-float conversion (~4 instructions fewer per 16 weights than unpack + convert).
-template <int BYTES>
-inline void int4_values(const uint8_t* bytes, f32x16 (&out)[BYTES / 8]) {
+// A line of int4 weights (16 bytes) as floats 0 to 15: the low nibbles, then the high ones. With AVX-512 each byte
+// widens to a 32-bit lane and a permute of the table 0, 1, ..., 15 reads the lane's low four bits: no masks and no
+// int-to-float conversion.
+inline void int4_values(const uint8_t* bytes, f32x16 (&out)[2]) {
 #if defined(__AVX512F__)
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  if constexpr (BYTES == 8) {  // lanes 0-7 the low nibbles of bytes 0-7, lanes 8-15 their high nibbles
-    const __m512i wide = _mm512_cvtepu8_epi32(_mm_set1_epi64x(*reinterpret_cast<const int64_t*>(bytes)));
-    const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
-    out[0] = (f32x16)_mm512_permutexvar_ps(_mm512_srlv_epi32(wide, shifts), table);
-  } else {
-    const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-    out[0] = (f32x16)_mm512_permutexvar_ps(wide, table);
-    out[1] = (f32x16)_mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), table);
-  }
+  const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  out[0] = (f32x16)_mm512_permutexvar_ps(wide, table);
+  out[1] = (f32x16)_mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), table);
 #else
-  int8_t unpacked[2 * BYTES];
-  for (int i = 0; i < BYTES; ++i) {
+  int8_t unpacked[32];
+  for (int i = 0; i < 16; ++i) {
     unpacked[i] = static_cast<int8_t>(bytes[i] & 15);
-    unpacked[i + BYTES] = static_cast<int8_t>(bytes[i] >> 4);
+    unpacked[i + 16] = static_cast<int8_t>(bytes[i] >> 4);
   }
-  for (int v = 0; v < BYTES / 8; ++v) {
+  for (int v = 0; v < 2; ++v) {
     i8x16 q;
     std::memcpy(&q, unpacked + 16 * v, sizeof(q));
     out[v] = to_float(q);
@@ -151,20 +145,24 @@ inline void int4_values(const uint8_t* bytes, f32x16 (&out)[BYTES / 8]) {
 #endif
 }
 
-// One fp32 step of a panel: 16 floats, or 16 int8 / int4 weights dequantized.
+// Steps an fp32 tile takes at once: int4 lines hold two.
 template <typename W>
-inline f32x16 weights_f32(const W* line, const Dequant& group) {
+constexpr int kF32Steps = std::is_same_v<W, UInt4> ? 2 : 1;
+
+// kF32Steps<W> fp32 steps of a panel from step `line`: 16 floats, or 16 int8 / int4 weights dequantized, per step.
+template <typename W>
+inline void weights_f32(const W* line, const Dequant& group, f32x16 (&out)[kF32Steps<W>]) {
   if constexpr (std::is_same_v<W, UInt4>) {
-    f32x16 q[1];
-    int4_values<8>(reinterpret_cast<const uint8_t*>(line), q);
-    return affine(q[0], group.scale, group.offset);
+    f32x16 q[2];
+    int4_values(reinterpret_cast<const uint8_t*>(line), q);
+    out[0] = affine(q[0], group.scale, group.offset), out[1] = affine(q[1], group.scale, group.offset);
   } else if constexpr (std::is_same_v<W, int8_t>) {
     i8x16 q;
     std::memcpy(&q, line, sizeof(q));
-    return to_float(q) * group.scale;
+    out[0] = to_float(q) * group.scale;
   } else {
     (void)group;
-    return load16(line);
+    out[0] = load16(line);
   }
 }
 
@@ -212,7 +210,7 @@ inline u16x32 weights_bf16(const W* line, const PairDequant& group) {
     f32x16 low, high;
     if constexpr (std::is_same_v<W, UInt4>) {
       f32x16 q[2];
-      int4_values<16>(reinterpret_cast<const uint8_t*>(line), q);
+      int4_values(reinterpret_cast<const uint8_t*>(line), q);
       low = affine(q[0], group.low.scale, group.low.offset), high = affine(q[1], group.high.scale, group.high.offset);
     } else {
       i8x16 q[2];
@@ -256,13 +254,16 @@ inline void tile_f32(const float* x, int64_t x_stride, const W* panels, int64_t 
       end = std::min(k1, (group + 1) * scales.group_steps);
       for (int p = 0; p < NP; ++p) dequant[p] = group_of<W>(scales, p, group);
     }
-    for (int64_t k = start; k < end; ++k) {
+    constexpr int kSteps = kF32Steps<W>;  // (int4: groups, blocks and K are even, so pairs never straddle them)
+    for (int64_t k = start; k < end; k += kSteps) {
       if constexpr (AHEAD > 0) prefetch_ahead<NP>(panels, k_len, k + ahead_steps<AHEAD, W, float>(), kLanes);
-      f32x16 w[NP];
-      for (int p = 0; p < NP; ++p) w[p] = weights_f32(advance(panels, (p * k_len + k) * kLanes), dequant[p]);
-      for (int m = 0; m < MT; ++m) {
-        const f32x16 xb = f32x16{} + x[m * x_stride + k];
-        for (int p = 0; p < NP; ++p) acc[m][p] += xb * w[p];
+      f32x16 w[NP][kSteps];
+      for (int p = 0; p < NP; ++p) weights_f32(advance(panels, (p * k_len + k) * kLanes), dequant[p], w[p]);
+      for (int step = 0; step < kSteps; ++step) {
+        for (int m = 0; m < MT; ++m) {
+          const f32x16 xb = f32x16{} + x[m * x_stride + k + step];
+          for (int p = 0; p < NP; ++p) acc[m][p] += xb * w[p][step];
+        }
       }
     }
   }
@@ -411,13 +412,15 @@ void dequantize_block(const W* panels, const GroupScales& scales, int64_t steps,
       end = std::min(k1, (group + 1) * scales.group_steps);
       const Dequant dequant = group_of<W>(scales, p, group);
       [[maybe_unused]] const PairDequant pair = pair_dequant(dequant);
-      for (int64_t k = start; k < end; ++k) {
+      constexpr int kSteps = sizeof(T) == 4 ? kF32Steps<W> : 1;
+      for (int64_t k = start; k < end; k += kSteps) {
         __builtin_prefetch(advance(panels, (p * steps + k + kBlockSteps) * width), 0, 1);
         const W* line = advance(panels, (p * steps + k) * width);
         T* to = out + (p * (k1 - k0) + k - k0) * width;
         if constexpr (sizeof(T) == 4) {
-          const f32x16 w = weights_f32(line, dequant);
-          std::memcpy(to, &w, sizeof(w));
+          f32x16 w[kF32Steps<W>];
+          weights_f32(line, dequant, w);
+          std::memcpy(to, w, sizeof(w));
         } else {
           const u16x32 w = weights_bf16(line, pair);
           std::memcpy(to, &w, sizeof(w));
@@ -620,7 +623,8 @@ int32_t pb_cpu_panel_linear_quantized(const void* x, int64_t x_stride, const voi
 int32_t pb_cpu_panel_pack_int4(const void* weight, int64_t n, int64_t k, int32_t dtype, void* out) {
   if (n < 1 || k < 1) return BAD_SHAPE;
   if (dtype != F32 && dtype != BF16) return BAD_DTYPE;
-  const int64_t elements = pb_cpu_panel_packed_elements(n, k, dtype), line = dtype == BF16 ? 2 * kLanes : kLanes;
+  if (dtype == F32 && k % 2 != 0) return BAD_SHAPE;  // fp32 lines hold two steps
+  const int64_t elements = pb_cpu_panel_packed_elements(n, k, dtype), line = 2 * kLanes;
   std::vector<uint8_t> spread(elements);
   pack(static_cast<const uint8_t*>(weight), n, k, dtype, spread.data());
   auto* bytes = static_cast<uint8_t*>(out);
