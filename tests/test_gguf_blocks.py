@@ -111,6 +111,16 @@ def test_blocks_that_do_not_give_the_loaded_weight_are_not_used(copy, capsys):
     assert gguf_blocks.source_of(layer.mlp.down_proj.weight) is not None
 
 
+def test_blocks_are_kept_only_where_panels_run_them(copy):
+    """float16 has no panels: no blocks are attached. With packing off, the engine frees the blocks it got."""
+    _, path = copy
+    model, _ = load_model(str(path), device="cpu", dtype="float16")
+    assert not any(hasattr(weight, "gguf_blocks") for weight in model.parameters())
+    llm = LLM(str(path), device="cpu", dtype="float32", num_blocks=8, block_size=4, prepack_weights=False)
+    assert llm.engine.runner.packed is None
+    assert not any(hasattr(weight, "gguf_blocks") for weight in llm.engine.model.parameters())
+
+
 def test_k_quant_layers_q4_k_and_q6_k_run_on_the_panels_and_equal_hf_generate(tmp_path):
     """llama.cpp's Q4_K_M mix: Q4_K (groups of 32 with six-bit scales and minimums under a float16 pair) on int4
     panels, Q6_K (groups of 16, six-bit signed values) on int8 panels; rows of 264 weights stay float32."""

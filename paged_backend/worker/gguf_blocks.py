@@ -70,6 +70,15 @@ def save(model: nn.Module, path: Path, out: Path) -> None:
         save_file(blocks, str(out), metadata={"kinds": json.dumps(kinds)})
 
 
+def usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model on `device` in `dtype` can run GGUF blocks: the CPU panel kernel builds and takes that dtype
+    (elsewhere the blocks would only hold memory until packing frees them)."""
+    from paged_backend.ops.panel_linear import PANEL_DTYPES
+    from paged_backend.worker.packed_linear import panels_build
+
+    return device.type == "cpu" and dtype in PANEL_DTYPES and panels_build()
+
+
 def attach(model: nn.Module, directory: Path) -> str | None:
     """Hang the blocks saved in `directory` on the CPU linear weights of `model` (loaded from that directory) whose
     value they give; a sentence saying how many, or None when there are none."""

@@ -244,7 +244,7 @@ def load_model(
             placement |= dispatch_kwargs(source, torch_dtype, target, device_map=device_map, max_memory=max_memory,
                                          cpu_offload_gb=cpu_offload_gb, offload_folder=offload_folder)  # fmt: skip
         loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **placement)
-        if gguf is not None and quantized is None and not dispatched and target.type == "cpu":
+        if gguf is not None and quantized is None and not dispatched and gguf_blocks.usable(target, torch_dtype):
             summary = gguf_blocks.attach(loaded, Path(source))
             if summary:
                 print(f"paged-backend: {summary}", file=sys.stderr)

@@ -255,8 +255,9 @@ def _shared_weights(model: nn.Module) -> set[int]:
 
 
 def pack_linears(model: nn.Module, enabled: bool, release: bool) -> PackedLinears | None:
-    """The model's packed linear layers, or None when packing is off or nothing packs (GPU, quantized, offloaded)."""
-    if not enabled:
-        return None
-    packed = PackedLinears(model, release)
-    return packed if len(packed) else None
+    """The model's packed linear layers, or None when packing is off or nothing packs (GPU, quantized, offloaded).
+    GGUF blocks left on weights that did not pack are freed: nothing else reads them."""
+    packed = PackedLinears(model, release) if enabled else None
+    for weight in model.parameters():
+        gguf_blocks.drop(weight)
+    return packed if packed is not None and len(packed) else None
