@@ -26,7 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from paged_backend.ops.panel_linear import QuantizedWeight
+from paged_backend.ops.cpu import unavailable_reason
+from paged_backend.ops.panel_linear import PANEL_DTYPES, QuantizedWeight
 
 BLOCKS_FILE = "gguf_blocks.safetensors"  # beside model.safetensors in a conversion; transformers does not read it
 BLOCK = 32  # weights per block in Q4_0, Q4_1 and Q8_0 (Q4_K and Q6_K: 256)
@@ -73,10 +74,7 @@ def save(model: nn.Module, path: Path, out: Path) -> None:
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a model on `device` in `dtype` can run GGUF blocks: the CPU panel kernel builds and takes that dtype
     (elsewhere the blocks would only hold memory until packing frees them)."""
-    from paged_backend.ops.panel_linear import PANEL_DTYPES
-    from paged_backend.worker.packed_linear import panels_build
-
-    return device.type == "cpu" and dtype in PANEL_DTYPES and panels_build()
+    return device.type == "cpu" and dtype in PANEL_DTYPES and unavailable_reason() is None  # (packed_linear's check)
 
 
 def attach(model: nn.Module, directory: Path) -> str | None:
