@@ -158,7 +158,9 @@ def test_shutdown_lets_short_requests_finish_and_aborts_the_rest(engine):
             lambda: "endless" in engine.requests and engine.requests["endless"].seqs[0].num_output_tokens > 0
         ):
             await asyncio.sleep(0.01)
-        await async_engine.shutdown(drain_timeout=0.5)
+        # The short one has at most 7 steps left (~5 ms here); the endless one ~900 (~0.5 s at ~0.55 ms a step,
+        # which a 0.5 s drain once let it finish on CI). 0.15 s leaves both sides a wide margin.
+        await async_engine.shutdown(drain_timeout=0.15)
         with pytest.raises(EngineNotRunning):
             await anext(async_engine.generate("late", "Too late", GREEDY))
         return await asyncio.gather(short, endless, return_exceptions=True)
