@@ -362,12 +362,12 @@ def systems(bin_dir: Path, source: Path, slots: int, slot_tokens: int, args) -> 
         quant_file = source if source.name.endswith(f".{quant}.gguf") else requantize(bin_dir, f32, quant)
         llama = llama_system(bin_dir, quant_file, f"llama.cpp {quant} (KV f16)", "f16", slots, slot_tokens, args)
         paged = out[0]
-        if schemes and schemes[index] == "gguf":  # the engine on the same quantized file, run on its blocks
-            paged = paged_system(quant_file, dtypes[0], slots, slot_tokens, args, tag=f"{quant} blocks")
-            out.append(paged)
-        elif schemes:  # the engine on its own quantized weights, from the same F32 file
-            paged = paged_system(f32, dtypes[0], slots, slot_tokens, args, tag=schemes[index],
-                                 quantization=("--quantization", "torchao", "--quantization-param", schemes[index]))
+        if schemes:
+            if schemes[index] == "gguf":  # the engine on the same quantized file, run on its blocks
+                paged = paged_system(quant_file, dtypes[0], slots, slot_tokens, args, tag=f"{quant} blocks")
+            else:  # the engine on its own quantized weights, from the same F32 file
+                paged = paged_system(f32, dtypes[0], slots, slot_tokens, args, tag=schemes[index],
+                                     quantization=("--quantization", "torchao", "--quantization-param", schemes[index]))
             out.append(paged)
         out.append(llama)
         pairs.append((paged.label, llama.label))

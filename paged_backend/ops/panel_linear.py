@@ -102,12 +102,12 @@ class PanelWeight:
         - `bits` 8: int8 q, a byte per weight; `scale` one float per output (`group_size` 0, torchao's
           int8_weight_only) or `[N, K / group_size]`, one per output and group of K (GGUF's Q8_0); no offset;
         - `bits` 4: uint8 q from 0 to 15, two a byte; `scale` and `offset` `[N, K / group_size]` (GGUF's Q4_1)."""
+        if bits not in (8, 4):  # (before anything that reads the bits)
+            raise ValueError(f"quantized panels hold 8 or 4 bits a weight, not {bits}")
         storage = torch.int8 if bits == 8 else torch.uint8
         if q.dtype != storage or q.device.type != "cpu" or q.dim() != 2 or dtype not in PANEL_DTYPES:
             raise ValueError(f"int{bits} panels pack 2-D CPU {str(storage)[6:]} weights{' (0 to 15)' * (bits == 4)} "
                              f"for float32/bfloat16 activations, not {q.dtype} {tuple(q.shape)} for {dtype}")  # fmt: skip
-        if bits not in (8, 4):
-            raise ValueError(f"quantized panels hold 8 or 4 bits a weight, not {bits}")
         if (offset is None) != (bits == 8):
             raise ValueError("int4 panels take an offset per scale (q * scale + offset); int8 panels take none")
         out_features, in_features = q.shape

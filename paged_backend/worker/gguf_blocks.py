@@ -1,9 +1,9 @@
 """A GGUF model's block-quantized linear weights, run as they ship.
 
 `gguf_source` converts a GGUF file once into float32 safetensors, the exact values transformers' loader dequantizes,
-and the model loads from them. The linear weights the file stores as Q4_0, Q4_1, Q8_0, Q4_K or Q6_K blocks (SmolLM2's
-file: Q4_1 layers and a Q8_0 embedding tied to the LM head; llama.cpp's Q4_K_M: Q4_K and Q6_K) are kept beside them too (`save`, into `BLOCKS_FILE`, rows in the HF
-weight's order). At load, `attach` hangs each weight's blocks on it, and the panel packer (`packed_linear`) packs them
+and the model loads from them. The linear weights the file stores as Q4_0, Q4_1, Q8_0, Q4_K or Q6_K blocks
+(SmolLM2's file: Q4_1 layers and a Q8_0 embedding tied to the LM head; llama.cpp's Q4_K_M: Q4_K and Q6_K) are kept
+beside them too (`save`, into `BLOCKS_FILE`, rows in the HF weight's order). At load, `attach` hangs each weight's blocks on it, and the panel packer (`packed_linear`) packs them
 into int4 or int8 panels: a fifth (Q4_1) to a quarter (Q8_0) of the float32 bytes, the same values, so the same
 tokens, bit for bit.
 
@@ -11,9 +11,9 @@ A block holds 32 weights of a row: a float16 scale d (Q4_1: and a minimum m) and
 d * q + m (Q4_1), d * (q - 8) (Q4_0) or d * q (Q8_0, q signed); Q4_K and Q6_K hold 256 in groups of 32 or 16, each
 group's scale (and minimum) a float16 times a small integer, exact in float32. The panels take q * scale (+ offset)
 rounded once, which is each of these to the bit (gguf-py's dequantization rounds once too: d * q is exact where an
-offset follows). Blocks are used only where their dequantization
-equals the loaded weight in its own dtype (checked at conversion and again at each load, ~0.5 s for SmolLM2): a model
-never runs on values other than the ones it loaded.
+offset follows). Blocks are used only where their dequantization equals the loaded weight in its own dtype (checked
+at conversion and again at each load, ~0.5 s for SmolLM2): a model never runs on values other than the ones it
+loaded. `packed_linear.pack_linears` frees them once the layers are packed.
 """
 
 from __future__ import annotations
@@ -26,16 +26,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from paged_backend.ops.cpu import unavailable_reason
-from paged_backend.ops.panel_linear import PANEL_DTYPES, QuantizedWeight
+from paged_backend.ops.panel_linear import QuantizedWeight
 
 BLOCKS_FILE = "gguf_blocks.safetensors"  # beside model.safetensors in a conversion; transformers does not read it
 BLOCK = 32  # weights per block in Q4_0, Q4_1 and Q8_0 (Q4_K and Q6_K: 256)
 
 
 def save(model: nn.Module, path: Path, out: Path) -> None:
-    """Write the Q4_0/Q4_1/Q8_0 blocks of GGUF file `path` that `model` (transformers' float32 load of it) holds as
-    linear weights, keyed by the weights' names, into `out` (nothing when there are none)."""
+    """Write the blocks of GGUF file `path` (the DECODERS' kinds) that `model` (transformers' float32 load of it)
+    holds as linear weights, keyed by the weights' names, into `out` (nothing when there are none). A weight whose
+    tensor transformers cannot map or process on its own (an architecture gguf-py names otherwise, MoE experts that
+    need the whole load) is left out: it runs on float panels, as every GGUF weight did before."""
     from gguf import GGUFReader
     from safetensors.torch import save_file
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
@@ -49,7 +50,7 @@ def save(model: nn.Module, path: Path, out: Path) -> None:
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
     try:
         names = get_gguf_hf_weights_map(model, processor)
-    except (NotImplementedError, KeyError, ValueError):  # an architecture gguf-py names otherwise: it runs dense
+    except (NotImplementedError, KeyError, ValueError):  # raised for an architecture gguf-py names otherwise
         return
     weights = _linear_weights(model)
     blocks, kinds = {}, {}
@@ -58,7 +59,7 @@ def save(model: nn.Module, path: Path, out: Path) -> None:
             continue
         try:  # llama's q/k rows back in HF's order; the rows of a block tensor permute like those of its values
             processed = processor.process(weights=np.asarray(tensor.data), name=gguf_name)
-        except Exception:  # noqa: BLE001 - a processor that needs the whole load (MoE experts): that layer runs dense
+        except Exception:  # noqa: BLE001 - a processor that needs the whole load's context (MoE experts)
             continue
         name, rows = names.get(processed.name), processed.weights
         if name not in weights:
@@ -69,12 +70,6 @@ def save(model: nn.Module, path: Path, out: Path) -> None:
             kinds[name] = kind
     if blocks:
         save_file(blocks, str(out), metadata={"kinds": json.dumps(kinds)})
-
-
-def usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a model on `device` in `dtype` can run GGUF blocks: the CPU panel kernel builds and takes that dtype
-    (elsewhere the blocks would only hold memory until packing frees them)."""
-    return device.type == "cpu" and dtype in PANEL_DTYPES and unavailable_reason() is None  # (packed_linear's check)
 
 
 def attach(model: nn.Module, directory: Path) -> str | None:
@@ -135,7 +130,7 @@ def _fingerprint(weight: torch.Tensor) -> tuple:
 
 
 def drop(weight: torch.Tensor) -> None:
-    """Free `weight`'s blocks once packed (a later repack follows a change, which they no longer match)."""
+    """Free `weight`'s blocks (after packing: a later repack follows a change, which they no longer match)."""
     if getattr(weight, "gguf_blocks", None) is not None:
         del weight.gguf_blocks
 

@@ -39,7 +39,7 @@ from paged_backend.worker.default_model import TINY_MODEL, default_model
 from paged_backend.worker.int4_checkpoint import load_int4_checkpoint
 from paged_backend.worker.int4_formats import Int4Scheme
 from paged_backend.worker.offload import dispatch_kwargs, uses_accelerate
-from paged_backend.worker.packed_linear import dtype_packs
+from paged_backend.worker.packed_linear import dtype_packs, quantized_panels_run
 
 if TYPE_CHECKING:
     from paged_backend.config import EngineConfig
@@ -244,7 +244,7 @@ def load_model(
             placement |= dispatch_kwargs(source, torch_dtype, target, device_map=device_map, max_memory=max_memory,
                                          cpu_offload_gb=cpu_offload_gb, offload_folder=offload_folder)  # fmt: skip
         loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **placement)
-        if gguf is not None and quantized is None and not dispatched and gguf_blocks.usable(target, torch_dtype):
+        if gguf is not None and quantized is None and not dispatched and quantized_panels_run(target, torch_dtype):
             summary = gguf_blocks.attach(loaded, Path(source))
             if summary:
                 print(f"paged-backend: {summary}", file=sys.stderr)

@@ -16,8 +16,8 @@ Quantized weights pack too, into int8 or int4 panels (a byte or half a byte per 
 the format's own dequantization computes), so they run the fused forward and its C++ layer loop:
 - torchao's int8 and int4 weight-only layers (`--quantization torchao`, int8_weight_only / int4_weight_only), whose
   CPU path dequantizes the whole matrix per call;
-- the linear layers of a model loaded from a GGUF file, from the Q4_0/Q4_1/Q8_0 blocks they were dequantized from
-  (`gguf_blocks`): the same values from a fifth to a half of the bytes.
+- the linear layers of a model loaded from a GGUF file, from the Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks they were
+  dequantized from (`gguf_blocks`): the same values from a fifth to a half of the bytes.
 """
 
 from __future__ import annotations
@@ -69,9 +69,15 @@ def packable(module: nn.Module) -> bool:
     weight = module.weight
     if weight.device.type != "cpu" or weight.dim() != 2:
         return False
-    if quantized_weight(weight) is not None and panels_build() and weight.dtype in PANEL_DTYPES:
+    if quantized_weight(weight) is not None and quantized_panels_run(weight.device, weight.dtype):
         return True
     return type(weight.data) is torch.Tensor and packs(weight.dtype)  # (a GGUF-loaded one as plain float weights)
+
+
+def quantized_panels_run(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether quantized panels serve layers on `device` in `dtype` (the CPU panel kernel builds and takes that dtype):
+    where they do not, a quantized weight keeps its own forward and GGUF blocks are not worth reading."""
+    return device.type == "cpu" and dtype in PANEL_DTYPES and panels_build()
 
 
 def quantized_weight(weight: torch.Tensor) -> QuantizedWeight | None:
@@ -176,7 +182,6 @@ class PackedLinears:
             if not packable(module) or module in self.layers:
                 continue
             forward = packed_forward(module)
-            gguf_blocks.drop(module.weight)
             if release and id(module.weight) not in shared:  # a tied LM head keeps the embedding's weight
                 empty = torch.empty(0, dtype=module.weight.dtype)  # (a plain tensor, for a quantized weight too)
                 module.weight = nn.Parameter(empty, requires_grad=False)
@@ -256,7 +261,7 @@ def _shared_weights(model: nn.Module) -> set[int]:
 
 def pack_linears(model: nn.Module, enabled: bool, release: bool) -> PackedLinears | None:
     """The model's packed linear layers, or None when packing is off or nothing packs (GPU, quantized, offloaded).
-    GGUF blocks left on weights that did not pack are freed: nothing else reads them."""
+    The GGUF blocks on its weights are freed here, packed or not: nothing else reads them."""
     packed = PackedLinears(model, release) if enabled else None
     for weight in model.parameters():
         gguf_blocks.drop(weight)
