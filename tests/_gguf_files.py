@@ -76,11 +76,11 @@ def truncated(src: Path | str, dst: Path | str, keep_fraction: float = 0.5) -> P
 
 
 def tiny_file(dst: Path | str, architecture: str = "llama",
-              types: dict[str, GGMLQuantizationType] | None = None) -> Path:  # fmt: skip
+              types: dict[str, GGMLQuantizationType] | None = None, feed_forward: int = 264) -> Path:  # fmt: skip
     """A complete one-block model of llama's layout (an 8-token vocabulary, 4 heads) that transformers loads
     in milliseconds: random F32 values, or random bytes of the right size for a tensor `types` stores as
     another type."""
-    vocab, h, f = 8, 256, 264  # hidden and feed-forward sizes; 264 is no multiple of 32: requantize keeps
+    vocab, h, f = 8, 256, feed_forward  # hidden and feed-forward sizes; 264 is no multiple of 32: requantize keeps
     # ffn_down (rows of 264) in F32
     writer = gguf.GGUFWriter(str(dst), architecture)
     writer.add_name(f"tiny {architecture} (paged-backend test file)")
@@ -114,8 +114,13 @@ def tiny_file(dst: Path | str, architecture: str = "llama",
     return _finish(writer, dst)
 
 
-# Where each block keeps its float16 scales (d, and Q4_K's dmin), as byte offsets in the block.
-SCALE_FIELDS = {GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q6_K: (208,)}
+# Where each block keeps its float16 scales (d, and a minimum's or K-quants' dmin), as byte offsets in the block.
+SCALE_FIELDS = {
+    GGMLQuantizationType.Q4_0: (0,), GGMLQuantizationType.Q4_1: (0, 2), GGMLQuantizationType.Q8_0: (0,),
+    GGMLQuantizationType.Q5_0: (0,), GGMLQuantizationType.Q5_1: (0, 2), GGMLQuantizationType.Q2_K: (80, 82),
+    GGMLQuantizationType.Q3_K: (108,), GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2),
+    GGMLQuantizationType.Q6_K: (208,),
+}  # fmt: skip
 
 
 def _random_blocks(rng: np.random.Generator, byte_shape: tuple, qtype: GGMLQuantizationType) -> np.ndarray:

@@ -143,6 +143,67 @@ def test_k_quant_layers_q4_k_and_q6_k_run_on_the_panels_and_equal_hf_generate(tm
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p) for p in prompts]
 
 
+# llama.cpp's mixes as they come out for rows that are no multiple of 256 (SmolLM2's 576): Q4_K_M makes q, k, o, gate
+# and up Q5_0, v Q5_0 or Q8_0 and down Q4_K or Q6_K; Q5_K_M the same with Q5_1 and Q5_K; Q3_K_M Q2_K/Q3_K besides.
+MIXES = {
+    "q5_k_m": {"attn_q": "Q5_K", "attn_k": "Q5_1", "attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_gate": "Q5_1",
+               "ffn_up": "Q5_0", "ffn_down": "Q6_K"},
+    "q3_k_m": {"attn_q": "Q2_K", "attn_k": "Q3_K", "attn_v": "Q3_K", "attn_output": "Q4_K", "ffn_gate": "Q3_K",
+               "ffn_up": "Q4_0", "ffn_down": "Q5_K"},
+    "q4_k_m": {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q5_0",
+               "ffn_up": "Q5_0", "ffn_down": "Q4_K"},
+}  # fmt: skip
+KINDS = {"Q5_K": (8, 32, True), "Q5_1": (8, 32, True), "Q5_0": (8, 32, False), "Q8_0": (8, 32, False),
+         "Q6_K": (8, 16, False), "Q2_K": (4, 16, True), "Q3_K": (4, 16, True), "Q4_K": (4, 32, True),
+         "Q4_0": (4, 32, True)}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_mixed_layers_run_in_the_native_loop_with_the_float_weights_bits(mix, dtype, tmp_path, monkeypatch):
+    """Each weight on its own kind of panel (Q5_0/Q5_1/Q5_K on int8 with or without offsets, Q2_K/Q3_K on int4,
+    groups of 16 or 32); q|k|v and gate|up stack when their bits agree (the finest group, offsets for all); one
+    layer mixing them all runs in the C++ layer loop. Tokens and logprobs are the float panels' bit for bit, and
+    HF generate's tokens in float32."""
+    from paged_backend.ops.decoder_layers import DecoderLayers
+
+    types = {f"blk.0.{name}.weight": getattr(gguf.GGMLQuantizationType, kind) for name, kind in MIXES[mix].items()}
+    path = tiny_file(tmp_path / f"tiny.{mix}.gguf", types=types, feed_forward=256)
+    loops = []
+    native_call = DecoderLayers.__call__
+    monkeypatch.setattr(DecoderLayers, "__call__", lambda self, *args: loops.append(1) or native_call(self, *args))
+    llm = LLM(str(path), device="cpu", dtype=dtype, num_blocks=16, block_size=4)
+    prompts = [[2, 3, 4, 5], [6, 7, 2, 3, 4, 5, 6]]
+    sampling = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+
+    def generate(engine_llm):
+        outputs = engine_llm.generate([{"prompt_token_ids": p} for p in prompts], sampling)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    ours = generate(llm)
+    assert len(loops) >= 8  # every step in the C++ loop
+    layer, held = llm.engine.model.model.layers[0], panels(llm)  # (stacked at the first step)
+    modules = {"attn_q": layer.self_attn.q_proj, "attn_k": layer.self_attn.k_proj, "attn_v": layer.self_attn.v_proj,
+               "attn_output": layer.self_attn.o_proj, "ffn_gate": layer.mlp.gate_proj, "ffn_up": layer.mlp.up_proj,
+               "ffn_down": layer.mlp.down_proj}  # fmt: skip
+    bits = {name: KINDS[kind][0] for name, kind in MIXES[mix].items()}
+    for name, kind in MIXES[mix].items():
+        panel = held[modules[name]]
+        stacked_with = [other for other in (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up")) if name in other]
+        if stacked_with and len({bits[other] for other in stacked_with[0]}) == 1:  # regrouped to the finest
+            group = min(KINDS[MIXES[mix][other]][1] for other in stacked_with[0])
+            offsets = any(KINDS[MIXES[mix][other]][2] for other in stacked_with[0])
+            assert (panel.bits, panel.group_size, panel.offsets) == (KINDS[kind][0], group, offsets), name
+        else:
+            assert (panel.bits, panel.group_size, panel.offsets) == KINDS[kind], name
+    model, _ = load_model(str(gguf_source.cache_entry(path)), device="cpu", dtype=dtype)
+    float_llm = LLM(model, tokenizer=byte_tokenizer(), device="cpu", num_blocks=16, block_size=4)
+    assert all(panel.scales is None for panel in panels(float_llm).values())
+    assert ours == generate(float_llm)
+    if dtype == "float32":
+        assert [tokens for tokens, _ in ours] == [hf_greedy(model, p) for p in prompts]
+
+
 @pytest.mark.skipif(default_model_file() is None, reason=f"the default model is not installed ({INSTALL_HINT})")
 def test_the_default_model_runs_its_q4_1_layers_and_q8_0_head_as_they_ship():
     """SmolLM2's file: 210 Q4_1 linear weights and a Q8_0 embedding, tied to the LM head."""

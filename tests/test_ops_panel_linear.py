@@ -205,6 +205,53 @@ def test_int8_panels_with_a_scale_per_group_of_32_give_the_float_panels_bits(dty
     assert out.dtype == dtype and torch.equal(out, PanelWeight(dequantized)(x, bias))
 
 
+def int8_affine_weight(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale, offset): 5-bit values 0 to 31 with a float16 scale and minimum per output and group of K, as GGUF's
+    Q5_1 (and Q5_K) hold them: each weight scale * q + minimum."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 32, (n, k), generator=generator, dtype=torch.int8)
+    scale = (torch.rand(n, k // group, generator=generator) * 0.02 - 0.01).half().float()  # negative ones too
+    minimum = (torch.rand(n, k // group, generator=generator) * -0.15).half().float()
+    return q, scale, minimum
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(576, 576, 32), (49, 1536, 32), (37, 160, 16)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 12, 53])
+def test_int8_panels_with_an_offset_per_group_give_the_float_panels_bits(dtype, shape, rows):
+    """GGUF's Q5_1 and Q5_K: q * scale + offset in one float32 rounding (the product is exact), then the dtype."""
+    n, k, group = shape
+    q, scale, offset = int8_affine_weight(n, k, group, seed=n + rows)
+    dequantized = torch.addcmul(offset.repeat_interleave(group, dim=1), q.float(),
+                                scale.repeat_interleave(group, dim=1)).to(dtype)  # fmt: skip
+    x, bias = randn(rows, k, dtype=dtype, seed=rows), randn(n, dtype=dtype, seed=9)
+    panel = PanelWeight.quantized(q, scale, 8, dtype, group, offset)
+    assert panel.offsets and panel.scales.numel() == -(-n // 16) * 16 * (k // group) * 2
+    assert torch.equal(panel(x, bias), PanelWeight(dequantized)(x, bias))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_parts_of_other_groups_and_offsets_stack_with_the_same_values(dtype):
+    """A GGUF layer's q and k as Q5_1 (groups of 32, offsets) beside a Q8_0 v (no offsets) or a Q6_K one (groups of
+    16): the stack takes groups of 16 with offsets (each scale repeated, -0 where a part had no offset), and every
+    part still gives its own bits."""
+    k = 128
+    q5_1 = PanelWeight.quantized(*int8_affine_weight(64, k, 32, seed=1)[:2], 8, dtype, 32,
+                                 int8_affine_weight(64, k, 32, seed=1)[2])  # fmt: skip
+    q8_0_q, _ = int8_weight(32, k, seed=2)
+    q8_0 = PanelWeight.quantized(q8_0_q, torch.rand(32, k // 32) * -0.02, 8, dtype, 32)  # negative: -0 products
+    q6_k = PanelWeight.quantized(*int8_weight(40, k, seed=3)[:1], torch.rand(40, k // 16) * 0.02, 8, dtype, 16)
+    per_output = PanelWeight.quantized(*int8_weight(16, k, seed=4), 8, dtype)
+    x = randn(3, k, dtype=dtype, seed=5)
+    for parts in ([q5_1, q8_0], [q5_1, q6_k], [per_output, q8_0, q6_k]):
+        alone = [part(x) for part in parts]
+        group = PanelWeight.stack(parts)
+        assert group is not None and group.bits == 8
+        assert (group.group_size, group.offsets) == (min(p.group_size for p in parts), any(p.offsets for p in parts))
+        assert torch.equal(group(x), torch.cat(alone, dim=-1))
+        assert all(torch.equal(part(x), expected) for part, expected in zip(parts, alone, strict=True))
+
+
 def test_int8_panels_refuse_what_they_do_not_take():
     q, scale = int8_weight(8, 16, seed=1)
     with pytest.raises(ValueError, match="int8 panels pack 2-D CPU int8 weights"):
@@ -213,8 +260,8 @@ def test_int8_panels_refuse_what_they_do_not_take():
         PanelWeight.quantized(q, scale, 8, torch.float16)
     with pytest.raises(ValueError, match="one scale per output: 4 scales for 8 outputs"):
         PanelWeight.quantized(q, scale[:4], 8, torch.float32)
-    with pytest.raises(ValueError, match="int8 panels take none"):
-        PanelWeight.quantized(q, scale, 8, torch.float32, 0, torch.zeros(8))
+    with pytest.raises(ValueError, match="one scale per output: 4 offsets for 8 outputs"):
+        PanelWeight.quantized(q, scale, 8, torch.float32, 0, torch.zeros(4))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -234,7 +281,29 @@ def test_int8_panels_on_a_cpu_without_avx512_give_that_build_s_float_bits(dtype,
     assert lib.pb_cpu_panel_pack(ptr((q.float() * scale).to(dtype)), i64(n), i64(k), code, ptr(packed_f)) == 0
     outs = [torch.empty(rows, n, dtype=dtype) for _ in range(2)]
     shape = (i64(rows), i64(n), i64(k), code, 1)
-    assert lib.pb_cpu_panel_linear_quantized(ptr(x), i64(k), ptr(packed_q), 8, ptr(scales), i64(0), None,
+    assert lib.pb_cpu_panel_linear_quantized(ptr(x), i64(k), ptr(packed_q), 8, ptr(scales), i64(0), 0, None,
+                                             ptr(outs[0]), i64(n), *shape) == 0  # fmt: skip
+    assert lib.pb_cpu_panel_linear(ptr(x), i64(k), ptr(packed_f), None, ptr(outs[1]), i64(n), *shape) == 0
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_panels_with_offsets_on_a_cpu_without_avx512_give_that_build_s_float_bits(dtype, plain_library):
+    lib = plain_library
+    n, k, group, rows, code = 40, 96, 32, 3, 0 if dtype == torch.float32 else 2
+    q, scale, offset = int8_affine_weight(n, k, group, seed=25)
+    dequantized = torch.addcmul(offset.repeat_interleave(group, dim=1), q.float(),
+                                scale.repeat_interleave(group, dim=1)).to(dtype)  # fmt: skip
+    x = randn(rows, k, dtype=dtype, seed=26)
+    i64, ptr = ctypes.c_int64, lambda t: ctypes.c_void_p(t.data_ptr())
+    elements = lib.pb_cpu_panel_packed_elements(i64(n), i64(k), code)
+    packed_q, packed_f = torch.empty(elements, dtype=torch.int8), torch.empty(elements, dtype=dtype)
+    scales = PanelWeight.quantized(q, scale, 8, dtype, group, offset).scales  # the native build's layout
+    assert lib.pb_cpu_panel_pack_int8(ptr(q), i64(n), i64(k), code, ptr(packed_q)) == 0
+    assert lib.pb_cpu_panel_pack(ptr(dequantized), i64(n), i64(k), code, ptr(packed_f)) == 0
+    outs = [torch.empty(rows, n, dtype=dtype) for _ in range(2)]
+    shape = (i64(rows), i64(n), i64(k), code, 1)
+    assert lib.pb_cpu_panel_linear_quantized(ptr(x), i64(k), ptr(packed_q), 8, ptr(scales), i64(group), 1, None,
                                              ptr(outs[0]), i64(n), *shape) == 0  # fmt: skip
     assert lib.pb_cpu_panel_linear(ptr(x), i64(k), ptr(packed_f), None, ptr(outs[1]), i64(n), *shape) == 0
     assert torch.equal(outs[0], outs[1])
@@ -332,7 +401,7 @@ def test_int4_panels_on_a_cpu_without_avx512_give_that_build_s_float_bits(dtype,
     assert lib.pb_cpu_panel_pack(ptr(dequantized_int4(*weight, dtype)), i64(n), i64(k), code, ptr(packed_f)) == 0
     outs = [torch.empty(rows, n, dtype=dtype) for _ in range(2)]
     shape = (i64(rows), i64(n), i64(k), code, 1)
-    assert lib.pb_cpu_panel_linear_quantized(ptr(x), i64(k), ptr(packed_q), 4, ptr(scales), i64(group), None,
+    assert lib.pb_cpu_panel_linear_quantized(ptr(x), i64(k), ptr(packed_q), 4, ptr(scales), i64(group), 1, None,
                                              ptr(outs[0]), i64(n), *shape) == 0  # fmt: skip
     assert lib.pb_cpu_panel_linear(ptr(x), i64(k), ptr(packed_f), None, ptr(outs[1]), i64(n), *shape) == 0
     assert torch.equal(outs[0], outs[1])

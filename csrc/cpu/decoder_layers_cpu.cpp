@@ -18,6 +18,15 @@
 
 extern "C" {
 
+// How a layer's panel is quantized, as pb_cpu_panel_linear_quantized takes it; `scales` null: a float panel. Each of
+// a layer's four panels has its own (GGUF files mix kinds in a layer: Q4_K_M's down is Q4_K or Q6_K beside Q5_0).
+struct PbCpuPanelQuant {
+  const float* scales;
+  int32_t bits;  // 8: pb_cpu_panel_pack_int8; 4: pb_cpu_panel_pack_int4
+  int32_t group_size;  // weights along K per group (0: one group)
+  int32_t offsets;  // 1: each group's scales followed by its offsets (always for int4)
+};
+
 struct PbCpuDecoderLayer {
   const void* qkv;  // q, k and v panels stacked: [q_size + 2 kv_size] outputs of `hidden` inputs
   const void* qkv_bias;  // or null, likewise for the others
@@ -45,15 +54,7 @@ struct PbCpuDecoderLayer {
   int32_t unit_offset;              // Gemma's norms: (1 + weight) in fp32, one rounding (q/k norms too)
   int32_t activation;               // PbCpuActivation of the MLP's gate
   float residual_scale;             // Granite's residual multiplier on each branch's output (1: none)
-  // Or null: a float panel. Else the panel is quantized: int8 (pb_cpu_panel_pack_int8) or int4
-  // (pb_cpu_panel_pack_int4), `weight_bits` wide, with float32 scales per output and group of `group_size` (0: one;
-  // int4: each group's scales followed by its offsets, as pb_cpu_panel_linear_quantized reads them).
-  const float* qkv_scales;
-  const float* o_scales;
-  const float* gate_up_scales;
-  const float* down_scales;
-  int32_t weight_bits;
-  int32_t group_size;
+  PbCpuPanelQuant qkv_quant, o_quant, gate_up_quant, down_quant;
 };
 
 struct PbCpuDecoderStep {
@@ -123,14 +124,15 @@ int32_t pb_cpu_decoder_layers(PbCpuDecoderStep* step) {
   for (int32_t i = 0; i < s.num_layers; ++i) {
     if (s.stop != nullptr && s.stop() != 0) return kStopped;
     const PbCpuDecoderLayer& layer = s.layers[i];
-    // y [t, n] = x [t, k] times one of the layer's panels, float or quantized (`scales` not null)
-    auto linear = [&](const void* x, int64_t x_stride, const void* panels, const float* scales, const void* bias,
-                      void* y, int64_t n, int64_t k) {
-      return scales == nullptr ? pb_cpu_panel_linear(x, x_stride, panels, bias, y, n, t, n, k, s.dtype, threads)
-                               : pb_cpu_panel_linear_quantized(x, x_stride, panels, layer.weight_bits, scales,
-                                                               layer.group_size, bias, y, n, t, n, k, s.dtype, threads);
+    // y [t, n] = x [t, k] times one of the layer's panels, float or quantized
+    auto linear = [&](const void* x, int64_t x_stride, const void* panels, const PbCpuPanelQuant& quant,
+                      const void* bias, void* y, int64_t n, int64_t k) {
+      return quant.scales == nullptr
+                 ? pb_cpu_panel_linear(x, x_stride, panels, bias, y, n, t, n, k, s.dtype, threads)
+                 : pb_cpu_panel_linear_quantized(x, x_stride, panels, quant.bits, quant.scales, quant.group_size,
+                                                 quant.offsets, bias, y, n, t, n, k, s.dtype, threads);
     };
-    if (failed(linear(s.x, h, layer.qkv, layer.qkv_scales, layer.qkv_bias, qkv, qkv_width, h), PB_LINEAR))
+    if (failed(linear(s.x, h, layer.qkv, layer.qkv_quant, layer.qkv_bias, qkv, qkv_width, h), PB_LINEAR))
       return status;
 
     RotaryCacheArgs rotary = s.rotary[layer.group];
@@ -157,16 +159,16 @@ int32_t pb_cpu_decoder_layers(PbCpuDecoderStep* step) {
     attention.sliding_window = layer.sliding_window;
     if (failed(pb_cpu_paged_attention(&attention), PB_ATTENTION)) return status;
 
-    if (failed(linear(s.attention_out, s.q_size, layer.o, layer.o_scales, layer.o_bias, s.o, h, s.q_size), PB_LINEAR) ||
+    if (failed(linear(s.attention_out, s.q_size, layer.o, layer.o_quant, layer.o_bias, s.o, h, s.q_size), PB_LINEAR) ||
         failed(pb_cpu_add_rms_norm(s.o, h, layer.post_attention_norm, layer.residual_scale, s.residual, h,
                                    layer.mlp_norm, s.x, h, rows, static_cast<int32_t>(h), s.dtype, layer.mlp_eps,
                                    layer.unit_offset, threads),
                PB_NORM) ||
-        failed(linear(s.x, h, layer.gate_up, layer.gate_up_scales, layer.gate_up_bias, gate_up, 2 * inter, h),
+        failed(linear(s.x, h, layer.gate_up, layer.gate_up_quant, layer.gate_up_bias, gate_up, 2 * inter, h),
                PB_LINEAR) ||
         failed(pb_cpu_act_mul(gate_up, 2 * inter, gate_up + inter * element, 2 * inter, s.act, inter, rows,
                               static_cast<int32_t>(inter), s.dtype, layer.activation, threads), PB_ACT_MUL) ||
-        failed(linear(s.act, inter, layer.down, layer.down_scales, layer.down_bias, s.out, h, inter), PB_LINEAR))
+        failed(linear(s.act, inter, layer.down, layer.down_quant, layer.down_bias, s.out, h, inter), PB_LINEAR))
       return status;
     if (i + 1 < s.num_layers) {
       const PbCpuDecoderLayer& next = s.layers[i + 1];

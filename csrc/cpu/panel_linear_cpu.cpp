@@ -9,12 +9,13 @@
 // block's weight lines come from DRAM once for all the rows (column() says how).
 //
 // int8 weights (weight-only quantization: q [N, K] int8 with a float32 scale per output, torchao's int8_weight_only,
-// or per output and group of K, GGUF's Q8_0) pack into the same layouts at a byte per weight. A step dequantizes its
-// lines in registers, q * scale rounded to the activations' dtype as torchao's dequantize rounds, and then runs the
+// or per output and group of K, GGUF's Q8_0, Q6_K and Q5_0; with an offset per group too, GGUF's Q5_1 and Q5_K) pack
+// into the same layouts at a byte per weight. A step dequantizes its lines in registers, q * scale (+ offset) in one
+// float32 rounding and then the activations' dtype, as torchao's and gguf's dequantization round, and then runs the
 // float step: so the output has the bits the float kernel gives on the dequantized weight, from a quarter (fp32) or
-// half (bf16) of the bytes. int4 weights (0 to 15, two a byte) carry a scale and an offset per output and group of K:
-// q * scale + offset in one rounding, which is GGUF's Q4_1 and Q4_0 as their dequantization computes them, and
-// torchao's symmetric int4 (values -8 to 7) as q + 8 with offset -8 * scale.
+// half (bf16) of the bytes. int4 weights (0 to 15, two a byte) always carry a scale and an offset per output and group
+// of K: GGUF's Q4_0, Q4_1, Q4_K, Q3_K (q + 4) and Q2_K, and torchao's symmetric int4 (values -8 to 7) as q + 8 with
+// offset -8 * scale.
 //
 // Every output is one fused multiply-add chain over k in order, whatever the row count or the tile it falls in,
 // so results do not depend on the batch. Plain C ABI like paged_attention_cpu.cpp; paged_backend/ops/
@@ -70,9 +71,6 @@ struct UInt4 {
 
 template <typename W>
 constexpr bool kQuantized = std::is_same_v<W, int8_t> || std::is_same_v<W, UInt4>;
-// Floats per (panel, group) in a quantized tile's scales: int8 16 scales; int4 16 scales, then 16 offsets.
-template <typename W>
-constexpr int kGroupFloats = std::is_same_v<W, UInt4> ? 2 * kLanes : kLanes;
 
 // `elements` weights further along a panel array (a UInt4 element is half a byte; offsets are whole lines).
 template <typename W>
@@ -84,11 +82,13 @@ inline const W* advance(const W* p, int64_t elements) {
   }
 }
 
-// A quantized tile's scales: [panel][group][kGroupFloats] floats from the tile's first panel, `group_steps` steps per
-// group (one group spanning K, or e.g. 32 weights: 32 steps of fp32 rows or 16 bf16 pair steps).
+// A quantized tile's scales: [panel][group][parts][16] floats from the tile's first panel, 16 scales and (parts 2)
+// then 16 offsets per group; `group_steps` steps per group (one group spanning K, or e.g. 32 weights: 32 steps of
+// fp32 rows or 16 bf16 pair steps).
 struct GroupScales {
   const float* at;
   int64_t groups, group_steps;
+  int64_t parts;  // 1: scales alone (int8 q * scale); 2: scales and offsets
 };
 
 // The byte distance a streaming tile prefetches ahead is the float weights': int8 lines hold `ratio` times the steps.
@@ -106,8 +106,9 @@ inline f32x16 to_float(i8x16 q) {
 #endif
 }
 
-// A group's dequantization for one panel: int8 q * scale; int4 q * scale + offset, one rounding (a fused
-// multiply-add: it equals torchao's (q - 8) * scale rounded once, and GGUF's d * q + m, whose product is exact).
+// A group's dequantization for one panel: q * scale + offset, one rounding (a fused multiply-add: it equals torchao's
+// (q - 8) * scale rounded once, and GGUF's d * q + m, whose product is exact). Without offsets the offset is -0, and
+// q * scale + -0 is q * scale to the bit, its sign of zero included (+0 would turn a -0 product into +0).
 struct Dequant {
   f32x16 scale, offset;
 };
@@ -159,18 +160,17 @@ inline void weights_f32(const W* line, const Dequant& group, f32x16 (&out)[kF32S
   } else if constexpr (std::is_same_v<W, int8_t>) {
     i8x16 q;
     std::memcpy(&q, line, sizeof(q));
-    out[0] = to_float(q) * group.scale;
+    out[0] = affine(to_float(q), group.scale, group.offset);
   } else {
     (void)group;
     out[0] = load16(line);
   }
 }
 
-// A panel group's scale and offset, as the tile reads them from [panel][group][kGroupFloats].
-template <typename W>
+// A panel group's scale and offset, as the tile reads them from [panel][group][parts][16] (no offsets: -0).
 inline Dequant group_of(const GroupScales& scales, int p, int64_t group) {
-  const float* at = scales.at + (p * scales.groups + group) * kGroupFloats<W>;
-  return {load16(at), std::is_same_v<W, UInt4> ? load16(at + kLanes) : f32x16{}};
+  const float* at = scales.at + (p * scales.groups + group) * scales.parts * kLanes;
+  return {load16(at), scales.parts == 2 ? load16(at + kLanes) : -f32x16{}};
 }
 
 // A panel's bf16 dequantization in the pair layout: `low` for lanes 0-7 ([s0, s0, s1, s1, ..., s7, s7]), `high` for
@@ -215,7 +215,8 @@ inline u16x32 weights_bf16(const W* line, const PairDequant& group) {
     } else {
       i8x16 q[2];
       std::memcpy(q, line, sizeof(q));
-      low = to_float(q[0]) * group.low.scale, high = to_float(q[1]) * group.high.scale;
+      low = affine(to_float(q[0]), group.low.scale, group.low.offset);
+      high = affine(to_float(q[1]), group.high.scale, group.high.offset);
     }
 #if defined(__AVX512BF16__)
     w = (u16x32)_mm512_cvtne2ps_pbh((__m512)high, (__m512)low);
@@ -252,7 +253,7 @@ inline void tile_f32(const float* x, int64_t x_stride, const W* panels, int64_t 
     if constexpr (kQuantized<W>) {
       const int64_t group = start / scales.group_steps;
       end = std::min(k1, (group + 1) * scales.group_steps);
-      for (int p = 0; p < NP; ++p) dequant[p] = group_of<W>(scales, p, group);
+      for (int p = 0; p < NP; ++p) dequant[p] = group_of(scales, p, group);
     }
     constexpr int kSteps = kF32Steps<W>;  // (int4: groups, blocks and K are even, so pairs never straddle them)
     for (int64_t k = start; k < end; k += kSteps) {
@@ -281,7 +282,7 @@ inline void tile_bf16(const uint16_t* x, int64_t x_stride, const W* panels, int6
     if constexpr (kQuantized<W>) {
       const int64_t group = start / scales.group_steps;
       end = std::min(k1, (group + 1) * scales.group_steps);
-      for (int p = 0; p < NP; ++p) dequant[p] = pair_dequant(group_of<W>(scales, p, group));
+      for (int p = 0; p < NP; ++p) dequant[p] = pair_dequant(group_of(scales, p, group));
     }
     for (int64_t kp = start; kp < end; ++kp) {
       if constexpr (AHEAD > 0) prefetch_ahead<NP>(panels, pairs, kp + ahead_steps<AHEAD, W, uint16_t>(), 2 * kLanes);
@@ -410,7 +411,7 @@ void dequantize_block(const W* panels, const GroupScales& scales, int64_t steps,
     for (int64_t start = k0, end; start < k1; start = end) {
       const int64_t group = start / scales.group_steps;
       end = std::min(k1, (group + 1) * scales.group_steps);
-      const Dequant dequant = group_of<W>(scales, p, group);
+      const Dequant dequant = group_of(scales, p, group);
       [[maybe_unused]] const PairDequant pair = pair_dequant(dequant);
       constexpr int kSteps = sizeof(T) == 4 ? kF32Steps<W> : 1;
       for (int64_t k = start; k < end; k += kSteps) {
@@ -442,8 +443,8 @@ template <typename T, typename W, int NP>
 void column(const T* x, int64_t x_stride, const W* packed, const GroupScales& scales, const T* bias, T* y,
             int64_t y_stride, int64_t m_len, int64_t first, int64_t n, int64_t k_len, int64_t k_valid) {
   const W* panels = advance(packed, first * k_len * kLanes);
-  const GroupScales panel_scales{scales.at == nullptr ? nullptr : scales.at + first * scales.groups * kGroupFloats<W>,
-                                 scales.groups, scales.group_steps};
+  const float* first_scales = scales.at == nullptr ? nullptr : scales.at + first * scales.groups * scales.parts * kLanes;
+  const GroupScales panel_scales{first_scales, scales.groups, scales.group_steps, scales.parts};
   const int64_t n0 = first * kLanes, steps = sizeof(T) == 4 ? k_len : k_len / 2;
   const int64_t block = m_len <= 2 ? steps : kBlockSteps, ahead = m_len <= 2 ? kStreamAhead : kBlockSteps;
   alignas(64) float carry[kRowChunk * NP * kLanes];
@@ -500,15 +501,16 @@ void columns(const T* x, int64_t x_stride, const W* packed, const GroupScales& s
   for (; p < end; ++p) run(std::integral_constant<int, 1>{});
 }
 
-// `scales`: null for float weights, else [panel][group][kGroupFloats] floats for quantized ones, `group_size` weights
-// along K per group (0: one group spanning K, a scale per output).
+// `scales`: null for float weights, else [panel][group][parts][16] floats for quantized ones (`offsets`: parts 2,
+// the offsets after the scales), `group_size` weights along K per group (0: one group spanning K).
 template <typename T, typename W>
-void linear(const T* x, int64_t x_stride, const W* packed, const float* scales, int64_t group_size, const T* bias, T* y,
-            int64_t y_stride, int64_t m, int64_t n, int64_t k, int32_t dtype, int32_t num_threads) {
+void linear(const T* x, int64_t x_stride, const W* packed, const float* scales, int64_t group_size, bool offsets,
+            const T* bias, T* y, int64_t y_stride, int64_t m, int64_t n, int64_t k, int32_t dtype,
+            int32_t num_threads) {
   const int64_t k_len = padded_k(k, dtype), panels = panels_of(n);
   const int64_t steps = dtype == BF16 ? k_len / 2 : k_len, per_step = dtype == BF16 ? 2 : 1;
   const int64_t group_steps = group_size > 0 ? group_size / per_step : steps;
-  const GroupScales grouped{scales, group_size > 0 ? k / group_size : 1, group_steps};
+  const GroupScales grouped{scales, group_size > 0 ? k / group_size : 1, group_steps, offsets ? 2 : 1};
   const int threads = threads_for(m * n * k, num_threads);
   // One or two rows stream the weights: 8 panels per tile keep 8 loads in flight. More rows reuse each panel
   // from L1 across row tiles: kTilePanels per tile.
@@ -576,10 +578,10 @@ int32_t pb_cpu_panel_linear(const void* x, int64_t x_stride, const void* packed,
   if (m < 0 || n < 1 || k < 1) return BAD_SHAPE;
   if (m == 0) return OK;
   if (dtype == F32) {
-    linear(static_cast<const float*>(x), x_stride, static_cast<const float*>(packed), nullptr, 0,
+    linear(static_cast<const float*>(x), x_stride, static_cast<const float*>(packed), nullptr, 0, false,
            static_cast<const float*>(bias), static_cast<float*>(y), y_stride, m, n, k, dtype, num_threads);
   } else if (dtype == BF16) {
-    linear(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(packed), nullptr, 0,
+    linear(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(packed), nullptr, 0, false,
            static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), y_stride, m, n, k, dtype, num_threads);
   } else {
     return BAD_DTYPE;
@@ -587,26 +589,26 @@ int32_t pb_cpu_panel_linear(const void* x, int64_t x_stride, const void* packed,
   return OK;
 }
 
-// Quantized weights packed by pb_cpu_panel_pack_int8 (`bits` 8; `scales` [panel][groups][16]) or
-// pb_cpu_panel_pack_int4 (`bits` 4; `scales` [panel][groups][2][16]: the scales, then the offsets) for `dtype`
-// activations, `group_size` weights along K per group (0: one group, a scale per output). The scales are float32,
-// zero past the last output. x, bias and y are in `dtype`.
+// Quantized weights packed by pb_cpu_panel_pack_int8 (`bits` 8) or pb_cpu_panel_pack_int4 (`bits` 4) for `dtype`
+// activations, `group_size` weights along K per group (0: one group, a scale per output), each q * scale (+ offset):
+// `scales` [panel][groups][16] floats, or with `offsets` (always for int4) [panel][groups][2][16], the scales then the
+// offsets. The scales are float32, zero past the last output. x, bias and y are in `dtype`.
 int32_t pb_cpu_panel_linear_quantized(const void* x, int64_t x_stride, const void* packed, int32_t bits,
-                                      const float* scales, int64_t group_size, const void* bias, void* y,
-                                      int64_t y_stride, int64_t m, int64_t n, int64_t k, int32_t dtype,
+                                      const float* scales, int64_t group_size, int32_t offsets, const void* bias,
+                                      void* y, int64_t y_stride, int64_t m, int64_t n, int64_t k, int32_t dtype,
                                       int32_t num_threads) {
   if (m < 0 || n < 1 || k < 1 || scales == nullptr || group_size < 0) return BAD_SHAPE;
   if (group_size > 0 && (group_size % 2 != 0 || k % group_size != 0)) return BAD_SHAPE;
-  if (bits == 4 && group_size == 0) return BAD_SHAPE;
+  if (bits == 4 && (group_size == 0 || offsets == 0)) return BAD_SHAPE;
   if (bits != 4 && bits != 8) return BAD_DTYPE;
   if (m == 0) return OK;
   const auto run = [&](auto weights) {
     if (dtype == F32) {
-      linear(static_cast<const float*>(x), x_stride, weights, scales, group_size, static_cast<const float*>(bias),
-             static_cast<float*>(y), y_stride, m, n, k, dtype, num_threads);
+      linear(static_cast<const float*>(x), x_stride, weights, scales, group_size, offsets != 0,
+             static_cast<const float*>(bias), static_cast<float*>(y), y_stride, m, n, k, dtype, num_threads);
     } else {
-      linear(static_cast<const uint16_t*>(x), x_stride, weights, scales, group_size, static_cast<const uint16_t*>(bias),
-             static_cast<uint16_t*>(y), y_stride, m, n, k, dtype, num_threads);
+      linear(static_cast<const uint16_t*>(x), x_stride, weights, scales, group_size, offsets != 0,
+             static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), y_stride, m, n, k, dtype, num_threads);
     }
   };
   if (dtype != F32 && dtype != BF16) return BAD_DTYPE;

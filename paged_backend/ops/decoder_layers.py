@@ -20,6 +20,16 @@ from paged_backend.ops.fused_cpu import PLAIN, SILU, HeadPrep, RotaryCache, Rota
 from paged_backend.ops.panel_linear import PanelWeight, _panel, panel_bias
 
 
+class PanelQuant(ctypes.Structure):
+    """Mirror of PbCpuPanelQuant: how one of a layer's panels is quantized (`scales` null: a float panel)."""
+
+    _fields_ = [("scales", PTR), ("bits", I32), ("group_size", I32), ("offsets", I32)]
+
+    @classmethod
+    def of(cls, panel: PanelWeight) -> PanelQuant:
+        return cls(_pointer(panel.scales), panel.bits, panel.group_size, int(panel.offsets))
+
+
 class DecoderLayer(ctypes.Structure):
     """Mirror of PbCpuDecoderLayer."""
 
@@ -33,8 +43,7 @@ class DecoderLayer(ctypes.Structure):
         ("q_norm", PTR), ("k_norm", PTR), ("q_norm_eps", F32), ("k_norm_eps", F32), ("skip_rotary", I32),
         ("post_attention_norm", PTR), ("post_mlp_norm", PTR), ("unit_offset", I32), ("activation", I32),
         ("residual_scale", F32),
-        ("qkv_scales", PTR), ("o_scales", PTR), ("gate_up_scales", PTR), ("down_scales", PTR),
-        ("weight_bits", I32), ("group_size", I32),
+        ("qkv_quant", PanelQuant), ("o_quant", PanelQuant), ("gate_up_quant", PanelQuant), ("down_quant", PanelQuant),
     ]  # fmt: skip
 
 
@@ -134,9 +143,8 @@ class DecoderLayers:
                 **part.head_prep.fields,  # its unit_offset is the layer's one kind of norm, q/k norms included
                 post_attention_norm=_pointer(part.post_attention_norm), post_mlp_norm=_pointer(part.post_mlp_norm),
                 activation=part.activation, residual_scale=part.residual_scale,
-                qkv_scales=_pointer(part.qkv.scales), o_scales=_pointer(part.o.scales),
-                gate_up_scales=_pointer(part.gate_up.scales), down_scales=_pointer(part.down.scales),
-                weight_bits=part.qkv.bits, group_size=part.qkv.group_size,
+                qkv_quant=PanelQuant.of(part.qkv), o_quant=PanelQuant.of(part.o),
+                gate_up_quant=PanelQuant.of(part.gate_up), down_quant=PanelQuant.of(part.down),
             ))  # fmt: skip
             # The weights are kept alive here; the pools are not (sleep mode frees them): the caller rebuilds this
             # when a pool moves.

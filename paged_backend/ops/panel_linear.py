@@ -11,15 +11,17 @@ row's result does not depend on the other rows in the call.
 
 `PanelWeight.quantized(q, scale, bits, dtype, group_size, offset)` packs weight-only quantized weights for activations
 of `dtype`: int8 (a byte per weight, a scale per output, torchao's int8_weight_only, or per output and group of K,
-GGUF's Q8_0) or int4 (0 to 15, two a byte, a scale and an offset per output and group of K: GGUF's Q4_1 and Q4_0,
-and torchao's int4_weight_only shifted by 8). The kernel dequantizes each line in registers, q * scale (+ offset) in
-one float32 rounding and then the activations' dtype, as those formats' dequantization does: so the result has the
-bits of `PanelWeight(the dequantized weight in dtype)`.
+GGUF's Q8_0, Q6_K and Q5_0; and an offset per group, GGUF's Q5_1 and Q5_K) or int4 (0 to 15, two a byte, a scale and
+an offset per output and group of K: GGUF's Q4_0, Q4_1, Q4_K, Q3_K and Q2_K, and torchao's int4_weight_only shifted by
+8). The kernel dequantizes each line in registers, q * scale (+ offset) in one float32 rounding and then the
+activations' dtype, as those formats' dequantization does: so the result has the bits of `PanelWeight(the dequantized
+weight in dtype)`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 from functools import cache
 from typing import NamedTuple
 
@@ -42,7 +44,9 @@ def _panel() -> ctypes.CDLL:
     lib.pb_cpu_panel_linear.argtypes = [PTR, I64, PTR, PTR, PTR, I64, I64, I64, I64, I32, I32]
     lib.pb_cpu_panel_pack_int8.argtypes = [PTR, I64, I64, I32, PTR]
     lib.pb_cpu_panel_pack_int4.argtypes = [PTR, I64, I64, I32, PTR]
-    lib.pb_cpu_panel_linear_quantized.argtypes = [PTR, I64, PTR, I32, PTR, I64, PTR, PTR, I64, I64, I64, I64, I32, I32]
+    lib.pb_cpu_panel_linear_quantized.argtypes = [
+        PTR, I64, PTR, I32, PTR, I64, I32, PTR, PTR, I64, I64, I64, I64, I32, I32
+    ]
     lib.pb_cpu_panel_error_string.argtypes = [ctypes.c_int]
     lib.pb_cpu_panel_error_string.restype = ctypes.c_char_p
     return lib
@@ -60,7 +64,7 @@ class QuantizedWeight(NamedTuple):
     q: torch.Tensor  # [N, K]
     scale: torch.Tensor  # [N] (group_size 0) or [N, K / group_size]
     group_size: int
-    offset: torch.Tensor | None = None  # 4 bits: like scale
+    offset: torch.Tensor | None = None  # like scale (4 bits: always; 8 bits: or none)
 
     def panels(self, dtype: torch.dtype) -> PanelWeight:
         """Packed for activations of `dtype`."""
@@ -80,11 +84,13 @@ class QuantizedWeight(NamedTuple):
 class PanelWeight:
     """A weight `[N, K]` packed into panels; calling it with `x [..., K]` gives `[..., N]`."""
 
-    # Quantized weights: their float32 scales [panel][group][16] (int4: [panel][group][2][16], scales then offsets;
-    # zero past the last output), `bits` (8 or 4) and the weights along K per group (0: one group, a scale per output).
+    # Quantized weights: their float32 scales [panel][group][16] (with `offsets`, always for int4:
+    # [panel][group][2][16], scales then offsets; zero past the last output), `bits` (8 or 4) and the weights along K
+    # per group (0: one group, a scale per output).
     scales: torch.Tensor | None = None
     bits: int = 0
     group_size: int = 0
+    offsets: bool = False
 
     def __init__(self, weight: torch.Tensor) -> None:
         if weight.dtype not in PANEL_DTYPES or weight.device.type != "cpu" or weight.dim() != 2:
@@ -100,7 +106,8 @@ class PanelWeight:
                   offset: torch.Tensor | None = None) -> PanelWeight:  # fmt: skip
         """Weight-only quantized weights `q [N, K]` for activations of `dtype`, each weight q * scale (+ offset):
         - `bits` 8: int8 q, a byte per weight; `scale` one float per output (`group_size` 0, torchao's
-          int8_weight_only) or `[N, K / group_size]`, one per output and group of K (GGUF's Q8_0); no offset;
+          int8_weight_only) or `[N, K / group_size]`, one per output and group of K (GGUF's Q8_0); `offset` none, or
+          like `scale` (GGUF's Q5_1);
         - `bits` 4: uint8 q from 0 to 15, two a byte; `scale` and `offset` `[N, K / group_size]` (GGUF's Q4_1)."""
         if bits not in (8, 4):  # (before anything that reads the bits)
             raise ValueError(f"quantized panels hold 8 or 4 bits a weight, not {bits}")
@@ -108,12 +115,13 @@ class PanelWeight:
         if q.dtype != storage or q.device.type != "cpu" or q.dim() != 2 or dtype not in PANEL_DTYPES:
             raise ValueError(f"int{bits} panels pack 2-D CPU {str(storage)[6:]} weights{' (0 to 15)' * (bits == 4)} "
                              f"for float32/bfloat16 activations, not {q.dtype} {tuple(q.shape)} for {dtype}")  # fmt: skip
-        if (offset is None) != (bits == 8):
-            raise ValueError("int4 panels take an offset per scale (q * scale + offset); int8 panels take none")
+        if offset is None and bits == 4:
+            raise ValueError("int4 panels take an offset per scale (q * scale + offset)")
         out_features, in_features = q.shape
-        if group_size == 0 and (bits == 4 or scale.numel() != out_features):
-            raise ValueError(f"int{bits} panels take one scale per output{' and group of K' * (bits == 4)}: "
-                             f"{scale.numel()} scales for {out_features} outputs")  # fmt: skip
+        for name, tensor in (("scales", scale), ("offsets", offset)):
+            if group_size == 0 and tensor is not None and (bits == 4 or tensor.numel() != out_features):
+                raise ValueError(f"int{bits} panels take one scale per output{' and group of K' * (bits == 4)}: "
+                                 f"{tensor.numel()} {name} for {out_features} outputs")  # fmt: skip
         if group_size and (group_size < 2 or group_size % 2 or in_features % group_size):
             raise ValueError(f"int{bits} panels take an even group size dividing K = {in_features}, not {group_size}")
         groups = in_features // group_size if group_size else 1
@@ -129,15 +137,16 @@ class PanelWeight:
                f"pack int{bits}")  # fmt: skip
         parts = [scale] if offset is None else [scale, offset]
         scales = _panel_scales([part.reshape(out_features, groups) for part in parts])
-        return cls._over(packed, out_features, in_features, dtype, scales, bits, group_size)
+        return cls._over(packed, out_features, in_features, dtype, scales, bits, group_size, offset is not None)
 
     @classmethod
     def _over(cls, packed: torch.Tensor, out_features: int, in_features: int, dtype: torch.dtype | None = None,
-              scales: torch.Tensor | None = None, bits: int = 0, group_size: int = 0) -> PanelWeight:  # fmt: skip
+              scales: torch.Tensor | None = None, bits: int = 0, group_size: int = 0,
+              offsets: bool = False) -> PanelWeight:  # fmt: skip
         """A weight over panels packed already (a slice of a stacked group); quantized ones with their scales."""
         weight = cls.__new__(cls)
         weight.out_features, weight.in_features, weight.packed, weight.scales = out_features, in_features, packed, scales
-        weight.bits, weight.group_size = bits, group_size
+        weight.bits, weight.group_size, weight.offsets = bits, group_size, offsets
         weight.dtype = dtype or packed.dtype  # the activations' dtype: int8 panels serve float32 or bfloat16 rows
         weight.code = QUERY_DTYPES[weight.dtype]
         return weight
@@ -146,15 +155,24 @@ class PanelWeight:
     def stack(cls, parts: list[PanelWeight]) -> PanelWeight | None:
         """One weight for layers that read the same input (q, k and v; gate and up), so a step calls one kernel
         instead of several: their panels concatenated, each part re-pointed at its own slice of them (the group costs
-        no memory). None when the parts cannot stack: another width or dtype, or a part other than the last
-        ending in a partial panel (its padding would sit inside the group's output)."""
+        no memory). Quantized parts of one width but other groups or offsets (a GGUF file's Q5_1 q and k beside a
+        Q8_0 v) first take the finest group and offsets (`_regrouped`: the same values). None when the parts cannot
+        stack: another width, dtype or bits, or a part other than the last ending in a partial panel (its padding
+        would sit inside the group's output)."""
         first = parts[0]
-        kinds = {(part.in_features, part.dtype, part.packed.dtype, part.bits, part.group_size) for part in parts}
+        kinds = {(part.in_features, part.dtype, part.packed.dtype, part.bits) for part in parts}
         if len(kinds) > 1 or any(part.out_features % LANES for part in parts[:-1]):
             return None
+        group_size, offsets = first.group_size, first.offsets
+        if first.scales is not None:
+            sizes = [part.group_size for part in parts]  # (0: a scale per output, one group of all K)
+            group_size = math.gcd(*(size or first.in_features for size in sizes)) if any(sizes) else 0
+            offsets = any(part.offsets for part in parts)
+            for part in parts:
+                part._regrouped(group_size, offsets)
         scales = None if first.scales is None else torch.cat([part.scales for part in parts])
         group = cls._over(torch.cat([part.packed for part in parts]), sum(p.out_features for p in parts),
-                          first.in_features, first.dtype, scales, first.bits, first.group_size)  # fmt: skip
+                          first.in_features, first.dtype, scales, first.bits, group_size, offsets)  # fmt: skip
         offset, scale_offset = 0, 0
         for part in parts:
             size = part.packed.numel()
@@ -164,6 +182,20 @@ class PanelWeight:
                 part.scales = scales[scale_offset : scale_offset + part.scales.numel()]
                 scale_offset += part.scales.numel()
         return group
+
+    def _regrouped(self, group_size: int, offsets: bool) -> None:
+        """The same quantized weight with scales per `group_size` weights (a divisor of this one's: each group's
+        scale repeated) and, with `offsets`, an offset per group: -0 where it had none, and q * scale + -0 is q *
+        scale to the bit."""
+        if (group_size, offsets) == (self.group_size, self.offsets):
+            return
+        groups = self.in_features // self.group_size if self.group_size else 1
+        scales = self.scales.view(_panels(self.out_features), groups, 1 + self.offsets, LANES)
+        if offsets and not self.offsets:
+            scales = torch.cat([scales, torch.full_like(scales, -0.0)], dim=2)
+        if group_size != self.group_size:
+            scales = scales.repeat_interleave((self.group_size or self.in_features) // group_size, dim=1)
+        self.scales, self.group_size, self.offsets = scales.contiguous().view(-1), group_size, offsets
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != self.dtype or x.shape[-1] != self.in_features:
@@ -181,7 +213,8 @@ class PanelWeight:
         else:
             status = _panel().pb_cpu_panel_linear_quantized(rows.data_ptr(), rows.stride(0), self.packed.data_ptr(),
                                                             self.bits, self.scales.data_ptr(), self.group_size,
-                                                            bias_pointer, out.data_ptr(), out.stride(0), *shape)  # fmt: skip
+                                                            int(self.offsets), bias_pointer, out.data_ptr(),
+                                                            out.stride(0), *shape)  # fmt: skip
         _check(status, "panel linear")
         return out.view(*x.shape[:-1], self.out_features)
 

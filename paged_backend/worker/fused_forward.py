@@ -187,10 +187,9 @@ class FusedForward:
 
     def _native_loop(self, forwards: list[tuple]) -> DecoderLayers | None:
         """The C++ loop over these layers' packed forwards (stacked q|k|v and gate|up, o, down) and the pool's
-        layers; None where a layer is not all panels, or mixes kinds of weights (the loop takes one per layer)."""
+        layers; None where a layer is not all panels. Each panel brings its own kind (float, int8 or int4, groups,
+        offsets): a GGUF file mixes them within a layer."""
         if any(getattr(forward, "panel", None) is None for layer in forwards for forward in layer):
-            return None
-        if any(len({(f.panel.bits, f.panel.group_size) for f in layer}) > 1 for layer in forwards):
             return None
         parts = [
             LayerParts(qkv.panel, qkv.bias, o.panel, o.bias, gate_up.panel, gate_up.bias, down.panel, down.bias,

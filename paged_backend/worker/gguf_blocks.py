@@ -1,19 +1,21 @@
 """A GGUF model's block-quantized linear weights, run as they ship.
 
 `gguf_source` converts a GGUF file once into float32 safetensors, the exact values transformers' loader dequantizes,
-and the model loads from them. The linear weights the file stores as Q4_0, Q4_1, Q8_0, Q4_K or Q6_K blocks
-(SmolLM2's file: Q4_1 layers and a Q8_0 embedding tied to the LM head; llama.cpp's Q4_K_M: Q4_K and Q6_K) are kept
-beside them too (`save`, into `BLOCKS_FILE`, rows in the HF weight's order). At load, `attach` hangs each weight's blocks on it, and the panel packer (`packed_linear`) packs them
-into int4 or int8 panels: a fifth (Q4_1) to a quarter (Q8_0) of the float32 bytes, the same values, so the same
-tokens, bit for bit.
+and the model loads from them. The linear weights the file stores in blocks of a kind the panels take (DECODERS:
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K; SmolLM2's file: Q4_1 layers and a Q8_0 embedding tied
+to the LM head; llama.cpp's Q4_K_M of it: Q5_0 and Q8_0 layers, Q4_K and Q6_K down projections) are kept beside them
+too (`save`, into `BLOCKS_FILE`, rows in the HF weight's order). At load, `attach` hangs each weight's blocks on it,
+and the panel packer (`packed_linear`) packs them into int4 panels (values of 2 to 4 bits) or int8 panels (5 to 8
+bits): a fifth to a quarter of the float32 bytes, the same values, so the same tokens, bit for bit.
 
-A block holds 32 weights of a row: a float16 scale d (Q4_1: and a minimum m) and 32 values q, a weight being
-d * q + m (Q4_1), d * (q - 8) (Q4_0) or d * q (Q8_0, q signed); Q4_K and Q6_K hold 256 in groups of 32 or 16, each
-group's scale (and minimum) a float16 times a small integer, exact in float32. The panels take q * scale (+ offset)
-rounded once, which is each of these to the bit (gguf-py's dequantization rounds once too: d * q is exact where an
-offset follows). Blocks are used only where their dequantization equals the loaded weight in its own dtype (checked
-at conversion and again at each load, ~0.5 s for SmolLM2): a model never runs on values other than the ones it
-loaded. `packed_linear.pack_linears` frees them once the layers are packed.
+A block holds 32 weights of a row: a float16 scale d (Q4_1, Q5_1: and a minimum m) and 32 values q, a weight being
+d * q + m (Q4_1, Q5_1), d * (q - 8) (Q4_0), d * (q - 16) (Q5_0) or d * q (Q8_0, q signed). The K-quants hold 256 in
+groups of 32 (Q4_K, Q5_K) or 16 (Q2_K, Q3_K, Q6_K), each group's scale (and minimum) a float16 times a small integer,
+exact in float32. The panels take q * scale (+ offset) rounded once, which is each of these to the bit (gguf-py's
+dequantization rounds once too: d * q is exact where an offset follows). Blocks are used only where their
+dequantization equals the loaded weight in its own dtype (checked at conversion and again at each load, ~0.5 s for
+SmolLM2): a model never runs on values other than the ones it loaded. `packed_linear.pack_linears` frees them once
+the layers are packed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch import nn
 from paged_backend.ops.panel_linear import QuantizedWeight
 
 BLOCKS_FILE = "gguf_blocks.safetensors"  # beside model.safetensors in a conversion; transformers does not read it
-BLOCK = 32  # weights per block in Q4_0, Q4_1 and Q8_0 (Q4_K and Q6_K: 256)
+BLOCK = 32  # weights per block in Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (the K-quants: 256)
 
 
 def save(model: nn.Module, path: Path, out: Path) -> None:
@@ -187,6 +189,57 @@ def _q4_k(blocks):  # 256 weights in 8 groups of 32: (d * sc) * q - dmin * m, si
     return 4, _nibbles(blocks[:, 16:], 32), scale, 32, offset
 
 
+def _q5_0(blocks):  # d * (q - 16), q of 4 low bits and a fifth from a 32-bit mask
+    q = _five_bits(blocks[:, 2:6], blocks[:, 6:], 16).astype(np.int8) - np.int8(16)
+    return 8, q, _half(blocks[:, :2]), BLOCK, None
+
+
+def _q5_1(blocks):  # d * q + m
+    q = _five_bits(blocks[:, 4:8], blocks[:, 8:], 16).astype(np.int8)
+    return 8, q, _half(blocks[:, :2]), BLOCK, _half(blocks[:, 2:4])
+
+
+def _five_bits(high: np.ndarray, low: np.ndarray, run: int) -> np.ndarray:
+    """5-bit values [n, w]: 4-bit ones from `low` (runs of `run` bytes, as _nibbles) and a fifth bit per value from
+    `high`, bit i of the little-endian bytes for value i."""
+    fifth = np.unpackbits(np.ascontiguousarray(high), axis=-1, bitorder="little")
+    return _nibbles(low, run) | (fifth << 4)
+
+
+def _q5_k(blocks):  # 256 weights in 8 groups of 32: (d * sc) * q - dmin * m, q of 4 low bits and a fifth
+    from gguf.quants import Q4_K
+
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+    scale, offset = _half(blocks[:, :2]) * sc.astype(np.float32), -(_half(blocks[:, 2:4]) * m.astype(np.float32))
+    low = _nibbles(blocks[:, 48:], 32).reshape(-1, 8, 32)
+    fifth = (blocks[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1  # bit g: group g
+    return 8, (low | (fifth << 4)).reshape(-1, 256).astype(np.int8), scale, 32, offset
+
+
+def _q2_k(blocks):  # 256 weights in 16 groups of 16: (d * sc) * q - dmin * m, four-bit sc and m, two-bit q
+    sc = blocks[:, :16]
+    scale = _half(blocks[:, 80:82]) * (sc & 15).astype(np.float32)
+    offset = -(_half(blocks[:, 82:84]) * (sc >> 4).astype(np.float32))
+    return 4, _crumbs(blocks[:, 16:80]), scale, 16, offset
+
+
+def _crumbs(packed: np.ndarray) -> np.ndarray:
+    """Bytes [n, 64] -> 2-bit values [n, 256]: per half of 32 bytes, the four bit pairs of each byte in turn."""
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    return ((packed.reshape(packed.shape[0], -1, 1, 32) >> shifts) & 3).reshape(packed.shape[0], -1)
+
+
+def _q3_k(blocks):  # 256 weights in 16 groups of 16: (d * (sc - 32)) * q, q from -4 to 3: (q + 4) * s - 4 * s
+    low, high = blocks[:, 96:104], blocks[:, 104:108]
+    sc = ((low.reshape(-1, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(-1, 16) & 15) | (
+        ((high.reshape(-1, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(-1, 16) & 3) << 4
+    )
+    scale = _half(blocks[:, 108:110]) * (sc.astype(np.int8) - np.int8(32)).astype(np.float32)
+    mask = (blocks[:, :32].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    q = _crumbs(blocks[:, 32:96]) + (mask.reshape(-1, 256) << 2)  # the mask's bit set: no -4 (q + 4 from 0 to 7)
+    return 4, q, scale, 16, scale * -4  # (-4 * s is exact, and so is the value: one rounding changes nothing)
+
+
 def _q6_k(blocks):  # 256 weights in 16 groups of 16: (d * sc) * (q - 32), q of 4 low bits and 2 high ones
     low = _nibbles(blocks[:, :128], 64)
     high = (blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
@@ -195,4 +248,5 @@ def _q6_k(blocks):  # 256 weights in 16 groups of 16: (d * sc) * (q - 32), q of 
     return 8, q, scale, 16, None
 
 
-DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
+DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
+            "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}  # fmt: skip
