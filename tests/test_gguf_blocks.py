@@ -143,15 +143,19 @@ def test_k_quant_layers_q4_k_and_q6_k_run_on_the_panels_and_equal_hf_generate(tm
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p) for p in prompts]
 
 
-# llama.cpp's mixes as they come out for rows that are no multiple of 256 (SmolLM2's 576): Q4_K_M makes q, k, o, gate
-# and up Q5_0, v Q5_0 or Q8_0 and down Q4_K or Q6_K; Q5_K_M the same with Q5_1 and Q5_K; Q3_K_M Q2_K/Q3_K besides.
+# llama.cpp's mixes. Q4_K_M on rows that are a multiple of 256: Q4_K with a Q6_K v and down (q|k|v then do not
+# stack). On rows that are not (SmolLM2's 576) the K-quants fall back: Q4_K_M makes q, k, o, gate and up Q5_0, v Q5_0
+# or Q8_0; Q5_K_M the same with Q5_1; Q3_K_M Q4_0 q, k, gate and up beside a Q5_0 v and o. Each mix here has every
+# kind it names in one layer.
 MIXES = {
+    "q4_k_m": {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
+               "ffn_up": "Q4_K", "ffn_down": "Q6_K"},
+    "q4_k_m-576": {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q5_0",
+                   "ffn_up": "Q5_0", "ffn_down": "Q4_K"},
     "q5_k_m": {"attn_q": "Q5_K", "attn_k": "Q5_1", "attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_gate": "Q5_1",
                "ffn_up": "Q5_0", "ffn_down": "Q6_K"},
-    "q3_k_m": {"attn_q": "Q2_K", "attn_k": "Q3_K", "attn_v": "Q3_K", "attn_output": "Q4_K", "ffn_gate": "Q3_K",
-               "ffn_up": "Q4_0", "ffn_down": "Q5_K"},
-    "q4_k_m": {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q5_0",
-               "ffn_up": "Q5_0", "ffn_down": "Q4_K"},
+    "q3_k_m": {"attn_q": "Q2_K", "attn_k": "Q3_K", "attn_v": "Q5_0", "attn_output": "Q4_K", "ffn_gate": "Q4_0",
+               "ffn_up": "Q5_1", "ffn_down": "Q5_K"},
 }  # fmt: skip
 KINDS = {"Q5_K": (8, 32, True), "Q5_1": (8, 32, True), "Q5_0": (8, 32, False), "Q8_0": (8, 32, False),
          "Q6_K": (8, 16, False), "Q2_K": (4, 16, True), "Q3_K": (4, 16, True), "Q4_K": (4, 32, True),
@@ -162,9 +166,9 @@ KINDS = {"Q5_K": (8, 32, True), "Q5_1": (8, 32, True), "Q5_0": (8, 32, False), "
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_mixed_layers_run_in_the_native_loop_with_the_float_weights_bits(mix, dtype, tmp_path, monkeypatch):
     """Each weight on its own kind of panel (Q5_0/Q5_1/Q5_K on int8 with or without offsets, Q2_K/Q3_K on int4,
-    groups of 16 or 32); q|k|v and gate|up stack when their bits agree (the finest group, offsets for all); one
-    layer mixing them all runs in the C++ layer loop. Tokens and logprobs are the float panels' bit for bit, and
-    HF generate's tokens in float32."""
+    groups of 16 or 32); q|k|v and gate|up stack when their bits agree (the finest group, offsets for all), else go
+    side by side; one layer mixing them all runs in the C++ layer loop. Tokens and logprobs are the float panels' bit
+    for bit, and HF generate's tokens in float32."""
     from paged_backend.ops.decoder_layers import DecoderLayers
 
     types = {f"blk.0.{name}.weight": getattr(gguf.GGMLQuantizationType, kind) for name, kind in MIXES[mix].items()}

@@ -27,15 +27,21 @@ struct PbCpuPanelQuant {
   int32_t offsets;  // 1: each group's scales followed by its offsets (always for int4)
 };
 
+// One of a layer's panels: `outputs` columns of its linear's output, from the column the slots before it end at.
+struct PbCpuLayerPanel {
+  const void* panels;  // null: an unused slot (and the slots after it)
+  const void* bias;  // or null
+  PbCpuPanelQuant quant;
+  int64_t outputs;
+};
+
 struct PbCpuDecoderLayer {
-  const void* qkv;  // q, k and v panels stacked: [q_size + 2 kv_size] outputs of `hidden` inputs
-  const void* qkv_bias;  // or null, likewise for the others
-  const void* o;  // [hidden] outputs of q_size inputs
-  const void* o_bias;
-  const void* gate_up;  // gate and up stacked: [2 intermediate] outputs of `hidden` inputs
-  const void* gate_up_bias;
-  const void* down;  // [hidden] outputs of `intermediate` inputs
-  const void* down_bias;
+  // q, k and v: [q_size + 2 kv_size] outputs of `hidden` inputs, stacked in qkv[0], or a panel each where their
+  // kinds do not stack (Q4_K_M's Q4_K q and k beside a Q6_K v)
+  PbCpuLayerPanel qkv[3];
+  PbCpuLayerPanel o;  // [hidden] outputs of q_size inputs
+  PbCpuLayerPanel gate_up[2];  // gate and up: [2 intermediate] outputs of `hidden` inputs, likewise
+  PbCpuLayerPanel down;  // [hidden] outputs of `intermediate` inputs
   const void* attention_norm;  // input_layernorm's weight
   const void* mlp_norm;        // the norm before the MLP: post_attention_layernorm's (Gemma: pre_feedforward_...)
   float attention_eps, mlp_eps;
@@ -54,7 +60,6 @@ struct PbCpuDecoderLayer {
   int32_t unit_offset;              // Gemma's norms: (1 + weight) in fp32, one rounding (q/k norms too)
   int32_t activation;               // PbCpuActivation of the MLP's gate
   float residual_scale;             // Granite's residual multiplier on each branch's output (1: none)
-  PbCpuPanelQuant qkv_quant, o_quant, gate_up_quant, down_quant;
 };
 
 struct PbCpuDecoderStep {
@@ -99,6 +104,7 @@ extern "C" {
 
 enum PbCpuLayerKernel : int32_t { PB_LINEAR = 1, PB_ROTARY = 2, PB_ATTENTION = 3, PB_NORM = 4, PB_ACT_MUL = 5 };
 constexpr int32_t kStopped = 1;  // pb_cpu_decoder_layers: the step stopped before a layer
+constexpr int32_t kPanelBadShape = 2;  // pb_cpu_panel_linear's BAD_SHAPE status, for parts that miss the width
 
 uint64_t pb_cpu_decoder_layer_size() { return sizeof(PbCpuDecoderLayer); }
 uint64_t pb_cpu_decoder_step_size() { return sizeof(PbCpuDecoderStep); }
@@ -124,16 +130,27 @@ int32_t pb_cpu_decoder_layers(PbCpuDecoderStep* step) {
   for (int32_t i = 0; i < s.num_layers; ++i) {
     if (s.stop != nullptr && s.stop() != 0) return kStopped;
     const PbCpuDecoderLayer& layer = s.layers[i];
-    // y [t, n] = x [t, k] times one of the layer's panels, float or quantized
-    auto linear = [&](const void* x, int64_t x_stride, const void* panels, const PbCpuPanelQuant& quant,
-                      const void* bias, void* y, int64_t n, int64_t k) {
-      return quant.scales == nullptr
-                 ? pb_cpu_panel_linear(x, x_stride, panels, bias, y, n, t, n, k, s.dtype, threads)
-                 : pb_cpu_panel_linear_quantized(x, x_stride, panels, quant.bits, quant.scales, quant.group_size,
-                                                 quant.offsets, bias, y, n, t, n, k, s.dtype, threads);
+    // y [t, width] = x [t, k] times `slots` of the layer's panels side by side, each float or quantized
+    auto linear = [&](const void* x, int64_t x_stride, const PbCpuLayerPanel* parts, int slots, char* y,
+                      int64_t width, int64_t k) {
+      int64_t column = 0;
+      for (int j = 0; j < slots && parts[j].panels != nullptr; ++j) {
+        const PbCpuLayerPanel& part = parts[j];
+        const PbCpuPanelQuant& quant = part.quant;
+        char* out = y + column * element;
+        const int32_t code =
+            quant.scales == nullptr
+                ? pb_cpu_panel_linear(x, x_stride, part.panels, part.bias, out, width, t, part.outputs, k, s.dtype,
+                                      threads)
+                : pb_cpu_panel_linear_quantized(x, x_stride, part.panels, quant.bits, quant.scales, quant.group_size,
+                                                quant.offsets, part.bias, out, width, t, part.outputs, k, s.dtype,
+                                                threads);
+        if (code != 0) return code;
+        column += part.outputs;
+      }
+      return column == width ? 0 : kPanelBadShape;  // the parts must fill the output
     };
-    if (failed(linear(s.x, h, layer.qkv, layer.qkv_quant, layer.qkv_bias, qkv, qkv_width, h), PB_LINEAR))
-      return status;
+    if (failed(linear(s.x, h, layer.qkv, 3, qkv, qkv_width, h), PB_LINEAR)) return status;
 
     RotaryCacheArgs rotary = s.rotary[layer.group];
     rotary.query = qkv;
@@ -159,16 +176,15 @@ int32_t pb_cpu_decoder_layers(PbCpuDecoderStep* step) {
     attention.sliding_window = layer.sliding_window;
     if (failed(pb_cpu_paged_attention(&attention), PB_ATTENTION)) return status;
 
-    if (failed(linear(s.attention_out, s.q_size, layer.o, layer.o_quant, layer.o_bias, s.o, h, s.q_size), PB_LINEAR) ||
+    if (failed(linear(s.attention_out, s.q_size, &layer.o, 1, static_cast<char*>(s.o), h, s.q_size), PB_LINEAR) ||
         failed(pb_cpu_add_rms_norm(s.o, h, layer.post_attention_norm, layer.residual_scale, s.residual, h,
                                    layer.mlp_norm, s.x, h, rows, static_cast<int32_t>(h), s.dtype, layer.mlp_eps,
                                    layer.unit_offset, threads),
                PB_NORM) ||
-        failed(linear(s.x, h, layer.gate_up, layer.gate_up_quant, layer.gate_up_bias, gate_up, 2 * inter, h),
-               PB_LINEAR) ||
+        failed(linear(s.x, h, layer.gate_up, 2, gate_up, 2 * inter, h), PB_LINEAR) ||
         failed(pb_cpu_act_mul(gate_up, 2 * inter, gate_up + inter * element, 2 * inter, s.act, inter, rows,
                               static_cast<int32_t>(inter), s.dtype, layer.activation, threads), PB_ACT_MUL) ||
-        failed(linear(s.act, inter, layer.down, layer.down_quant, layer.down_bias, s.out, h, inter), PB_LINEAR))
+        failed(linear(s.act, inter, &layer.down, 1, static_cast<char*>(s.out), h, inter), PB_LINEAR))
       return status;
     if (i + 1 < s.num_layers) {
       const PbCpuDecoderLayer& next = s.layers[i + 1];

@@ -30,12 +30,19 @@ class PanelQuant(ctypes.Structure):
         return cls(_pointer(panel.scales), panel.bits, panel.group_size, int(panel.offsets))
 
 
+class LayerPanel(ctypes.Structure):
+    """Mirror of PbCpuLayerPanel: one of a layer's panels, `outputs` columns of its linear's output (`panels` null:
+    an unused slot)."""
+
+    _fields_ = [("panels", PTR), ("bias", PTR), ("quant", PanelQuant), ("outputs", I64)]
+
+
 class DecoderLayer(ctypes.Structure):
     """Mirror of PbCpuDecoderLayer."""
 
     _fields_ = [
-        ("qkv", PTR), ("qkv_bias", PTR), ("o", PTR), ("o_bias", PTR), ("gate_up", PTR), ("gate_up_bias", PTR),
-        ("down", PTR), ("down_bias", PTR), ("attention_norm", PTR), ("mlp_norm", PTR),
+        ("qkv", LayerPanel * 3), ("o", LayerPanel), ("gate_up", LayerPanel * 2), ("down", LayerPanel),
+        ("attention_norm", PTR), ("mlp_norm", PTR),
         ("attention_eps", F32), ("mlp_eps", F32), ("key_cache", PTR), ("value_cache", PTR),
         ("k_stride_block", I64), ("k_stride_slot", I64), ("k_stride_head", I64),
         ("v_stride_block", I64), ("v_stride_slot", I64), ("v_stride_head", I64),
@@ -43,7 +50,6 @@ class DecoderLayer(ctypes.Structure):
         ("q_norm", PTR), ("k_norm", PTR), ("q_norm_eps", F32), ("k_norm_eps", F32), ("skip_rotary", I32),
         ("post_attention_norm", PTR), ("post_mlp_norm", PTR), ("unit_offset", I32), ("activation", I32),
         ("residual_scale", F32),
-        ("qkv_quant", PanelQuant), ("o_quant", PanelQuant), ("gate_up_quant", PanelQuant), ("down_quant", PanelQuant),
     ]  # fmt: skip
 
 
@@ -85,23 +91,22 @@ def _error(kernel: int, status: int) -> str:
     return _fused().pb_cpu_fused_error_string(status).decode()
 
 
+Panels = list[tuple[PanelWeight, "torch.Tensor | None"]]  # a linear's panels side by side, each with its bias or None
+
+
 @dataclass
 class LayerParts:
-    """One layer as the loop reads it: stacked q|k|v and gate|up panels, o and down, biases (or None), the two
-    norms' (weight, eps), the layer's pools, its sliding window (None: off) and what it does to q and k heads besides
-    the rotary (`HeadPrep`: Qwen3's norms, SmolLM3's NoPE layers). Gemma adds norms of the attention and MLP outputs
-    before their residual adds (weights, or None), its kind of norm (`head_prep.unit_offset`) and GELU-tanh
-    (`activation`);
-    Granite scales each branch's output before its add (`residual_scale`)."""
+    """One layer as the loop reads it: q|k|v (stacked, or up to three panels where their kinds do not stack),
+    o, gate|up (likewise, up to two) and down, each a list of (panel, bias or None); the two norms' (weight, eps),
+    the layer's pools, its sliding window (None: off) and what it does to q and k heads besides the rotary
+    (`HeadPrep`: Qwen3's norms, SmolLM3's NoPE layers). Gemma adds norms of the attention and MLP outputs before their
+    residual adds (weights, or None), its kind of norm (`head_prep.unit_offset`) and GELU-tanh (`activation`); Granite
+    scales each branch's output before its add (`residual_scale`)."""
 
-    qkv: PanelWeight
-    qkv_bias: torch.Tensor | None
-    o: PanelWeight
-    o_bias: torch.Tensor | None
-    gate_up: PanelWeight
-    gate_up_bias: torch.Tensor | None
-    down: PanelWeight
-    down_bias: torch.Tensor | None
+    qkv: Panels
+    o: Panels
+    gate_up: Panels
+    down: Panels
     attention_norm: tuple[torch.Tensor, float]
     mlp_norm: tuple[torch.Tensor, float]
     key_cache: torch.Tensor
@@ -125,32 +130,39 @@ class DecoderLayers:
 
     def __init__(self, parts: list[LayerParts], q_size: int, kv_size: int, head_dim: int) -> None:
         first = parts[0]
-        self.dtype = first.qkv.dtype
-        self.hidden, self.intermediate = first.o.out_features, first.down.in_features
+        self.dtype = first.qkv[0][0].dtype
+        self.hidden, self.intermediate = first.o[0][0].out_features, first.down[0][0].in_features
         self.q_size, self.kv_size, self.head_dim = q_size, kv_size, head_dim
         self.keep = []  # everything the structs point into
         layers = []
         for part in parts:
-            own = (part.qkv_bias, part.o_bias, part.gate_up_bias, part.down_bias)
-            biases = [panel_bias(bias, self.dtype) for bias in own]
+            slots = [self._slots(panels, size) for panels, size in
+                     ((part.qkv, 3), (part.o, 1), (part.gate_up, 2), (part.down, 1))]  # fmt: skip
             k_strides, v_strides = part.key_cache.stride()[:3], part.value_cache.stride()[:3]
             layers.append(DecoderLayer(
-                part.qkv.packed.data_ptr(), _pointer(biases[0]), part.o.packed.data_ptr(), _pointer(biases[1]),
-                part.gate_up.packed.data_ptr(), _pointer(biases[2]), part.down.packed.data_ptr(), _pointer(biases[3]),
-                part.attention_norm[0].data_ptr(), part.mlp_norm[0].data_ptr(), part.attention_norm[1],
+                *slots, part.attention_norm[0].data_ptr(), part.mlp_norm[0].data_ptr(), part.attention_norm[1],
                 part.mlp_norm[1], part.key_cache.data_ptr(), part.value_cache.data_ptr(), *k_strides, *v_strides,
                 0, part.sliding_window or 0,
                 **part.head_prep.fields,  # its unit_offset is the layer's one kind of norm, q/k norms included
                 post_attention_norm=_pointer(part.post_attention_norm), post_mlp_norm=_pointer(part.post_mlp_norm),
                 activation=part.activation, residual_scale=part.residual_scale,
-                qkv_quant=PanelQuant.of(part.qkv), o_quant=PanelQuant.of(part.o),
-                gate_up_quant=PanelQuant.of(part.gate_up), down_quant=PanelQuant.of(part.down),
             ))  # fmt: skip
             # The weights are kept alive here; the pools are not (sleep mode frees them): the caller rebuilds this
             # when a pool moves.
-            self.keep += [part.qkv, part.o, part.gate_up, part.down, part.attention_norm[0], part.mlp_norm[0], *biases,
-                          part.head_prep, part.post_attention_norm, part.post_mlp_norm]
+            self.keep += [part.attention_norm[0], part.mlp_norm[0], part.head_prep, part.post_attention_norm,
+                          part.post_mlp_norm]  # fmt: skip
         self.layers = (DecoderLayer * len(layers))(*layers)
+
+    def _slots(self, panels: Panels, size: int) -> LayerPanel | ctypes.Array:
+        """A linear's panels as the struct's `size` slots (one slot: the struct itself), unused ones null."""
+        if not 1 <= len(panels) <= size:
+            raise ValueError(f"a layer's linear takes 1 to {size} panels side by side, not {len(panels)}")
+        slots = []
+        for panel, bias in panels:
+            bias = panel_bias(bias, self.dtype)
+            self.keep += [panel, bias]
+            slots.append(LayerPanel(panel.packed.data_ptr(), _pointer(bias), PanelQuant.of(panel), panel.out_features))
+        return slots[0] if size == 1 else (LayerPanel * size)(*slots)
 
     def __call__(self, residual: torch.Tensor, x: torch.Tensor, groups: list[int], rotaries: list[RotaryCache],
                  plans: list[AttentionPlan], stop=None) -> torch.Tensor | None:  # fmt: skip

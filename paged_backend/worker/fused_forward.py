@@ -182,20 +182,20 @@ class FusedForward:
             gate_up_call, gate_up = _one_call(gate_up_modules, forward_of, stacked, self.gate_up_sizes)
             o, down = forward_of(o), forward_of(down)
             layers.append((qkv_call, o, gate_up_call, down))
-            natives.append((qkv, o, gate_up, down))
+            natives.append((qkv, (o,), gate_up, (down,)))
         return layers, packed.get(self.lm_head) or self.lm_head.forward, self._native_loop(natives) if native else None
 
     def _native_loop(self, forwards: list[tuple]) -> DecoderLayers | None:
-        """The C++ loop over these layers' packed forwards (stacked q|k|v and gate|up, o, down) and the pool's
-        layers; None where a layer is not all panels. Each panel brings its own kind (float, int8 or int4, groups,
-        offsets): a GGUF file mixes them within a layer."""
-        if any(getattr(forward, "panel", None) is None for layer in forwards for forward in layer):
+        """The C++ loop over these layers' packed forwards (q|k|v, o, gate|up and down: each a tuple of forwards,
+        one when stacked) and the pool's layers; None where a layer is not all panels. Each panel brings its own kind
+        (float, int8 or int4, groups, offsets): a GGUF file mixes them within a layer, even within q|k|v."""
+        if any(getattr(forward, "panel", None) is None for layer in forwards for linear in layer for forward in linear):
             return None
+        panels = lambda linear: [(forward.panel, forward.bias) for forward in linear]  # noqa: E731
         parts = [
-            LayerParts(qkv.panel, qkv.bias, o.panel, o.bias, gate_up.panel, gate_up.bias, down.panel, down.bias,
-                       *self.norms[index], *self.kv_cache.layer(index), self.windows[index], self.head_preps[index],
-                       *self.post_norms[index], self.activation, self.residual_scale)
-            for index, (qkv, o, gate_up, down) in enumerate(forwards)
+            LayerParts(*map(panels, layer), *self.norms[index], *self.kv_cache.layer(index), self.windows[index],
+                       self.head_preps[index], *self.post_norms[index], self.activation, self.residual_scale)
+            for index, layer in enumerate(forwards)
         ]  # fmt: skip
         return DecoderLayers(parts, *self.qkv_sizes[:2], self.head_dim)
 
@@ -304,15 +304,16 @@ def _module(module: nn.Module) -> nn.Module:
 
 def _one_call(modules: tuple, call_of: Callable, stacked, sizes: list[int]):
     """One call for the layers that read the same input (q, k and v; gate and up), giving their outputs apart, and the
-    stacked packed forward the C++ loop takes (None where there is none): the family's own stacked module (Phi-3),
-    their panels stacked, or else each layer called in turn. `call_of(module)` is what calls one layer."""
+    forwards the C++ loop takes side by side: the family's own stacked module (Phi-3), their panels stacked, or else
+    each layer called in turn (kinds of panels that do not stack). `call_of(module)` is what calls one layer."""
     if len(modules) == 1:
         call = call_of(modules[0])
-        return _split(call, sizes), call
+        return _split(call, sizes), (call,)
     group = stacked(modules) if stacked is not None else None
     if group is not None:
-        return _split(group, sizes), group
-    return _each(*map(call_of, modules)), None
+        return _split(group, sizes), (group,)
+    calls = tuple(map(call_of, modules))
+    return _each(*calls), calls
 
 
 def _each(*projections):
