@@ -119,7 +119,7 @@ SCALE_FIELDS = {
     GGMLQuantizationType.Q4_0: (0,), GGMLQuantizationType.Q4_1: (0, 2), GGMLQuantizationType.Q8_0: (0,),
     GGMLQuantizationType.Q5_0: (0,), GGMLQuantizationType.Q5_1: (0, 2), GGMLQuantizationType.Q2_K: (80, 82),
     GGMLQuantizationType.Q3_K: (108,), GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2),
-    GGMLQuantizationType.Q6_K: (208,),
+    GGMLQuantizationType.Q6_K: (208,), GGMLQuantizationType.IQ4_NL: (0,), GGMLQuantizationType.IQ4_XS: (0,),
 }  # fmt: skip
 
 
