@@ -10,9 +10,9 @@
 
 The first run builds llama-server and llama-quantize from the llama-cpp-python sdist (it vendors llama.cpp; 8 to 16
 minutes on 2 cores) and turns SmolLM2's Q4_1 file into F32 (and BF16, Q8_0, Q4_K_M, ... when asked) with
-llama-quantize; all of it is cached under $PAGED_BACKEND_CACHE/llama.cpp/ (default ~/.cache/paged_backend). Both servers load the
-same F32 file (paged-backend at --dtype float32 / bfloat16; llama.cpp the F32 / BF16 file with a KV cache of
-the same type); --quant adds llama.cpp rows on quantized weights (KV f16, llama.cpp's default) next to
+llama-quantize; all of it is cached under $PAGED_BACKEND_CACHE/llama.cpp/ (default ~/.cache/paged_backend). Both
+servers load the same F32 file (paged-backend at --dtype float32 / bfloat16; llama.cpp the F32 / BF16 file with a KV
+cache of the same type); --quant adds llama.cpp rows on quantized weights (KV f16, llama.cpp's default) next to
 paged-backend at the first --dtype.
 
 Requests: the project's chat workload (bench/chat_workload.py), rendered by the chat template here and sent as
