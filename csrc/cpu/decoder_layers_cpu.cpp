@@ -19,7 +19,7 @@
 extern "C" {
 
 // How a layer's panel is quantized, as pb_cpu_panel_linear_quantized takes it; `scales` null: a float panel. Each of
-// a layer's four panels has its own (GGUF files mix kinds in a layer: Q4_K_M's down is Q4_K or Q6_K beside Q5_0).
+// a layer's panels has its own (GGUF files mix kinds in a layer: Q4_K_M's down is Q4_K or Q6_K beside Q5_0).
 struct PbCpuPanelQuant {
   const float* scales;
   int32_t bits;  // 8: pb_cpu_panel_pack_int8; 4: pb_cpu_panel_pack_int4
