@@ -222,10 +222,13 @@ def hf_argmax(model, prompt: list[int], new_tokens: int = 8) -> list[int]:
 
 @pytest.mark.skipif(default_model_file() is None, reason=f"the default model is not installed ({INSTALL_HINT})")
 def test_the_default_model_runs_its_q4_1_layers_and_q8_0_head_as_they_ship():
-    """SmolLM2's file: 210 Q4_1 linear weights and a Q8_0 embedding, tied to the LM head."""
+    """SmolLM2's file: 210 Q4_1 linear weights and a Q8_0 embedding, tied to the LM head: the embedding's rows come
+    from the head's int8 panels, and no float copy of the matrix stays."""
     llm = LLM(device="cpu", dtype="float32", num_blocks=16)
     held = panels(llm)
     bits = sorted(panel.bits for panel in held.values())
     assert bits == [4] * 210 + [8] and all(panel.group_size == 32 for panel in held.values())
     head = held[llm.engine.model.lm_head]
     assert head.bits == 8 and head.out_features == llm.engine.model.config.vocab_size
+    assert llm.engine.model.model.embed_tokens.weight.numel() == 0 and llm.engine.runner.fused is not None
+    assert sum(p.numel() for p in llm.engine.model.parameters()) < 100_000  # the norms alone

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from _engine_helpers import ragged_prompts
+from _hf_models import tiny_model as hf_tiny_model
 from torch import nn
 
 from paged_backend.engine import LLM, SamplingParams
-from paged_backend.worker.models import byte_tokenizer, tiny_model
+from paged_backend.worker.models import byte_tokenizer, load_model, tiny_model
 from paged_backend.worker.packed_linear import PackedLinears, packable, packs, panels_build
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -69,9 +70,9 @@ def test_a_callers_model_keeps_its_weights_and_forward():
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks - 1
 
 
-def saved_tied_model(path) -> nn.Module:
-    """A tiny Llama whose LM head shares the embedding, saved with its tokenizer to `path` (loaded: the engine's own)."""
-    model = tiny_model("llama", seed=6)
+def saved_tied_model(path, arch: str = "llama") -> nn.Module:
+    """A tiny model whose LM head shares the embedding, saved with its tokenizer to `path` (loaded: the engine's own)."""
+    model = (tiny_model if arch == "llama" else hf_tiny_model)(arch, seed=6)
     model.config.tie_word_embeddings = True
     model.lm_head.weight = model.model.embed_tokens.weight
     model.save_pretrained(path)
@@ -79,30 +80,50 @@ def saved_tied_model(path) -> nn.Module:
     return model
 
 
-def test_a_loaded_model_gives_up_its_dense_weights_but_a_tied_head_keeps_the_embedding(tmp_path):
-    model = saved_tied_model(tmp_path)
+LOGPROBS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+
+def _run(llm, prompts):
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, LOGPROBS)]
+
+
+@pytest.mark.skipif(not panels_build(), reason="the panel kernel (csrc/cpu) does not build here")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_loaded_model_gives_up_its_dense_weights_and_its_tied_embedding_reads_the_head_s_panels(tmp_path, dtype):
+    """The tied matrix is held once: the embedding's rows come from the LM head's panels, the same values, so the
+    same tokens and logprobs bit for bit as the same model packed with its weights kept (a caller's object)."""
+    saved_tied_model(tmp_path)
+    model, _ = load_model(str(tmp_path), device="cpu", dtype=dtype)  # as the engine loads it, a caller's object
     prompts = ragged_prompts(5, seed=3)
     reference = LLM(model, tokenizer=byte_tokenizer(), num_blocks=64, prepack_weights=False).generate(prompts, GREEDY)
+    kept = LLM(model, tokenizer=byte_tokenizer(), num_blocks=64)  # packed, every weight kept
 
-    llm = LLM(str(tmp_path), num_blocks=64)
+    llm = LLM(str(tmp_path), num_blocks=64, dtype=dtype)
     loaded = llm.engine.model
-    decoder = [m for name, m in loaded.named_modules() if isinstance(m, nn.Linear) and "lm_head" not in name]
-    assert decoder and all(m.weight.numel() == 0 for m in decoder)  # the packed copies replaced them
-    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # still tied, still whole
-    assert loaded.lm_head.weight.shape == (loaded.config.vocab_size, loaded.config.hidden_size)
-    outputs = llm.generate(prompts, GREEDY)
-    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks - 1
+    linears = [m for m in loaded.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(m.weight.numel() == 0 for m in linears)  # the packed copies replaced them, head too
+    assert loaded.model.embed_tokens.weight.numel() == 0 and loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert llm.engine.runner.packed._watched == []  # nothing left to change
+    assert "forward" in loaded.model.embed_tokens.__dict__ and llm.engine.runner.fused is not None
+    ours = _run(llm, prompts)
+    assert [tokens for tokens, _ in ours] == [o.outputs[0].token_ids for o in reference]
+    assert ours == _run(kept, prompts)
+    assert model.model.embed_tokens.weight.shape == (model.config.vocab_size, model.config.hidden_size)  # untouched
+    for engine in (llm.engine, kept.engine):
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks - 1
 
 
 def test_only_the_layers_that_kept_their_weights_are_watched(tmp_path):
-    """A loaded model's released layers are not checked each step; its tied head still is, with the embedding."""
-    model = saved_tied_model(tmp_path)
-    llm = LLM(str(tmp_path), num_blocks=64)
+    """A loaded model's released layers are not checked each step. A tied head whose embedding does more than a
+    lookup (Gemma's scales its rows) keeps the embedding's weight, and is still watched with it."""
+    model = saved_tied_model(tmp_path, "gemma3")
+    llm = LLM(str(tmp_path), num_blocks=64, dtype="float32")
     packed = llm.engine.runner.packed
     loaded = llm.engine.model
     assert packed._watched == [loaded.lm_head]
-    prompts = ragged_prompts(4, seed=4)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # still tied, still whole
+    assert loaded.lm_head.weight.shape == (loaded.config.vocab_size, loaded.config.hidden_size)
+    prompts = [[token % 120 + 3 for token in prompt] for prompt in ragged_prompts(4, seed=4)]  # (a 128-token vocab)
     before = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     assert packed.generation == 0
     rows = torch.linspace(0.2, 3.0, model.config.vocab_size)[:, None]  # favours the last ids in the head

@@ -197,6 +197,31 @@ class PanelWeight:
             scales = scales.repeat_interleave((self.group_size or self.in_features) // group_size, dim=1)
         self.scales, self.group_size, self.offsets = scales.contiguous().view(-1), group_size, offsets
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight (`[...]` -> `[..., K]`, the activations' dtype) as the kernel computes with them:
+        the panels' values, dequantized to q * scale (+ offset) in float32 where quantized (what an embedding tied to
+        this weight reads instead of holding its own copy). Only the panels holding those rows are read."""
+        flat = ids.reshape(-1).long()
+        panel, lane = flat // LANES, flat % LANES
+        pair = 2 if self.dtype == torch.bfloat16 else 1  # k values per 32-bit lane in the layout
+        k_len = -(-self.in_features // pair) * pair
+        panels = _panels(self.out_features)
+        if self.bits == 4:  # lines of 32 values in 16 bytes: value i in byte i % 16, the high half from 16 on
+            lines = self.packed.view(panels, k_len * LANES // 32, 16)[panel]
+            values = torch.cat([lines & 15, lines >> 4], dim=-1)
+        else:
+            values = self.packed.view(panels, -1)[panel]
+        values = values.view(-1, k_len // pair, LANES, pair)[torch.arange(flat.numel()), :, lane]
+        values = values.reshape(-1, k_len)[:, : self.in_features]
+        if self.scales is not None:
+            groups = self.in_features // self.group_size if self.group_size else 1
+            scales = self.scales.view(panels, groups, 1 + self.offsets, LANES)[panel, :, :, lane]  # [n, groups, parts]
+            weights = values.float().view(flat.numel(), groups, -1) * scales[..., :1]
+            if self.offsets:
+                weights = weights + scales[..., 1:]  # (the product is exact wherever a GGUF offset follows it)
+            values = weights.view(-1, self.in_features).to(self.dtype)
+        return values.view(*ids.shape, self.in_features)
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != self.dtype or x.shape[-1] != self.in_features:
             raise ValueError(f"input {x.dtype} [..., {x.shape[-1]}] for a {self.dtype} weight of {self.in_features}")

@@ -63,7 +63,10 @@ class StepCut(Exception):
 
 
 def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+    """Hooks, or a forward of someone else's on the instance (the packer's own carry their `panel`: a tied embedding
+    that reads the LM head's panels)."""
+    own = getattr(module.__dict__.get("forward"), "panel", None) is not None
+    return bool(module._forward_hooks or module._forward_pre_hooks or ("forward" in module.__dict__ and not own))
 
 
 def unfused_reason(model: nn.Module, kv_cache: PagedKVCache, attention_backend: str | None) -> str | None:
