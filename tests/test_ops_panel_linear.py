@@ -405,3 +405,28 @@ def test_int4_panels_on_a_cpu_without_avx512_give_that_build_s_float_bits(dtype,
                                              ptr(outs[0]), i64(n), *shape) == 0  # fmt: skip
     assert lib.pb_cpu_panel_linear(ptr(x), i64(k), ptr(packed_f), None, ptr(outs[1]), i64(n), *shape) == 0
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["float", "int8", "int8-groups-offsets", "int4"])
+def test_rows_are_the_weight_s_rows_as_the_kernel_computes_with_them(dtype, kind):
+    """`rows(ids)` gathers rows from the panels (what an embedding tied to the weight reads): the float weight's own
+    rows, or the dequantized ones, bit for bit; partial last panel, odd K (bf16 pads a half pair), any id shape."""
+    n, k = (49, 77) if kind in ("float", "int8") else (49, 96)
+    if kind == "float":
+        weight = randn(n, k, dtype=dtype, seed=31)
+        panel = PanelWeight(weight)
+    elif kind == "int8":
+        q, scale = int8_weight(n, k, seed=32)
+        panel, weight = PanelWeight.quantized(q, scale, 8, dtype), (q.float() * scale).to(dtype)
+    elif kind == "int8-groups-offsets":
+        q, scale, offset = int8_affine_weight(n, k, 32, seed=33)
+        panel = PanelWeight.quantized(q, scale, 8, dtype, 32, offset)
+        weight = torch.addcmul(offset.repeat_interleave(32, dim=1), q.float(), scale.repeat_interleave(32, dim=1))
+        weight = weight.to(dtype)
+    else:
+        q, scale, group, offset = int4_weight(n, k, 32, seed=34)
+        panel, weight = quantized_int4(q, scale, group, offset, dtype), dequantized_int4(q, scale, group, offset, dtype)
+    ids = torch.tensor([[0, 15, 16], [48, 3, 3]])
+    assert torch.equal(panel.rows(ids), weight[ids])
+    assert torch.equal(panel.rows(torch.arange(n)), weight)
