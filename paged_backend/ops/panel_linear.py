@@ -208,10 +208,10 @@ class PanelWeight:
         panels = _panels(self.out_features)
         if self.bits == 4:  # lines of 32 values in 16 bytes: value i in byte i % 16, the high half from 16 on
             lines = self.packed.view(panels, k_len * LANES // 32, 16)[panel]
-            values = torch.cat([lines & 15, lines >> 4], dim=-1)
+            values = torch.cat([lines & 15, lines >> 4], dim=-1).view(-1, k_len // pair, LANES, pair)
+            values = values[torch.arange(flat.numel()), :, lane]
         else:
-            values = self.packed.view(panels, -1)[panel]
-        values = values.view(-1, k_len // pair, LANES, pair)[torch.arange(flat.numel()), :, lane]
+            values = self.packed.view(panels, k_len // pair, LANES, pair)[panel, :, lane]  # [n, k_len / pair, pair]
         values = values.reshape(-1, k_len)[:, : self.in_features]
         if self.scales is not None:
             groups = self.in_features // self.group_size if self.group_size else 1
