@@ -205,6 +205,8 @@ class PackedLinears:
         panel = getattr(self.layers[heads[0]][0], "panel", None) if heads else None
         if panel is None or weight.device.type != "cpu" or type(weight.data) is not torch.Tensor:
             return
+        if (panel.out_features, panel.in_features) != tuple(weight.shape):  # a head sharded across ranks
+            return
         with torch.no_grad():
             if not torch.equal(panel.rows(torch.arange(weight.shape[0])), weight):
                 return
