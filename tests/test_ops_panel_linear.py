@@ -281,7 +281,7 @@ def test_int8_panels_on_a_cpu_without_avx512_give_that_build_s_float_bits(dtype,
     assert lib.pb_cpu_panel_pack(ptr((q.float() * scale).to(dtype)), i64(n), i64(k), code, ptr(packed_f)) == 0
     outs = [torch.empty(rows, n, dtype=dtype) for _ in range(2)]
     shape = (i64(rows), i64(n), i64(k), code, 1)
-    assert lib.pb_cpu_panel_linear_quantized(ptr(x), i64(k), ptr(packed_q), 8, ptr(scales), i64(0), 0, None,
+    assert lib.pb_cpu_panel_linear_quantized(ptr(x), i64(k), ptr(packed_q), 8, ptr(scales), i64(0), 0, None, None,
                                              ptr(outs[0]), i64(n), *shape) == 0  # fmt: skip
     assert lib.pb_cpu_panel_linear(ptr(x), i64(k), ptr(packed_f), None, ptr(outs[1]), i64(n), *shape) == 0
     assert torch.equal(outs[0], outs[1])
@@ -304,7 +304,7 @@ def test_int8_panels_with_offsets_on_a_cpu_without_avx512_give_that_build_s_floa
     outs = [torch.empty(rows, n, dtype=dtype) for _ in range(2)]
     shape = (i64(rows), i64(n), i64(k), code, 1)
     assert lib.pb_cpu_panel_linear_quantized(ptr(x), i64(k), ptr(packed_q), 8, ptr(scales), i64(group), 1, None,
-                                             ptr(outs[0]), i64(n), *shape) == 0  # fmt: skip
+                                             None, ptr(outs[0]), i64(n), *shape) == 0  # fmt: skip
     assert lib.pb_cpu_panel_linear(ptr(x), i64(k), ptr(packed_f), None, ptr(outs[1]), i64(n), *shape) == 0
     assert torch.equal(outs[0], outs[1])
 
@@ -379,10 +379,40 @@ def test_int4_parts_stack_and_refuse_what_they_do_not_take():
         PanelWeight.quantized(q, torch.ones(8, 4), 4, torch.float32, 32, offset)
     with pytest.raises(ValueError, match=r"offsets \[8, 2\] \(outputs, groups\), not \(8, 1\)"):
         PanelWeight.quantized(q, scale, 4, torch.float32, 32, offset[:, :1])
-    with pytest.raises(ValueError, match="int4 panels take an offset per scale"):
-        PanelWeight.quantized(q, scale, 4, torch.float32, 32)
+    with pytest.raises(ValueError, match="int4 panels take a scale per output and group of K: give a group size"):
+        PanelWeight.quantized(q, scale[:, 0], 4, torch.float32, 0, offset[:, 0])
+    with pytest.raises(ValueError, match="levels are the 16 values of an int4 q, not 8 for int4"):
+        PanelWeight.quantized(q, scale, 4, torch.float32, 32, offset, torch.arange(8.0))
+    with_levels = PanelWeight.quantized(q, scale, 4, torch.bfloat16, 32, levels=torch.arange(16.0) - 8)
+    assert PanelWeight.stack([with_levels, PanelWeight.quantized(q, scale, 4, torch.bfloat16, 32, offset)]) is None
     with pytest.raises(ValueError, match=r"int4 panels pack 2-D CPU uint8 weights \(0 to 15\)"):
         PanelWeight.quantized(q.to(torch.int8), scale, 4, torch.float32, 32, offset)
+
+
+IQ4_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113.0])
+
+
+def iq4_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale, dequantized in float32): 4-bit indices into IQ4's 16 levels, a float16 scale per output and 32
+    weights of K, each weight scale * level[q] (exact: an 11-bit scale times a 7-bit level)."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    scale = (torch.rand(n, k // 32, generator=generator) * 0.002 - 0.001).half().float()
+    return q, scale, IQ4_LEVELS[q.long()] * scale.repeat_interleave(32, dim=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(576, 576), (49, 1536), (37, 160)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 12, 53])
+def test_int4_panels_with_levels_give_the_float_panels_bits(dtype, shape, rows):
+    """IQ4_NL / IQ4_XS: the 4-bit index reads one of 16 non-uniform levels (the permute's table), times the scale,
+    no offset: the bits of float panels of the dequantized weight; its rows too."""
+    q, scale, dequantized = iq4_weight(*shape, seed=shape[0] + rows)
+    x, bias = randn(rows, shape[1], dtype=dtype, seed=rows), randn(shape[0], dtype=dtype, seed=9)
+    panel = PanelWeight.quantized(q, scale, 4, dtype, 32, levels=IQ4_LEVELS)
+    assert not panel.offsets and panel.scales.numel() == -(-shape[0] // 16) * 16 * (shape[1] // 32)
+    assert torch.equal(panel(x, bias), PanelWeight(dequantized.to(dtype))(x, bias))
+    assert torch.equal(panel.rows(torch.tensor([0, shape[0] - 1])), dequantized.to(dtype)[[0, shape[0] - 1]])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -402,7 +432,16 @@ def test_int4_panels_on_a_cpu_without_avx512_give_that_build_s_float_bits(dtype,
     outs = [torch.empty(rows, n, dtype=dtype) for _ in range(2)]
     shape = (i64(rows), i64(n), i64(k), code, 1)
     assert lib.pb_cpu_panel_linear_quantized(ptr(x), i64(k), ptr(packed_q), 4, ptr(scales), i64(group), 1, None,
-                                             ptr(outs[0]), i64(n), *shape) == 0  # fmt: skip
+                                             None, ptr(outs[0]), i64(n), *shape) == 0  # fmt: skip
+    assert lib.pb_cpu_panel_linear(ptr(x), i64(k), ptr(packed_f), None, ptr(outs[1]), i64(n), *shape) == 0
+    assert torch.equal(outs[0], outs[1])
+    # IQ4's levels in place of 0 to 15, no offsets
+    q, scale, dequantized = iq4_weight(n, k, seed=27)
+    scales = PanelWeight.quantized(q, scale, 4, dtype, 32, levels=IQ4_LEVELS).scales
+    assert lib.pb_cpu_panel_pack_int4(ptr(q), i64(n), i64(k), code, ptr(packed_q)) == 0
+    assert lib.pb_cpu_panel_pack(ptr(dequantized.to(dtype)), i64(n), i64(k), code, ptr(packed_f)) == 0
+    assert lib.pb_cpu_panel_linear_quantized(ptr(x), i64(k), ptr(packed_q), 4, ptr(scales), i64(32), 0, ptr(IQ4_LEVELS),
+                                             None, ptr(outs[0]), i64(n), *shape) == 0  # fmt: skip
     assert lib.pb_cpu_panel_linear(ptr(x), i64(k), ptr(packed_f), None, ptr(outs[1]), i64(n), *shape) == 0
     assert torch.equal(outs[0], outs[1])
 

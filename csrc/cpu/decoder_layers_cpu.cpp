@@ -24,7 +24,8 @@ struct PbCpuPanelQuant {
   const float* scales;
   int32_t bits;  // 8: pb_cpu_panel_pack_int8; 4: pb_cpu_panel_pack_int4
   int32_t group_size;  // weights along K per group (0: one group)
-  int32_t offsets;  // 1: each group's scales followed by its offsets (always for int4)
+  int32_t offsets;  // 1: each group's scales followed by its offsets
+  const float* levels;  // int4: the 16 values of a 4-bit q (IQ4's levels); null: 0 to 15
 };
 
 // One of a layer's panels: `outputs` columns of its linear's output, from the column the slots before it end at.
@@ -143,8 +144,8 @@ int32_t pb_cpu_decoder_layers(PbCpuDecoderStep* step) {
                 ? pb_cpu_panel_linear(x, x_stride, part.panels, part.bias, out, width, t, part.outputs, k, s.dtype,
                                       threads)
                 : pb_cpu_panel_linear_quantized(x, x_stride, part.panels, quant.bits, quant.scales, quant.group_size,
-                                                quant.offsets, part.bias, out, width, t, part.outputs, k, s.dtype,
-                                                threads);
+                                                quant.offsets, quant.levels, part.bias, out, width, t, part.outputs,
+                                                k, s.dtype, threads);
         if (code != 0) return code;
         column += part.outputs;
       }

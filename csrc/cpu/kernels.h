@@ -85,8 +85,8 @@ int pb_cpu_act_mul(const void* gate, int64_t g_stride, const void* up, int64_t u
 int32_t pb_cpu_panel_linear(const void* x, int64_t x_stride, const void* packed, const void* bias, void* y,
                             int64_t y_stride, int64_t m, int64_t n, int64_t k, int32_t dtype, int32_t num_threads);
 int32_t pb_cpu_panel_linear_quantized(const void* x, int64_t x_stride, const void* packed, int32_t bits,
-                                      const float* scales, int64_t group_size, int32_t offsets, const void* bias,
-                                      void* y, int64_t y_stride, int64_t m, int64_t n, int64_t k, int32_t dtype,
-                                      int32_t num_threads);
+                                      const float* scales, int64_t group_size, int32_t offsets, const float* levels,
+                                      const void* bias, void* y, int64_t y_stride, int64_t m, int64_t n, int64_t k,
+                                      int32_t dtype, int32_t num_threads);
 
 }  // extern "C"

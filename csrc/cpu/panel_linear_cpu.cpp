@@ -88,7 +88,8 @@ inline const W* advance(const W* p, int64_t elements) {
 struct GroupScales {
   const float* at;
   int64_t groups, group_steps;
-  int64_t parts;  // 1: scales alone (int8 q * scale); 2: scales and offsets
+  int64_t parts;  // 1: scales alone (q * scale); 2: scales and offsets
+  const float* levels;  // int4: the 16 values a 4-bit q stands for (IQ4's non-uniform levels); null: 0 to 15
 };
 
 // The byte distance a streaming tile prefetches ahead is the float weights': int8 lines hold `ratio` times the steps.
@@ -123,25 +124,26 @@ inline f32x16 affine(f32x16 q, f32x16 scale, f32x16 offset) {
 #endif
 }
 
-// A line of int4 weights (16 bytes) as floats 0 to 15: the low nibbles, then the high ones. With AVX-512 each byte
-// widens to a 32-bit lane and a permute of the table 0, 1, ..., 15 reads the lane's low four bits: no masks and no
-// int-to-float conversion.
-inline void int4_values(const uint8_t* bytes, f32x16 (&out)[2]) {
+// The 16 values of an int4 weight as floats: `levels` (a format's own, IQ4's), else 0 to 15. Loaded once per tile.
+inline f32x16 levels_of(const GroupScales& scales) {
+  if (scales.levels != nullptr) return load16(scales.levels);
+  f32x16 iota;
+  for (int i = 0; i < kLanes; ++i) iota[i] = static_cast<float>(i);
+  return iota;
+}
+
+// A line of int4 weights (16 bytes) as their `levels`: the low nibbles, then the high ones. With AVX-512 each byte
+// widens to a 32-bit lane and a permute of the levels reads the lane's low four bits: no masks and no int-to-float
+// conversion, and a non-uniform table (IQ4's) costs nothing more than 0 to 15.
+inline void int4_values(const uint8_t* bytes, f32x16 levels, f32x16 (&out)[2]) {
 #if defined(__AVX512F__)
-  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-  out[0] = (f32x16)_mm512_permutexvar_ps(wide, table);
-  out[1] = (f32x16)_mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), table);
+  out[0] = (f32x16)_mm512_permutexvar_ps(wide, (__m512)levels);
+  out[1] = (f32x16)_mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), (__m512)levels);
 #else
-  int8_t unpacked[32];
   for (int i = 0; i < 16; ++i) {
-    unpacked[i] = static_cast<int8_t>(bytes[i] & 15);
-    unpacked[i + 16] = static_cast<int8_t>(bytes[i] >> 4);
-  }
-  for (int v = 0; v < 2; ++v) {
-    i8x16 q;
-    std::memcpy(&q, unpacked + 16 * v, sizeof(q));
-    out[v] = to_float(q);
+    out[0][i] = levels[bytes[i] & 15];
+    out[1][i] = levels[bytes[i] >> 4];
   }
 #endif
 }
@@ -152,17 +154,17 @@ constexpr int kF32Steps = std::is_same_v<W, UInt4> ? 2 : 1;
 
 // kF32Steps<W> fp32 steps of a panel from step `line`: 16 floats, or 16 int8 / int4 weights dequantized, per step.
 template <typename W>
-inline void weights_f32(const W* line, const Dequant& group, f32x16 (&out)[kF32Steps<W>]) {
+inline void weights_f32(const W* line, const Dequant& group, f32x16 levels, f32x16 (&out)[kF32Steps<W>]) {
   if constexpr (std::is_same_v<W, UInt4>) {
     f32x16 q[2];
-    int4_values(reinterpret_cast<const uint8_t*>(line), q);
+    int4_values(reinterpret_cast<const uint8_t*>(line), levels, q);
     out[0] = affine(q[0], group.scale, group.offset), out[1] = affine(q[1], group.scale, group.offset);
   } else if constexpr (std::is_same_v<W, int8_t>) {
     i8x16 q;
     std::memcpy(&q, line, sizeof(q));
     out[0] = affine(to_float(q), group.scale, group.offset);
   } else {
-    (void)group;
+    (void)group, (void)levels;
     out[0] = load16(line);
   }
 }
@@ -204,13 +206,13 @@ inline PairDequant pair_dequant(const Dequant& group) {
 // dequantized and rounded to bf16 (torchao's dequantize to the model's dtype; weights are finite: no NaN case). The
 // pair layout's first 16 weights are lanes 0-7, the order AVX512-BF16's two-source conversion fills: no shuffle.
 template <typename W>
-inline u16x32 weights_bf16(const W* line, const PairDequant& group) {
+inline u16x32 weights_bf16(const W* line, const PairDequant& group, f32x16 levels) {
   u16x32 w;
   if constexpr (kQuantized<W>) {
     f32x16 low, high;
     if constexpr (std::is_same_v<W, UInt4>) {
       f32x16 q[2];
-      int4_values(reinterpret_cast<const uint8_t*>(line), q);
+      int4_values(reinterpret_cast<const uint8_t*>(line), levels, q);
       low = affine(q[0], group.low.scale, group.low.offset), high = affine(q[1], group.high.scale, group.high.offset);
     } else {
       i8x16 q[2];
@@ -227,7 +229,7 @@ inline u16x32 weights_bf16(const W* line, const PairDequant& group) {
     std::memcpy(&w, rounded, sizeof(w));
 #endif
   } else {
-    (void)group;
+    (void)group, (void)levels;
     std::memcpy(&w, line, sizeof(w));
   }
   return w;
@@ -248,6 +250,7 @@ template <int MT, int NP, int AHEAD, typename W>
 inline void tile_f32(const float* x, int64_t x_stride, const W* panels, int64_t k_len, int64_t k0, int64_t k1,
                      const GroupScales& scales, f32x16 (&acc)[MT][NP]) {
   Dequant dequant[NP] = {};
+  const f32x16 levels = std::is_same_v<W, UInt4> ? levels_of(scales) : f32x16{};
   for (int64_t start = k0, end; start < k1; start = end) {
     end = k1;
     if constexpr (kQuantized<W>) {
@@ -259,7 +262,7 @@ inline void tile_f32(const float* x, int64_t x_stride, const W* panels, int64_t 
     for (int64_t k = start; k < end; k += kSteps) {
       if constexpr (AHEAD > 0) prefetch_ahead<NP>(panels, k_len, k + ahead_steps<AHEAD, W, float>(), kLanes);
       f32x16 w[NP][kSteps];
-      for (int p = 0; p < NP; ++p) weights_f32(advance(panels, (p * k_len + k) * kLanes), dequant[p], w[p]);
+      for (int p = 0; p < NP; ++p) weights_f32(advance(panels, (p * k_len + k) * kLanes), dequant[p], levels, w[p]);
       for (int step = 0; step < kSteps; ++step) {
         for (int m = 0; m < MT; ++m) {
           const f32x16 xb = f32x16{} + x[m * x_stride + k + step];
@@ -277,6 +280,7 @@ inline void tile_bf16(const uint16_t* x, int64_t x_stride, const W* panels, int6
                       int64_t k_valid, const GroupScales& scales, f32x16 (&acc)[MT][NP]) {
   const int64_t pairs = k_len / 2;
   PairDequant dequant[NP];
+  const f32x16 levels = std::is_same_v<W, UInt4> ? levels_of(scales) : f32x16{};
   for (int64_t start = k0, end; start < k1; start = end) {
     end = k1;
     if constexpr (kQuantized<W>) {
@@ -287,7 +291,9 @@ inline void tile_bf16(const uint16_t* x, int64_t x_stride, const W* panels, int6
     for (int64_t kp = start; kp < end; ++kp) {
       if constexpr (AHEAD > 0) prefetch_ahead<NP>(panels, pairs, kp + ahead_steps<AHEAD, W, uint16_t>(), 2 * kLanes);
       u16x32 w[NP];
-      for (int p = 0; p < NP; ++p) w[p] = weights_bf16(advance(panels, (p * pairs + kp) * 2 * kLanes), dequant[p]);
+      for (int p = 0; p < NP; ++p) {
+        w[p] = weights_bf16(advance(panels, (p * pairs + kp) * 2 * kLanes), dequant[p], levels);
+      }
       const bool whole = 2 * kp + 1 < k_valid;  // both halves of the pair are real (an odd K ends in half a pair)
       for (int m = 0; m < MT; ++m) {
         const uint16_t* row = x + m * x_stride;
@@ -407,6 +413,7 @@ void rows_steps(int64_t rows, const T* x, int64_t x_stride, const W* panels, con
 template <typename T, typename W, int NP>
 void dequantize_block(const W* panels, const GroupScales& scales, int64_t steps, int64_t k0, int64_t k1, T* out) {
   constexpr int64_t width = sizeof(T) == 4 ? kLanes : 2 * kLanes;  // elements per step
+  const f32x16 levels = std::is_same_v<W, UInt4> ? levels_of(scales) : f32x16{};
   for (int p = 0; p < NP; ++p) {
     for (int64_t start = k0, end; start < k1; start = end) {
       const int64_t group = start / scales.group_steps;
@@ -420,10 +427,10 @@ void dequantize_block(const W* panels, const GroupScales& scales, int64_t steps,
         T* to = out + (p * (k1 - k0) + k - k0) * width;
         if constexpr (sizeof(T) == 4) {
           f32x16 w[kF32Steps<W>];
-          weights_f32(line, dequant, w);
+          weights_f32(line, dequant, levels, w);
           std::memcpy(to, w, sizeof(w));
         } else {
-          const u16x32 w = weights_bf16(line, pair);
+          const u16x32 w = weights_bf16(line, pair, levels);
           std::memcpy(to, &w, sizeof(w));
         }
       }
@@ -443,8 +450,9 @@ template <typename T, typename W, int NP>
 void column(const T* x, int64_t x_stride, const W* packed, const GroupScales& scales, const T* bias, T* y,
             int64_t y_stride, int64_t m_len, int64_t first, int64_t n, int64_t k_len, int64_t k_valid) {
   const W* panels = advance(packed, first * k_len * kLanes);
-  const float* first_scales = scales.at == nullptr ? nullptr : scales.at + first * scales.groups * scales.parts * kLanes;
-  const GroupScales panel_scales{first_scales, scales.groups, scales.group_steps, scales.parts};
+  const int64_t scales_before = first * scales.groups * scales.parts * kLanes;  // the earlier panels' floats
+  const float* first_scales = scales.at == nullptr ? nullptr : scales.at + scales_before;
+  const GroupScales panel_scales{first_scales, scales.groups, scales.group_steps, scales.parts, scales.levels};
   const int64_t n0 = first * kLanes, steps = sizeof(T) == 4 ? k_len : k_len / 2;
   const int64_t block = m_len <= 2 ? steps : kBlockSteps, ahead = m_len <= 2 ? kStreamAhead : kBlockSteps;
   alignas(64) float carry[kRowChunk * NP * kLanes];
@@ -505,12 +513,12 @@ void columns(const T* x, int64_t x_stride, const W* packed, const GroupScales& s
 // the offsets after the scales), `group_size` weights along K per group (0: one group spanning K).
 template <typename T, typename W>
 void linear(const T* x, int64_t x_stride, const W* packed, const float* scales, int64_t group_size, bool offsets,
-            const T* bias, T* y, int64_t y_stride, int64_t m, int64_t n, int64_t k, int32_t dtype,
+            const float* levels, const T* bias, T* y, int64_t y_stride, int64_t m, int64_t n, int64_t k, int32_t dtype,
             int32_t num_threads) {
   const int64_t k_len = padded_k(k, dtype), panels = panels_of(n);
   const int64_t steps = dtype == BF16 ? k_len / 2 : k_len, per_step = dtype == BF16 ? 2 : 1;
   const int64_t group_steps = group_size > 0 ? group_size / per_step : steps;
-  const GroupScales grouped{scales, group_size > 0 ? k / group_size : 1, group_steps, offsets ? 2 : 1};
+  const GroupScales grouped{scales, group_size > 0 ? k / group_size : 1, group_steps, offsets ? 2 : 1, levels};
   const int threads = threads_for(m * n * k, num_threads);
   // One or two rows stream the weights: 8 panels per tile keep 8 loads in flight. More rows reuse each panel
   // from L1 across row tiles: kTilePanels per tile.
@@ -579,10 +587,11 @@ int32_t pb_cpu_panel_linear(const void* x, int64_t x_stride, const void* packed,
   if (m == 0) return OK;
   if (dtype == F32) {
     linear(static_cast<const float*>(x), x_stride, static_cast<const float*>(packed), nullptr, 0, false,
-           static_cast<const float*>(bias), static_cast<float*>(y), y_stride, m, n, k, dtype, num_threads);
+           nullptr, static_cast<const float*>(bias), static_cast<float*>(y), y_stride, m, n, k, dtype, num_threads);
   } else if (dtype == BF16) {
     linear(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(packed), nullptr, 0, false,
-           static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), y_stride, m, n, k, dtype, num_threads);
+           nullptr, static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), y_stride, m, n, k, dtype,
+           num_threads);
   } else {
     return BAD_DTYPE;
   }
@@ -591,23 +600,24 @@ int32_t pb_cpu_panel_linear(const void* x, int64_t x_stride, const void* packed,
 
 // Quantized weights packed by pb_cpu_panel_pack_int8 (`bits` 8) or pb_cpu_panel_pack_int4 (`bits` 4) for `dtype`
 // activations, `group_size` weights along K per group (0: one group, a scale per output), each q * scale (+ offset):
-// `scales` [panel][groups][16] floats, or with `offsets` (always for int4) [panel][groups][2][16], the scales then the
-// offsets. The scales are float32, zero past the last output. x, bias and y are in `dtype`.
+// `scales` [panel][groups][16] floats, or with `offsets` [panel][groups][2][16], the scales then the offsets. The
+// scales are float32, zero past the last output. int4: q is `levels[q]`, 16 floats (null: 0 to 15). x, bias and y
+// are in `dtype`.
 int32_t pb_cpu_panel_linear_quantized(const void* x, int64_t x_stride, const void* packed, int32_t bits,
-                                      const float* scales, int64_t group_size, int32_t offsets, const void* bias,
-                                      void* y, int64_t y_stride, int64_t m, int64_t n, int64_t k, int32_t dtype,
-                                      int32_t num_threads) {
+                                      const float* scales, int64_t group_size, int32_t offsets, const float* levels,
+                                      const void* bias, void* y, int64_t y_stride, int64_t m, int64_t n, int64_t k,
+                                      int32_t dtype, int32_t num_threads) {
   if (m < 0 || n < 1 || k < 1 || scales == nullptr || group_size < 0) return BAD_SHAPE;
   if (group_size > 0 && (group_size % 2 != 0 || k % group_size != 0)) return BAD_SHAPE;
-  if (bits == 4 && (group_size == 0 || offsets == 0)) return BAD_SHAPE;
+  if (bits == 4 && group_size == 0) return BAD_SHAPE;
   if (bits != 4 && bits != 8) return BAD_DTYPE;
   if (m == 0) return OK;
   const auto run = [&](auto weights) {
     if (dtype == F32) {
-      linear(static_cast<const float*>(x), x_stride, weights, scales, group_size, offsets != 0,
+      linear(static_cast<const float*>(x), x_stride, weights, scales, group_size, offsets != 0, levels,
              static_cast<const float*>(bias), static_cast<float*>(y), y_stride, m, n, k, dtype, num_threads);
     } else {
-      linear(static_cast<const uint16_t*>(x), x_stride, weights, scales, group_size, offsets != 0,
+      linear(static_cast<const uint16_t*>(x), x_stride, weights, scales, group_size, offsets != 0, levels,
              static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), y_stride, m, n, k, dtype, num_threads);
     }
   };

@@ -23,11 +23,11 @@ from paged_backend.ops.panel_linear import PanelWeight, _panel, panel_bias
 class PanelQuant(ctypes.Structure):
     """Mirror of PbCpuPanelQuant: how one of a layer's panels is quantized (`scales` null: a float panel)."""
 
-    _fields_ = [("scales", PTR), ("bits", I32), ("group_size", I32), ("offsets", I32)]
+    _fields_ = [("scales", PTR), ("bits", I32), ("group_size", I32), ("offsets", I32), ("levels", PTR)]
 
     @classmethod
     def of(cls, panel: PanelWeight) -> PanelQuant:
-        return cls(_pointer(panel.scales), panel.bits, panel.group_size, int(panel.offsets))
+        return cls(_pointer(panel.scales), panel.bits, panel.group_size, int(panel.offsets), _pointer(panel.levels))
 
 
 class LayerPanel(ctypes.Structure):

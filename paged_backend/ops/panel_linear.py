@@ -45,7 +45,7 @@ def _panel() -> ctypes.CDLL:
     lib.pb_cpu_panel_pack_int8.argtypes = [PTR, I64, I64, I32, PTR]
     lib.pb_cpu_panel_pack_int4.argtypes = [PTR, I64, I64, I32, PTR]
     lib.pb_cpu_panel_linear_quantized.argtypes = [
-        PTR, I64, PTR, I32, PTR, I64, I32, PTR, PTR, I64, I64, I64, I64, I32, I32
+        PTR, I64, PTR, I32, PTR, I64, I32, PTR, PTR, PTR, I64, I64, I64, I64, I32, I32
     ]
     lib.pb_cpu_panel_error_string.argtypes = [ctypes.c_int]
     lib.pb_cpu_panel_error_string.restype = ctypes.c_char_p
@@ -64,17 +64,19 @@ class QuantizedWeight(NamedTuple):
     q: torch.Tensor  # [N, K]
     scale: torch.Tensor  # [N] (group_size 0) or [N, K / group_size]
     group_size: int
-    offset: torch.Tensor | None = None  # like scale (4 bits: always; 8 bits: or none)
+    offset: torch.Tensor | None = None  # like scale, or none
+    levels: torch.Tensor | None = None  # 4 bits: the 16 values q stands for (IQ4's), or none: q itself
 
     def panels(self, dtype: torch.dtype) -> PanelWeight:
         """Packed for activations of `dtype`."""
-        return PanelWeight.quantized(self.q, self.scale, self.bits, dtype, self.group_size, self.offset)
+        return PanelWeight.quantized(self.q, self.scale, self.bits, dtype, self.group_size, self.offset, self.levels)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight `[N, K]` the panels compute with (what a check compares with a model's own weight)."""
         rows, columns = self.q.shape
         groups = columns // self.group_size if self.group_size else 1
-        q = self.q.float().view(rows, groups, -1)
+        q = self.q.float() if self.levels is None else self.levels.float()[self.q.long()]
+        q = q.view(rows, groups, -1)
         scale = self.scale.float().reshape(rows, groups, 1)
         if self.offset is None:
             return (q * scale).view(rows, columns)
@@ -91,6 +93,7 @@ class PanelWeight:
     bits: int = 0
     group_size: int = 0
     offsets: bool = False
+    levels: torch.Tensor | None = None  # int4: the 16 float32 values of q (IQ4's levels); none: 0 to 15
 
     def __init__(self, weight: torch.Tensor) -> None:
         if weight.dtype not in PANEL_DTYPES or weight.device.type != "cpu" or weight.dim() != 2:
@@ -103,25 +106,28 @@ class PanelWeight:
 
     @classmethod
     def quantized(cls, q: torch.Tensor, scale: torch.Tensor, bits: int, dtype: torch.dtype, group_size: int = 0,
-                  offset: torch.Tensor | None = None) -> PanelWeight:  # fmt: skip
+                  offset: torch.Tensor | None = None, levels: torch.Tensor | None = None) -> PanelWeight:  # fmt: skip
         """Weight-only quantized weights `q [N, K]` for activations of `dtype`, each weight q * scale (+ offset):
         - `bits` 8: int8 q, a byte per weight; `scale` one float per output (`group_size` 0, torchao's
           int8_weight_only) or `[N, K / group_size]`, one per output and group of K (GGUF's Q8_0); `offset` none, or
           like `scale` (GGUF's Q5_1);
-        - `bits` 4: uint8 q from 0 to 15, two a byte; `scale` and `offset` `[N, K / group_size]` (GGUF's Q4_1)."""
+        - `bits` 4: uint8 q from 0 to 15, two a byte; `scale` (and `offset`) `[N, K / group_size]` (GGUF's Q4_1);
+          `levels`: 16 values q stands for instead of itself (IQ4_NL's non-uniform ones), levels[q] * scale."""
         if bits not in (8, 4):  # (before anything that reads the bits)
             raise ValueError(f"quantized panels hold 8 or 4 bits a weight, not {bits}")
         storage = torch.int8 if bits == 8 else torch.uint8
         if q.dtype != storage or q.device.type != "cpu" or q.dim() != 2 or dtype not in PANEL_DTYPES:
             raise ValueError(f"int{bits} panels pack 2-D CPU {str(storage)[6:]} weights{' (0 to 15)' * (bits == 4)} "
                              f"for float32/bfloat16 activations, not {q.dtype} {tuple(q.shape)} for {dtype}")  # fmt: skip
-        if offset is None and bits == 4:
-            raise ValueError("int4 panels take an offset per scale (q * scale + offset)")
+        if bits == 4 and group_size == 0:
+            raise ValueError("int4 panels take a scale per output and group of K: give a group size")
+        if levels is not None and (bits != 4 or levels.numel() != 16):
+            raise ValueError(f"levels are the 16 values of an int4 q, not {levels.numel()} for int{bits}")
         out_features, in_features = q.shape
         for name, tensor in (("scales", scale), ("offsets", offset)):
-            if group_size == 0 and tensor is not None and (bits == 4 or tensor.numel() != out_features):
-                raise ValueError(f"int{bits} panels take one scale per output{' and group of K' * (bits == 4)}: "
-                                 f"{tensor.numel()} {name} for {out_features} outputs")  # fmt: skip
+            if group_size == 0 and tensor is not None and tensor.numel() != out_features:
+                raise ValueError(f"int{bits} panels take one scale per output: {tensor.numel()} {name} for "
+                                 f"{out_features} outputs")  # fmt: skip
         if group_size and (group_size < 2 or group_size % 2 or in_features % group_size):
             raise ValueError(f"int{bits} panels take an even group size dividing K = {in_features}, not {group_size}")
         groups = in_features // group_size if group_size else 1
@@ -137,7 +143,9 @@ class PanelWeight:
                f"pack int{bits}")  # fmt: skip
         parts = [scale] if offset is None else [scale, offset]
         scales = _panel_scales([part.reshape(out_features, groups) for part in parts])
-        return cls._over(packed, out_features, in_features, dtype, scales, bits, group_size, offset is not None)
+        weight = cls._over(packed, out_features, in_features, dtype, scales, bits, group_size, offset is not None)
+        weight.levels = None if levels is None else levels.detach().float().contiguous().reshape(16)
+        return weight
 
     @classmethod
     def _over(cls, packed: torch.Tensor, out_features: int, in_features: int, dtype: torch.dtype | None = None,
@@ -160,7 +168,7 @@ class PanelWeight:
         stack: another width, dtype or bits, or a part other than the last ending in a partial panel (its padding
         would sit inside the group's output)."""
         first = parts[0]
-        kinds = {(part.in_features, part.dtype, part.packed.dtype, part.bits) for part in parts}
+        kinds = {(part.in_features, part.dtype, part.packed.dtype, part.bits, _values(part.levels)) for part in parts}
         if len(kinds) > 1 or any(part.out_features % LANES for part in parts[:-1]):
             return None
         group_size, offsets = first.group_size, first.offsets
@@ -173,6 +181,7 @@ class PanelWeight:
         scales = None if first.scales is None else torch.cat([part.scales for part in parts])
         group = cls._over(torch.cat([part.packed for part in parts]), sum(p.out_features for p in parts),
                           first.in_features, first.dtype, scales, first.bits, group_size, offsets)  # fmt: skip
+        group.levels = first.levels
         offset, scale_offset = 0, 0
         for part in parts:
             size = part.packed.numel()
@@ -210,6 +219,8 @@ class PanelWeight:
             lines = self.packed.view(panels, k_len * LANES // 32, 16)[panel]
             values = torch.cat([lines & 15, lines >> 4], dim=-1).view(-1, k_len // pair, LANES, pair)
             values = values[torch.arange(flat.numel()), :, lane]
+            if self.levels is not None:
+                values = self.levels[values.long()]
         else:
             values = self.packed.view(panels, k_len // pair, LANES, pair)[panel, :, lane]  # [n, k_len / pair, pair]
         values = values.reshape(-1, k_len)[:, : self.in_features]
@@ -238,8 +249,8 @@ class PanelWeight:
         else:
             status = _panel().pb_cpu_panel_linear_quantized(rows.data_ptr(), rows.stride(0), self.packed.data_ptr(),
                                                             self.bits, self.scales.data_ptr(), self.group_size,
-                                                            int(self.offsets), bias_pointer, out.data_ptr(),
-                                                            out.stride(0), *shape)  # fmt: skip
+                                                            int(self.offsets), _pointer(self.levels), bias_pointer,
+                                                            out.data_ptr(), out.stride(0), *shape)  # fmt: skip
         _check(status, "panel linear")
         return out.view(*x.shape[:-1], self.out_features)
 
@@ -249,6 +260,15 @@ def panel_bias(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | 
     if bias is None or (bias.dtype == dtype and bias.is_contiguous()):
         return bias
     return bias.detach().to(dtype).contiguous()
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _values(levels: torch.Tensor | None) -> tuple | None:
+    """Levels as a comparable value (parts stack only with the same ones)."""
+    return None if levels is None else tuple(levels.tolist())
 
 
 def _panels(out_features: int) -> int:

@@ -5,8 +5,9 @@ and the model loads from them. The linear weights the file stores in blocks of a
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS; SmolLM2's file: Q4_1 layers and a Q8_0 embedding tied
 to the LM head; llama.cpp's Q4_K_M of it: Q5_0 and Q8_0 layers, Q4_K and Q6_K down projections) are kept beside them
 too (`save`, into `BLOCKS_FILE`, rows in the HF weight's order). At load, `attach` hangs each weight's blocks on it,
-and the panel packer (`packed_linear`) packs them into int4 panels (values of 2 to 4 bits) or int8 panels (5 to 8
-bits, and IQ4's levels): a fifth to a quarter of the float32 bytes, the same values, so the same tokens, bit for bit.
+and the panel packer (`packed_linear`) packs them into int4 panels (values of 2 to 4 bits, and IQ4's indices into its
+16 levels) or int8 panels (5 to 8 bits): a sixth to a quarter of the float32 bytes, the same values, so the same
+tokens, bit for bit.
 
 A block holds 32 weights of a row: a float16 scale d (Q4_1, Q5_1: and a minimum m) and 32 values q, a weight being
 d * q + m (Q4_1, Q5_1), d * (q - 8) (Q4_0), d * (q - 16) (Q5_0) or d * q (Q8_0, q signed). The K-quants hold 256 in
@@ -145,16 +146,18 @@ def decoded(kind: str, rows: np.ndarray, shape: tuple[int, int]) -> QuantizedWei
     weights, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]  # per block
     if in_features % weights or rows.shape != (out_features, in_features // weights * size):
         return None
-    bits, q, scale, group, offset = DECODERS[kind](np.array(rows, dtype=np.uint8).reshape(-1, size))
+    bits, q, scale, group, offset, *levels = DECODERS[kind](np.array(rows, dtype=np.uint8).reshape(-1, size))
 
     def by_row(values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(values).reshape(out_features, -1))
 
-    return QuantizedWeight(bits, by_row(q), by_row(scale), group, None if offset is None else by_row(offset))
+    offset = None if offset is None else by_row(offset)
+    return QuantizedWeight(bits, by_row(q), by_row(scale), group, offset, *map(torch.from_numpy, levels))
 
 
-# Each decoder: blocks [n, bytes] -> (bits, q [n, weights], scale [n, groups], group size, offset [n, groups] or None),
-# the layouts and arithmetic of gguf-py's dequantize_blocks (ggml's own), written as the panels' q * scale + offset.
+# Each decoder: blocks [n, bytes] -> (bits, q [n, weights], scale [n, groups], group size, offset [n, groups] or None,
+# and for IQ4 the 16 levels q stands for), the layouts and arithmetic of gguf-py's dequantize_blocks (ggml's own),
+# written as the panels' q * scale + offset.
 
 
 def _half(field: np.ndarray) -> np.ndarray:
@@ -248,19 +251,19 @@ def _q6_k(blocks):  # 256 weights in 16 groups of 16: (d * sc) * (q - 32), q of 
     return 8, q, scale, 16, None
 
 
-# IQ4's 16 non-uniform levels (ggml's kvalues_iq4nl): a 4-bit index picks one, so the int8 panels hold the level.
-IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+# IQ4's 16 non-uniform levels (ggml's kvalues_iq4nl): a 4-bit index picks one; the int4 panels read it from this table.
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
 
 
 def _iq4_nl(blocks):  # d * level[q]
-    return 8, IQ4_LEVELS[_nibbles(blocks[:, 2:], 16)], _half(blocks[:, :2]), BLOCK, None
+    return 4, _nibbles(blocks[:, 2:], 16), _half(blocks[:, :2]), BLOCK, None, IQ4_LEVELS
 
 
 def _iq4_xs(blocks):  # 256 weights in 8 groups of 32: (d * (sc - 32)) * level[q], six-bit sc
     low = (blocks[:, 4:8].reshape(-1, 4, 1) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2)).reshape(-1, 8) & 15
     high = np.ascontiguousarray(blocks[:, 2:4]).view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16)).reshape(1, 8)
     sc = (low | ((high & 3).astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
-    return 8, IQ4_LEVELS[_nibbles(blocks[:, 8:], 16)], _half(blocks[:, :2]) * sc.astype(np.float32), 32, None
+    return 4, _nibbles(blocks[:, 8:], 16), _half(blocks[:, :2]) * sc.astype(np.float32), 32, None, IQ4_LEVELS
 
 
 DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
