@@ -71,7 +71,8 @@ def test_a_callers_model_keeps_its_weights_and_forward():
 
 
 def saved_tied_model(path, arch: str = "llama") -> nn.Module:
-    """A tiny model whose LM head shares the embedding, saved with its tokenizer to `path` (loaded: the engine's own)."""
+    """A tiny model whose LM head shares the embedding, saved with its tokenizer to `path` (loaded: the engine's
+    own)."""
     model = (tiny_model if arch == "llama" else hf_tiny_model)(arch, seed=6)
     model.config.tie_word_embeddings = True
     model.lm_head.weight = model.model.embed_tokens.weight

@@ -2,12 +2,12 @@
 
 `gguf_source` converts a GGUF file once into float32 safetensors, the exact values transformers' loader dequantizes,
 and the model loads from them. The linear weights the file stores in blocks of a kind the panels take (DECODERS:
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS; SmolLM2's file: Q4_1 layers and a Q8_0 embedding tied
-to the LM head; llama.cpp's Q4_K_M of it: Q5_0 and Q8_0 layers, Q4_K and Q6_K down projections) are kept beside them
-too (`save`, into `BLOCKS_FILE`, rows in the HF weight's order). At load, `attach` hangs each weight's blocks on it,
-and the panel packer (`packed_linear`) packs them into int4 panels (values of 2 to 4 bits, and IQ4's indices into its
-16 levels) or int8 panels (5 to 8 bits): a sixth to a quarter of the float32 bytes, the same values, so the same
-tokens, bit for bit.
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS; SmolLM2's file: Q4_1 layers and a
+Q8_0 embedding tied to the LM head; llama.cpp's Q4_K_M of it: Q5_0 and Q8_0 layers, Q4_K and Q6_K down projections)
+are kept beside them too (`save`, into `BLOCKS_FILE`, rows in the HF weight's order). At load, `attach` hangs each
+weight's blocks on it, and the panel packer (`packed_linear`) packs them into int4 panels (values of 2 to 4 bits, and
+IQ4's indices into its 16 levels) or int8 panels (5 to 8 bits): a sixth to a quarter of the float32 bytes, the same
+values, so the same tokens, bit for bit.
 
 A block holds 32 weights of a row: a float16 scale d (Q4_1, Q5_1: and a minimum m) and 32 values q, a weight being
 d * q + m (Q4_1, Q5_1), d * (q - 8) (Q4_0), d * (q - 16) (Q5_0) or d * q (Q8_0, q signed). The K-quants hold 256 in

@@ -5,9 +5,9 @@ A `.gguf` file (or a directory holding exactly one) carries the architecture, th
 the chat template. transformers reads all of it and dequantizes the tensors, which takes seconds to tens of
 seconds (mostly parsing the tokenizer's fields). The result is saved once under
 `cache_root()/gguf/<content hash>` as config + safetensors (float32: the exact dequantized values) +
-tokenizer, plus the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and K-quant blocks of its linear weights (`gguf_blocks`: the CPU
-panels run on them), with a manifest of the entry's file checksums. The next start hashes the GGUF file, finds the entry,
-checks the manifest, and loads a directory in well under a second. An entry whose files do not match their
+tokenizer, plus the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, K-quant and IQ4 blocks of its linear weights (`gguf_blocks`: the CPU
+panels run on them), with a manifest of the entry's file checksums. The next start hashes the GGUF file, finds the
+entry, checks the manifest, and loads a directory in well under a second. An entry whose files do not match their
 manifest is deleted and rebuilt, never trusted.
 """
 
