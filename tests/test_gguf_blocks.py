@@ -169,8 +169,8 @@ KINDS = {"Q5_K": (8, 32, True), "Q5_1": (8, 32, True), "Q5_0": (8, 32, False), "
 def test_mixed_layers_run_in_the_native_loop_with_the_float_weights_bits(mix, dtype, tmp_path, monkeypatch):
     """Each weight on its own kind of panel (Q5_0/Q5_1/Q5_K on int8 with or without offsets, Q2_K/Q3_K on int4,
     groups of 16 or 32, IQ4's indices on int4 panels that read its 16 non-uniform levels); q|k|v and gate|up stack
-    when their bits agree (the finest group, offsets for all), else go side by side; one layer mixing them all runs in the C++ layer loop. Tokens and logprobs are the float panels' bit
-    for bit, and HF generate's tokens in float32."""
+    when their bits agree (the finest group, offsets for all), else go side by side; one layer mixing them all runs
+    in the C++ layer loop. Tokens and logprobs are the float panels' bit for bit, and HF's greedy tokens in float32."""
     from paged_backend.ops.decoder_layers import DecoderLayers
 
     types = {f"blk.0.{name}.weight": getattr(gguf.GGMLQuantizationType, kind) for name, kind in MIXES[mix].items()}
