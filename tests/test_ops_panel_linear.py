@@ -264,49 +264,39 @@ def test_int8_panels_refuse_what_they_do_not_take():
         PanelWeight.quantized(q, scale, 8, torch.float32, 0, torch.zeros(4))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_int8_panels_on_a_cpu_without_avx512_give_that_build_s_float_bits(dtype, plain_library):
-    """The plain build dequantizes with GCC's vectors instead of AVX-512: its int8 panels give its own float panels'
-    bits on the dequantized weight."""
-    lib = plain_library
-    n, k, rows, code = 40, 77, 3, 0 if dtype == torch.float32 else 2
-    q, scale = int8_weight(n, k, seed=21)
-    x = randn(rows, k, dtype=dtype, seed=22)
-    i64, ptr = ctypes.c_int64, lambda t: ctypes.c_void_p(t.data_ptr())
+def plain_build_gives_its_float_bits(lib, panel: PanelWeight, q: torch.Tensor, dequantized: torch.Tensor, seed: int):
+    """The plain build (`lib`) run on `panel`'s quantized values and scales gives the bits of its own float panels of
+    the dequantized weight (`panel`: the native build's wrapper, for the scales' layout and the kind)."""
+    (n, k), dtype, rows = q.shape, panel.dtype, 3
+    code = 0 if dtype == torch.float32 else 2
+    x = randn(rows, k, dtype=dtype, seed=seed)
+    i64, ptr = ctypes.c_int64, lambda t: None if t is None else ctypes.c_void_p(t.data_ptr())
     elements = lib.pb_cpu_panel_packed_elements(i64(n), i64(k), code)
-    packed_q, packed_f = torch.empty(elements, dtype=torch.int8), torch.empty(elements, dtype=dtype)
-    scales = torch.zeros(48)
-    scales[:n] = scale.reshape(-1)
-    assert lib.pb_cpu_panel_pack_int8(ptr(q), i64(n), i64(k), code, ptr(packed_q)) == 0
-    assert lib.pb_cpu_panel_pack(ptr((q.float() * scale).to(dtype)), i64(n), i64(k), code, ptr(packed_f)) == 0
+    packed_q = torch.empty(elements * panel.bits // 8, dtype=q.dtype)
+    packed_f = torch.empty(elements, dtype=dtype)
+    pack = lib.pb_cpu_panel_pack_int8 if panel.bits == 8 else lib.pb_cpu_panel_pack_int4
+    assert pack(ptr(q), i64(n), i64(k), code, ptr(packed_q)) == 0
+    assert lib.pb_cpu_panel_pack(ptr(dequantized.to(dtype)), i64(n), i64(k), code, ptr(packed_f)) == 0
     outs = [torch.empty(rows, n, dtype=dtype) for _ in range(2)]
     shape = (i64(rows), i64(n), i64(k), code, 1)
-    assert lib.pb_cpu_panel_linear_quantized(ptr(x), i64(k), ptr(packed_q), 8, ptr(scales), i64(0), 0, None, None,
+    assert lib.pb_cpu_panel_linear_quantized(ptr(x), i64(k), ptr(packed_q), panel.bits, ptr(panel.scales),
+                                             i64(panel.group_size), int(panel.offsets), ptr(panel.levels), None,
                                              ptr(outs[0]), i64(n), *shape) == 0  # fmt: skip
     assert lib.pb_cpu_panel_linear(ptr(x), i64(k), ptr(packed_f), None, ptr(outs[1]), i64(n), *shape) == 0
     assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int8_panels_with_offsets_on_a_cpu_without_avx512_give_that_build_s_float_bits(dtype, plain_library):
-    lib = plain_library
-    n, k, group, rows, code = 40, 96, 32, 3, 0 if dtype == torch.float32 else 2
-    q, scale, offset = int8_affine_weight(n, k, group, seed=25)
-    dequantized = torch.addcmul(offset.repeat_interleave(group, dim=1), q.float(),
-                                scale.repeat_interleave(group, dim=1)).to(dtype)  # fmt: skip
-    x = randn(rows, k, dtype=dtype, seed=26)
-    i64, ptr = ctypes.c_int64, lambda t: ctypes.c_void_p(t.data_ptr())
-    elements = lib.pb_cpu_panel_packed_elements(i64(n), i64(k), code)
-    packed_q, packed_f = torch.empty(elements, dtype=torch.int8), torch.empty(elements, dtype=dtype)
-    scales = PanelWeight.quantized(q, scale, 8, dtype, group, offset).scales  # the native build's layout
-    assert lib.pb_cpu_panel_pack_int8(ptr(q), i64(n), i64(k), code, ptr(packed_q)) == 0
-    assert lib.pb_cpu_panel_pack(ptr(dequantized), i64(n), i64(k), code, ptr(packed_f)) == 0
-    outs = [torch.empty(rows, n, dtype=dtype) for _ in range(2)]
-    shape = (i64(rows), i64(n), i64(k), code, 1)
-    assert lib.pb_cpu_panel_linear_quantized(ptr(x), i64(k), ptr(packed_q), 8, ptr(scales), i64(group), 1, None,
-                                             None, ptr(outs[0]), i64(n), *shape) == 0  # fmt: skip
-    assert lib.pb_cpu_panel_linear(ptr(x), i64(k), ptr(packed_f), None, ptr(outs[1]), i64(n), *shape) == 0
-    assert torch.equal(outs[0], outs[1])
+def test_int8_panels_on_a_cpu_without_avx512_give_that_build_s_float_bits(dtype, plain_library):
+    """The plain build dequantizes with GCC's vectors instead of AVX-512: its int8 panels give its own float panels'
+    bits on the dequantized weight: a scale per output (odd K), and a scale and an offset per group of 32."""
+    q, scale = int8_weight(40, 77, seed=21)
+    panel = PanelWeight.quantized(q, scale, 8, dtype)
+    plain_build_gives_its_float_bits(plain_library, panel, q, q.float() * scale, seed=22)
+    q, scale, offset = int8_affine_weight(40, 96, 32, seed=25)
+    dequantized = torch.addcmul(offset.repeat_interleave(32, dim=1), q.float(), scale.repeat_interleave(32, dim=1))
+    panel = PanelWeight.quantized(q, scale, 8, dtype, 32, offset)
+    plain_build_gives_its_float_bits(plain_library, panel, q, dequantized, seed=26)
 
 
 def int4_weight(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
@@ -417,33 +407,17 @@ def test_int4_panels_with_levels_give_the_float_panels_bits(dtype, shape, rows):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_int4_panels_on_a_cpu_without_avx512_give_that_build_s_float_bits(dtype, plain_library):
-    lib = plain_library
-    n, k, group, rows, code = 40, 96, 32, 3, 0 if dtype == torch.float32 else 2
+    """Q4_1-style values with scales and offsets, and IQ4's levels in place of 0 to 15 without offsets."""
+    n, k, group = 40, 96, 32
     weight = int4_weight(n, k, group, seed=23)
-    q = weight[0]
-    x = randn(rows, k, dtype=dtype, seed=24)
-    i64, ptr = ctypes.c_int64, lambda t: ctypes.c_void_p(t.data_ptr())
-    elements = lib.pb_cpu_panel_packed_elements(i64(n), i64(k), code)
-    packed_q, packed_f = torch.empty(elements // 2, dtype=torch.uint8), torch.empty(elements, dtype=dtype)
-    scales = quantized_int4(*weight, dtype).scales  # the same layout, from the native build's wrapper
-    assert lib.pb_cpu_panel_pack_int4(ptr(q), i64(n), i64(k), code, ptr(packed_q)) == 0
-    assert lib.pb_cpu_panel_pack_int4(ptr(q), i64(n), i64(k - 1), 0, ptr(packed_q)) == 2  # fp32 lines hold two steps
-    assert lib.pb_cpu_panel_pack(ptr(dequantized_int4(*weight, dtype)), i64(n), i64(k), code, ptr(packed_f)) == 0
-    outs = [torch.empty(rows, n, dtype=dtype) for _ in range(2)]
-    shape = (i64(rows), i64(n), i64(k), code, 1)
-    assert lib.pb_cpu_panel_linear_quantized(ptr(x), i64(k), ptr(packed_q), 4, ptr(scales), i64(group), 1, None,
-                                             None, ptr(outs[0]), i64(n), *shape) == 0  # fmt: skip
-    assert lib.pb_cpu_panel_linear(ptr(x), i64(k), ptr(packed_f), None, ptr(outs[1]), i64(n), *shape) == 0
-    assert torch.equal(outs[0], outs[1])
-    # IQ4's levels in place of 0 to 15, no offsets
+    plain_build_gives_its_float_bits(plain_library, quantized_int4(*weight, dtype), weight[0],
+                                     dequantized_int4(*weight, torch.float32), seed=24)  # fmt: skip
+    odd_k = plain_library.pb_cpu_panel_pack_int4(ctypes.c_void_p(weight[0].data_ptr()), ctypes.c_int64(n),
+                                                 ctypes.c_int64(k - 1), 0, None)  # fmt: skip
+    assert odd_k == 2  # BAD_SHAPE: fp32 lines hold two steps
     q, scale, dequantized = iq4_weight(n, k, seed=27)
-    scales = PanelWeight.quantized(q, scale, 4, dtype, 32, levels=IQ4_LEVELS).scales
-    assert lib.pb_cpu_panel_pack_int4(ptr(q), i64(n), i64(k), code, ptr(packed_q)) == 0
-    assert lib.pb_cpu_panel_pack(ptr(dequantized.to(dtype)), i64(n), i64(k), code, ptr(packed_f)) == 0
-    assert lib.pb_cpu_panel_linear_quantized(ptr(x), i64(k), ptr(packed_q), 4, ptr(scales), i64(32), 0, ptr(IQ4_LEVELS),
-                                             None, ptr(outs[0]), i64(n), *shape) == 0  # fmt: skip
-    assert lib.pb_cpu_panel_linear(ptr(x), i64(k), ptr(packed_f), None, ptr(outs[1]), i64(n), *shape) == 0
-    assert torch.equal(outs[0], outs[1])
+    panel = PanelWeight.quantized(q, scale, 4, dtype, 32, levels=IQ4_LEVELS)
+    plain_build_gives_its_float_bits(plain_library, panel, q, dequantized, seed=28)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
