@@ -17,8 +17,8 @@ Quantized weights pack too, into int8 or int4 panels (a byte or half a byte per 
 the format's own dequantization computes), so they run the fused forward and its C++ layer loop:
 - torchao's int8 and int4 weight-only layers (`--quantization torchao`, int8_weight_only / int4_weight_only), whose
   CPU path dequantizes the whole matrix per call;
-- the linear layers of a model loaded from a GGUF file, from the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and K-quant blocks they were
-  dequantized from (`gguf_blocks`): the same values from a fifth to a half of the bytes.
+- the linear layers of a model loaded from a GGUF file, from the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, K-quant and IQ4 blocks they
+  were dequantized from (`gguf_blocks`): the same values from a sixth to a quarter of the float32 bytes.
 """
 
 from __future__ import annotations
