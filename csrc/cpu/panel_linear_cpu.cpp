@@ -125,11 +125,9 @@ inline f32x16 affine(f32x16 q, f32x16 scale, f32x16 offset) {
 }
 
 // The 16 values of an int4 weight as floats: `levels` (a format's own, IQ4's), else 0 to 15. Loaded once per tile.
+constexpr float kCounting[kLanes] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 inline f32x16 levels_of(const GroupScales& scales) {
-  if (scales.levels != nullptr) return load16(scales.levels);
-  f32x16 iota;
-  for (int i = 0; i < kLanes; ++i) iota[i] = static_cast<float>(i);
-  return iota;
+  return load16(scales.levels != nullptr ? scales.levels : kCounting);
 }
 
 // A line of int4 weights (16 bytes) as their `levels`: the low nibbles, then the high ones. With AVX-512 each byte

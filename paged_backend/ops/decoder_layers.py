@@ -17,7 +17,7 @@ import torch
 from paged_backend.ops._c_abi import F32, I32, I64, PTR, check_layouts
 from paged_backend.ops.cpu import QUERY_DTYPES, AttentionArgs, AttentionPlan, _library
 from paged_backend.ops.fused_cpu import PLAIN, SILU, HeadPrep, RotaryCache, RotaryCacheArgs, _fused
-from paged_backend.ops.panel_linear import PanelWeight, _panel, panel_bias
+from paged_backend.ops.panel_linear import PanelWeight, _panel, _pointer, panel_bias
 
 
 class PanelQuant(ctypes.Structure):
@@ -117,10 +117,6 @@ class LayerParts:
     post_mlp_norm: torch.Tensor | None = None
     activation: int = SILU
     residual_scale: float = 1.0
-
-
-def _pointer(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
 
 
 class DecoderLayers:

@@ -143,18 +143,17 @@ class PanelWeight:
                f"pack int{bits}")  # fmt: skip
         parts = [scale] if offset is None else [scale, offset]
         scales = _panel_scales([part.reshape(out_features, groups) for part in parts])
-        weight = cls._over(packed, out_features, in_features, dtype, scales, bits, group_size, offset is not None)
-        weight.levels = None if levels is None else levels.detach().float().contiguous().reshape(16)
-        return weight
+        levels = None if levels is None else levels.detach().float().contiguous().reshape(16)
+        return cls._over(packed, out_features, in_features, dtype, scales, bits, group_size, offset is not None, levels)
 
     @classmethod
     def _over(cls, packed: torch.Tensor, out_features: int, in_features: int, dtype: torch.dtype | None = None,
-              scales: torch.Tensor | None = None, bits: int = 0, group_size: int = 0,
-              offsets: bool = False) -> PanelWeight:  # fmt: skip
+              scales: torch.Tensor | None = None, bits: int = 0, group_size: int = 0, offsets: bool = False,
+              levels: torch.Tensor | None = None) -> PanelWeight:  # fmt: skip
         """A weight over panels packed already (a slice of a stacked group); quantized ones with their scales."""
         weight = cls.__new__(cls)
         weight.out_features, weight.in_features, weight.packed, weight.scales = out_features, in_features, packed, scales
-        weight.bits, weight.group_size, weight.offsets = bits, group_size, offsets
+        weight.bits, weight.group_size, weight.offsets, weight.levels = bits, group_size, offsets, levels
         weight.dtype = dtype or packed.dtype  # the activations' dtype: int8 panels serve float32 or bfloat16 rows
         weight.code = QUERY_DTYPES[weight.dtype]
         return weight
@@ -180,8 +179,8 @@ class PanelWeight:
                 part._regrouped(group_size, offsets)
         scales = None if first.scales is None else torch.cat([part.scales for part in parts])
         group = cls._over(torch.cat([part.packed for part in parts]), sum(p.out_features for p in parts),
-                          first.in_features, first.dtype, scales, first.bits, group_size, offsets)  # fmt: skip
-        group.levels = first.levels
+                          first.in_features, first.dtype, scales, first.bits, group_size, offsets,
+                          first.levels)  # fmt: skip
         offset, scale_offset = 0, 0
         for part in parts:
             size = part.packed.numel()
@@ -216,9 +215,10 @@ class PanelWeight:
         k_len = -(-self.in_features // pair) * pair
         panels = _panels(self.out_features)
         if self.bits == 4:  # lines of 32 values in 16 bytes: value i in byte i % 16, the high half from 16 on
-            lines = self.packed.view(panels, k_len * LANES // 32, 16)[panel]
+            held, which = panel.unique(return_inverse=True)  # each panel unpacked once, however many of its rows
+            lines = self.packed.view(panels, k_len * LANES // 32, 16)[held]
             values = torch.cat([lines & 15, lines >> 4], dim=-1).view(-1, k_len // pair, LANES, pair)
-            values = values[torch.arange(flat.numel()), :, lane]
+            values = values[which, :, lane]
             if self.levels is not None:
                 values = self.levels[values.long()]
         else:
