@@ -11,13 +11,15 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import httpx
-import openai
 import pytest
 
 from paged_backend.worker.default_model import TINY_MODEL
+
+if TYPE_CHECKING:  # imported where used: the GPU checks import this module on a machine without openai
+    import openai
 
 API_KEY = "test-key"
 MODEL = TINY_MODEL  # the fast seeded model, unless a test names another
@@ -41,9 +43,13 @@ class Server:
         return self.log.read()
 
     def client(self, **kwargs) -> openai.OpenAI:
+        import openai
+
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=120, **kwargs)
 
     def async_client(self, **kwargs) -> openai.AsyncOpenAI:
+        import openai
+
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=120, **kwargs)
 
     def post(self, path: str, **kwargs) -> httpx.Response:
