@@ -44,6 +44,22 @@ def test_decode_steps_through_the_buffers_match_hf_generate(make_llm, engine_kwa
     assert 0 < graphs.steps < llm.engine.stats().num_steps  # decode steps took the buffers, prefill steps did not
 
 
+def test_capture_all_runs_every_size_largest_first_on_padding_rows_that_write_no_kv(make_llm):
+    llm, graphs = graphed_llm(make_llm, 12)
+    pool = llm.engine.kv_cache
+    layers = [pool.layer(i) for i in range(pool.num_layers)]
+    before = [(key.clone(), value.clone()) for key, value in layers]
+    forward, sizes = graphs.forward, []
+    graphs.forward = lambda ids, *rest: sizes.append(ids.shape[1]) or forward(ids, *rest)
+    graphs.capture_all()  # eagerly here: the forwards a GPU captures at startup
+    assert sizes == [12, 8, 4, 2, 1] and graphs.steps == 0
+    for (key_before, value_before), (key, value) in zip(before, layers, strict=True):
+        assert torch.equal(key_before, key) and torch.equal(value_before, value)
+    prompts = ragged_prompts()
+    outputs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy("llama", p) for p in prompts]
+
+
 def test_padding_rows_write_no_kv(make_llm):
     llm, graphs = graphed_llm(make_llm, 8)
     runner, pool = llm.engine.runner, llm.engine.kv_cache

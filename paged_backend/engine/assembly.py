@@ -92,6 +92,8 @@ def assemble(
         raise InvalidRequest(f"CUDA graphs (max_cudagraph_capture_size={config.max_cudagraph_capture_size}) "
                              f"{reason}; drop --max-cudagraph-capture-size (TGI's --cuda-graphs)")  # fmt: skip
     attach_decode_graphs(config, runner, kv_cache, max_model_len)
+    if runner.decode_graphs is not None:
+        runner.decode_graphs.capture_all()  # at startup, as vLLM does: no decode step waits for a capture
     return EngineParts(
         model, tokenizer, kv_cache, block_manager, runner, lora, parallel, device, backend, max_model_len,
         _prefill_chunk_limit(config, block_manager, max_model_len),

@@ -102,6 +102,8 @@ class EngineSleep:
             _give_memory_back(self.engine.kv_cache.device)  # loading's transient copies (a GGUF's dequantization)
         for pool in self._pools():
             pool.allocate()
+        if self.engine.runner.decode_graphs is not None:  # over the new pool's addresses, before any step needs one
+            self.engine.runner.decode_graphs.capture_all()
         self.level = 0
         logger.info("engine awake (%.2f s)", time.perf_counter() - started)
 

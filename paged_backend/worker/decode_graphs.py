@@ -8,10 +8,11 @@ up to N sequences, padded to the next capture size (1, 2, 4, 8, then multiples o
 A step's inputs are copied into static buffers the graph was captured on. Padded rows write no KV (slot -1, which
 every cache write skips) and attend to one token; their logits are dropped. The block-table buffer is as wide as
 the longest sequence the pool holds, and a step fills only the columns it uses: a kernel reads a row's columns up to
-its length alone. A graph is captured the first time its size is needed, after two eager warm-up runs on the
-step's real inputs (their cache writes are the ones the replay then repeats), and all graphs share one memory pool.
-The graphs hold the pool's addresses: when the pool is allocated again (sleep mode), they are dropped and captured
-anew.
+its length alone. As in vLLM, every size is captured when the engine starts (`capture_all`), largest first, so no
+decode step waits for a capture and the smaller graphs reuse the largest one's memory: each after two eager warm-up
+runs on padding rows alone, which write nothing. All graphs share one memory pool. The graphs hold the pool's
+addresses: when the pool is allocated again (sleep mode), they are dropped and captured anew, all at once on waking,
+or (should a size be missing) the first time a step needs it, then on that step's real inputs.
 
 `capture=False` runs the same padded static-buffer steps eagerly: on CPU, where the tests check them against the
 plain forward, and as the fallback when a capture fails (a model whose forward syncs with the host cannot be
@@ -21,6 +22,7 @@ captured; the step then runs eagerly, with a warning, and nothing is lost).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -97,6 +99,20 @@ class DecodeGraphs:
         self.replays += 1
         return logits[:count].clone()  # the graph's output buffer is overwritten by the next replay
 
+    def capture_all(self) -> None:
+        """Capture every size's graph now, largest first, on padding rows alone (no KV written, one token attended).
+        Without capture (CPU), the same padding-only forwards run eagerly once, which is what the tests check."""
+        started = time.perf_counter()
+        for size in reversed(self.sizes):
+            self._fill([], size)
+            if not self.capture:
+                self.forward(*self._views(size))
+            elif self._graph(size) is None:  # a capture failed (logged): decode steps run eagerly from here
+                return
+        if self.capture:
+            log.info("captured %d decode graphs (up to %d sequences) in %.2f s", len(self.graphs), self.max_batch,
+                     time.perf_counter() - started)  # fmt: skip
+
     def drop(self) -> None:
         """Free the captured graphs (sleep mode): the next decode step of each size captures its graph again."""
         self.graphs.clear()
@@ -112,13 +128,14 @@ class DecodeGraphs:
             slots.append(slot_of(table, start, block_size))
             lengths.append(start + 1)
             tables.append(table)
-        width = max(map(len, tables))
-        self.ids[0, :count].copy_(torch.tensor(tokens), non_blocking=True)
-        self.positions[0, :count].copy_(torch.tensor(positions), non_blocking=True)
-        self.slots[:count].copy_(torch.tensor(slots), non_blocking=True)
-        self.seq_lens[:count].copy_(torch.tensor(lengths, dtype=torch.int32), non_blocking=True)
-        padded = [table + [0] * (width - len(table)) for table in tables]
-        self.tables[:count, :width].copy_(torch.tensor(padded, dtype=torch.int32), non_blocking=True)
+        if rows:  # (none: `capture_all`'s padding-only steps)
+            width = max(map(len, tables))
+            self.ids[0, :count].copy_(torch.tensor(tokens), non_blocking=True)
+            self.positions[0, :count].copy_(torch.tensor(positions), non_blocking=True)
+            self.slots[:count].copy_(torch.tensor(slots), non_blocking=True)
+            self.seq_lens[:count].copy_(torch.tensor(lengths, dtype=torch.int32), non_blocking=True)
+            padded = [table + [0] * (width - len(table)) for table in tables]
+            self.tables[:count, :width].copy_(torch.tensor(padded, dtype=torch.int32), non_blocking=True)
         if size > count:  # padding rows: no KV written, one token attended, logits dropped
             self.ids[0, count:size].zero_()
             self.positions[0, count:size].zero_()
