@@ -53,6 +53,10 @@ def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(make_llm):
     completion = output.outputs[0]
     assert completion.token_ids == [] and completion.text == "" and completion.finish_reason == "length"
     assert_prompt_logprobs_match(output.prompt_logprobs, PROMPT, 0)
+    [output] = llm.generate([PROMPT], SamplingParams(n=3, best_of=4, max_tokens=0, prompt_logprobs=0))
+    assert [(c.index, c.token_ids, c.finish_reason) for c in output.outputs] == [(i, [], "length") for i in range(3)]
+    assert_prompt_logprobs_match(output.prompt_logprobs, PROMPT, 0)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks - 1  # block 0 reserved
     with pytest.raises(InvalidRequest, match="max_tokens"):
         SamplingParams(max_tokens=0)
 
@@ -104,6 +108,26 @@ def test_bad_words_never_appear(make_llm):
     assert len(llm.engine.tokenizer(word, add_special_tokens=False).input_ids) == 3
     banned = llm.generate([PROMPT], SamplingParams(**params, bad_words=[word]))[0].outputs[0].text
     assert word not in banned and banned[:4] == text[:4]  # only the word's last token was refused
+
+
+def test_rules_that_leave_no_token_are_refused_up_front_or_yield_to_allowed_token_ids(make_llm):
+    llm = make_llm()
+    eos = llm.engine.tokenizer.eos_token_id
+    with pytest.raises(InvalidRequest, match="min_tokens=2 cannot be met"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=[eos]))
+    with pytest.raises(InvalidRequest, match="min_tokens=2 cannot be met"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=[97], stop_token_ids=[97]))
+    with pytest.raises(InvalidRequest, match="bad_words ban every token"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=4, allowed_token_ids=[97], bad_words=["a"]))
+    # "aa" bans a second "a" only once one is written: that row then keeps allowed_token_ids, and its neighbour in
+    # the same steps is not failed with it
+    stuck = SamplingParams(temperature=1.0, seed=0, max_tokens=4, ignore_eos=True, allowed_token_ids=[97],
+                           bad_words=["aa"])  # fmt: skip
+    plain = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outputs = llm.generate([PROMPT, PROMPT], [stuck, plain])
+    assert outputs[0].outputs[0].token_ids == [97] * 4
+    assert outputs[1].outputs[0].token_ids == llm.generate([PROMPT], plain)[0].outputs[0].token_ids
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks - 1
 
 
 def test_typical_p_matches_transformers_warper_and_leaves_greedy_alone(make_llm):

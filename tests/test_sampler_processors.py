@@ -27,6 +27,17 @@ def test_rows_take_their_own_processors_in_vllms_order():
     assert tokens == [1, 6, 0, 2]
 
 
+def test_a_row_the_rules_leave_empty_keeps_its_allowed_tokens_and_the_others_are_untouched():
+    """min_tokens blocks the only allowed tokens here: sampling from nothing would fail the whole step."""
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 2] = 1.0
+    stuck = dict(allowed_token_ids=[5, 6], stop_token_ids=[5, 6], min_tokens=2, logit_bias={6: 1.0})
+    seqs = [sequence([3], **stuck), sequence([3], **stuck), sequence([3])]
+    seqs[1].request.params = SamplingParams(temperature=1.0, seed=0, max_tokens=4, **stuck)
+    tokens, _ = Sampler(eos_token_ids={7})(logits, seqs)
+    assert tokens == [6, tokens[1], 2] and tokens[1] in (5, 6)  # greedy: the bias decides; sampled: an allowed one
+
+
 def test_greedy_takes_the_first_of_tied_maxima():
     logits = torch.tensor([[0.0, 3.0, 1.0, 3.0], [5.0, 5.0, 5.0, 5.0]])
     tokens, _ = Sampler(eos_token_ids={0})(logits, [sequence([1]), sequence([1])])

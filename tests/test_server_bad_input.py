@@ -64,6 +64,9 @@ BAD_BODIES = {
     "min_tokens above max_tokens": json.dumps({"prompt": "hi", "min_tokens": 9, "max_tokens": 2}).encode(),
     "empty string in a prompt list": json.dumps({"prompt": ["hi", ""]}).encode(),
     "max_tokens zero without echo": json.dumps({"prompt": "hi", "max_tokens": 0}).encode(),
+    "min_tokens with only stop tokens allowed": json.dumps(
+        {"prompt": "hi", "max_tokens": 4, "min_tokens": 2, "allowed_token_ids": [5], "stop_token_ids": [5]}
+    ).encode(),
 }
 
 
@@ -108,6 +111,18 @@ def test_the_openai_client_sees_a_bad_request_error(server):
         server.client().completions.create(model=MODEL, prompt="hi", max_tokens=10**6)
     with pytest.raises(openai.NotFoundError):
         server.client().completions.create(model="not-this-one", prompt="hi")
+    assert_still_serving(server)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"])
+def test_a_lone_surrogate_in_the_model_name_gets_a_4xx_not_500(server, path):
+    """The 404 quotes the name, and a lone surrogate cannot be UTF-8: the error is ASCII JSON with its escape
+    (Anthropic's route refuses the name as a string first: 400)."""
+    body = {"model": "\ud800", "prompt": "hi", "input": "hi", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+    response = server.post(path, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    assert response.status_code == (400 if path == "/v1/messages" else 404), response.text
+    assert response.json()["error"]["message"]
     assert_still_serving(server)
 
 

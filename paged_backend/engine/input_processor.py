@@ -102,10 +102,12 @@ class InputProcessor:
                 f"(prompt plus at least one generated token): shorten the prompt or raise max_model_len, the KV "
                 f"pool, or (without chunked prefill) max_num_batched_tokens"
             )
+        bad_words = self._bad_words_token_ids(params.bad_words or [])
+        self._check_a_token_is_left(params, bad_words)
         adapter = self._lora_adapter(lora_request)
         request = Request(request_id, prompt, prompt_token_ids, params, priority, next(self._arrivals), request_class)
         request.lora_adapter = adapter
-        request.bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
+        request.bad_words_token_ids = bad_words
         request.stop_rules = StopRules.of(params, self.eos_token_ids, self.max_model_len)
         request.seqs.append(Sequence(request, 0))
         request.seqs[0].grammar = grammar
@@ -151,6 +153,20 @@ class InputProcessor:
             raise InvalidRequest(f"LoRA adapter {lora_request.lora_name!r} asked for but LoRA is disabled; "
                                  "start the engine with enable_lora=True (--enable-lora)")  # fmt: skip
         return self.lora.load(lora_request)
+
+    def _check_a_token_is_left(self, params: SamplingParams, bad_words: list[list[int]]) -> None:
+        """Refuse allowed_token_ids that the other rules ban outright: the first token would have nothing to come from."""
+        if params.allowed_token_ids is None:
+            return
+        left = set(params.allowed_token_ids) - {word[0] for word in bad_words if len(word) == 1}
+        if not left:
+            raise InvalidRequest("bad_words ban every token in allowed_token_ids; allow another token or drop "
+                                 "those bad words")  # fmt: skip
+        ends = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        if params.min_tokens and left <= ends:
+            raise InvalidRequest(f"min_tokens={params.min_tokens} cannot be met: every token allowed_token_ids "
+                                 f"leaves ends the sequence (EOS or stop_token_ids); allow another token or drop "
+                                 f"min_tokens")  # fmt: skip
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as token ids, alone and after a space (its mid-sentence form), as vLLM bans them."""

@@ -76,7 +76,7 @@ class Sampler:
         grammars = [seq.grammar for seq in seqs]
         if any(grammar is not None for grammar in grammars):
             self.structured.apply_masks(logits, grammars)
-            self._let_grammar_win(raw, logits, grammars)
+        self._refill_empty_rows(raw, logits, seqs)
         tokens = argmax_rows(logits)
         sampled = [i for i, seq in enumerate(seqs) if not seq.request.params.greedy]
         if sampled:
@@ -88,12 +88,7 @@ class Sampler:
 
     def _mask_row(self, row: torch.Tensor, seq: Sequence) -> None:
         """The processors before the logit bias, in place: allowed tokens, bad words, min_tokens."""
-        params = seq.request.params
-        if params.allowed_token_ids is not None:
-            allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=row.device)
-            kept = row[allowed]
-            row.fill_(float("-inf"))
-            row[allowed] = kept
+        _keep_allowed(row, seq.request.params)
         banned = self._banned_words(seq)
         if banned:
             row[banned] = float("-inf")
@@ -119,14 +114,21 @@ class Sampler:
                 banned.append(word[-1])
         return banned
 
-    def _let_grammar_win(self, raw: torch.Tensor, logits: torch.Tensor, grammars: list) -> None:
-        """A row left with no allowed token (e.g. min_tokens blocks the EOS a finished grammar needs) keeps only the
-        grammar's mask, so structured output stays valid and no row samples from nothing."""
+    def _refill_empty_rows(self, raw: torch.Tensor, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """A row the rules leave with no token (min_tokens blocking the EOS a finished grammar needs, or the last
+        allowed token a multi-token bad word bans) keeps its hard constraint alone: the grammar's mask, else
+        allowed_token_ids with its bias and penalties. So structured output stays valid and no row samples from
+        nothing, which would fail the whole step. (Rules that leave nothing from the first token on are refused
+        with the request.)"""
         for i in torch.isinf(logits).all(dim=-1).nonzero().flatten().tolist():
-            if grammars[i] is not None:
-                row = raw[i : i + 1].clone()
-                self.structured.apply_masks(row, [grammars[i]])
-                logits[i] = row[0]
+            seq, row = seqs[i], raw[i : i + 1].clone()
+            if seq.grammar is not None:
+                self.structured.apply_masks(row, [seq.grammar])
+            else:
+                _keep_allowed(row[0], seq.request.params)
+                _add_logit_bias(row, [seq.request.params.logit_bias])
+                self._adjust_row(row[0], seq)
+            logits[i] = row[0]
 
     @staticmethod
     def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
@@ -163,6 +165,15 @@ class Sampler:
             values, ids = row.topk(top)
             result.update(zip(ids.tolist(), values.tolist(), strict=True))
         return result
+
+
+def _keep_allowed(row: torch.Tensor, params: SamplingParams) -> None:
+    """allowed_token_ids, in place: every other token's logit to -inf."""
+    if params.allowed_token_ids is not None:
+        allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=row.device)
+        kept = row[allowed]
+        row.fill_(float("-inf"))
+        row[allowed] = kept
 
 
 def _add_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> None:
