@@ -152,6 +152,14 @@ def test_tokens_as_token_ids(server):
     assert all(key.startswith("token_id:") for top in logprobs["top_logprobs"][1:] for key in top)
 
 
+def test_max_tokens_zero_echoes_n_choices_per_prompt(client):
+    """vLLM's answer: with n, every prompt's n choices come back, each the echoed prompt."""
+    choices = client.completions.create(model=MODEL, prompt=["hi", "yo"], echo=True, max_tokens=0, n=2).choices
+    assert [(c.index, c.text, c.finish_reason) for c in choices] == [
+        (0, "hi", "length"), (1, "hi", "length"), (2, "yo", "length"), (3, "yo", "length")
+    ]  # fmt: skip
+
+
 def test_max_tokens_zero_needs_echo_or_prompt_logprobs(server):
     response = server.post("/v1/completions", json={"prompt": [65, 66], "max_tokens": 0})
     assert response.status_code == 400 and "max_tokens" in response.json()["error"]["message"]

@@ -264,8 +264,11 @@ class Engine:
                 continue
             request.forked = True
             self.counters.prompt_tokens += len(request.prompt_token_ids)
-            if request.params.max_tokens == 0:
+            if request.params.max_tokens == 0:  # each of the n completions ends here, empty (vLLM returns n)
                 self.output_processor.finish(seq, "length")
+                for index in range(1, request.params.n):
+                    request.seqs.append(child := seq.fork(index))
+                    self.output_processor.finish(child, "length")
                 advanced[request.request_id] = request
                 continue
             rows.append(row)
