@@ -137,6 +137,7 @@ def test_completions_batch_equals_the_online_answers(server, client):
 def test_malformed_lines_become_error_lines_and_the_others_still_run(server, client):
     good = chat_line("good", "Still answered?")
     rejected = chat_line("rejected", "Too many tokens", max_tokens=10_000)  # the route's own 400
+    surrogate = chat_line("surrogate", "\ud800")  # a lone surrogate: the route's 400 too, not the batch's failure
     lines = [
         "{not json",
         {**chat_line("wrong-url", "x"), "url": "/v1/embeddings"},
@@ -144,19 +145,20 @@ def test_malformed_lines_become_error_lines_and_the_others_still_run(server, cli
         {**completion_line("other-endpoint", "x")},
         good,
         rejected,
+        surrogate,
         {**chat_line("streaming", "x"), "body": {**chat_line("streaming", "x")["body"], "stream": True}},
         chat_line("good", "a second line with the same custom_id"),
     ]
     batch = wait_until(client, submit(client, lines).id)
     assert batch.status == "completed"
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (8, 1, 7)
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (9, 1, 8)
     [answered] = output_lines(client, batch.output_file_id)
     assert answered["custom_id"] == "good"
     assert comparable(answered["response"]["body"]) == comparable(online_answer(server, good)[1])
     errors = output_lines(client, batch.error_file_id)
     assert [error["custom_id"] for error in errors] == [None, "wrong-url", None, "other-endpoint", "rejected",
-                                                        "streaming", "good"]  # fmt: skip
-    unsent = [error for error in errors if error["custom_id"] != "rejected"]
+                                                        "surrogate", "streaming", "good"]  # fmt: skip
+    unsent = [error for error in errors if error["custom_id"] not in ("rejected", "surrogate")]
     assert all(error["response"] is None and error["error"]["code"] == "invalid_request" for error in unsent)
     messages = [error["error"]["message"] for error in unsent]
     for message, expected in zip(messages, ["not valid JSON", "unknown url", "custom_id", "differs from the batch's "
@@ -166,6 +168,8 @@ def test_malformed_lines_become_error_lines_and_the_others_still_run(server, cli
     status, online = online_answer(server, rejected)
     assert route_error["error"] is None and route_error["response"]["status_code"] == status == 400
     assert route_error["response"]["body"] == online
+    [route_error] = [error for error in errors if error["custom_id"] == "surrogate"]
+    assert route_error["response"]["status_code"] == 400 and "Unicode" in str(route_error["response"]["body"])
 
 
 def test_cancel_stops_a_batch_with_the_outputs_it_has(client):
