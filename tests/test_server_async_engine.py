@@ -187,6 +187,8 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_keeps_serving(
     async def scenario(async_engine):
         with pytest.raises(EngineStepFailed, match="device fell over"):
             await collect(async_engine, "unlucky", "Fail me")
+        stats = async_engine.stats()  # what /metrics reads: nothing running or held once the request failed
+        assert stats.num_running == 0 and stats.kv_usage == 0
         return await collect(async_engine, "lucky", "Fine")
 
     outputs = run_with(engine, scenario)

@@ -309,6 +309,7 @@ class AsyncEngine:
             except Exception:
                 logger.exception("abort of %r after a failed step also failed", request_id)
         self._live_request_ids.clear()
+        self._stats = self.engine.stats()  # their blocks are free again: /metrics says so before the next step
         error = EngineStepFailed(f"the engine failed while running this request: {cause!r}")
         self._loop.call_soon_threadsafe(self._deliver, [(request_id, error) for request_id in failed])
 
