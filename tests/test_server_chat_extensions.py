@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pydantic
@@ -177,6 +179,8 @@ BAD = {
     "template raises": ({"messages": CONTINUED, "chat_template": "{{ raise_exception('no tools here') }}"},
                         "no tools here"),
     "template renders nothing": ({"messages": CONTINUED, "chat_template": "{# nothing #}"}, "empty text"),
+    "template renders more than the context holds": (
+        {"messages": CONTINUED, "chat_template": "{{ 'x' * 30000000 }}"}, "characters, more than max_model_len"),
     "kwargs override an argument": (
         {"messages": CONTINUED, "chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
     "image part": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -196,6 +200,21 @@ def test_malformed_chat_requests_get_a_400_naming_the_problem(server, body, name
     response = server.post("/v1/chat/completions", content=encoded, headers={"Content-Type": "application/json"})
     assert response.status_code == 400, response.text
     assert named in response.json()["error"]["message"]
+
+
+def test_a_slow_chat_template_does_not_hold_up_the_server(server):
+    """A request's own template renders on a worker thread: the event loop answers others meanwhile."""
+    slow = {"messages": CONTINUED, "max_tokens": 1,
+            "chat_template": "{% for i in range(8000) %}{% for j in range(8000) %}{% endfor %}{% endfor %}hi"}  # fmt: skip
+    with ThreadPoolExecutor(1) as pool:
+        rendering = pool.submit(server.post, "/v1/chat/completions", json=slow)
+        time.sleep(0.5)
+        started = time.perf_counter()
+        server.health()
+        waited = time.perf_counter() - started
+        assert not rendering.done(), "the template rendered too fast to tell"
+        assert waited < 0.5, f"/health waited {waited:.2f} s behind the template"
+        assert rendering.result().status_code == 200  # ~1.5 s of loops, then "hi"
 
 
 def test_the_openai_client_sees_bad_chat_input_as_bad_request(client):

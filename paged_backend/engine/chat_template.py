@@ -9,10 +9,11 @@ templates.
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 
 from transformers import PreTrainedTokenizerBase
 
-from paged_backend.errors import InvalidRequest
+from paged_backend.errors import InvalidRequest, PromptTooLong
 
 # apply_chat_template's own arguments: chat_template_kwargs may not override them.
 TEMPLATE_ARGUMENTS = frozenset(
@@ -33,8 +34,12 @@ def render_chat(
     continue_final_message: bool = False,
     add_special_tokens: bool = False,
     chat_template_kwargs: dict | None = None,
+    max_model_len: int | None = None,
 ) -> list[int]:
     """Token ids of `messages` as the chat template (`chat_template`, else the tokenizer's) lays them out.
+
+    With `max_model_len`, a rendering longer than that many of the tokenizer's longest tokens is refused before it
+    is tokenized: it cannot fit, and a request's own template could otherwise make tokenizing take minutes.
 
     >>> from paged_backend.worker.models import byte_tokenizer
     >>> bytes(render_chat(byte_tokenizer(), [{"role": "user", "content": "hi"}])[1:9])
@@ -69,6 +74,9 @@ def render_chat(
         text = render(with_tools_declared(messages, tools), None)
     if not text:
         raise InvalidRequest("the chat template rendered these messages as empty text; check the template")
+    if max_model_len is not None and len(text) > max_model_len * longest_token_chars(tokenizer):
+        raise PromptTooLong(f"the chat template rendered {len(text)} characters, more than max_model_len="
+                            f"{max_model_len} tokens can hold; shorten the messages or the template")  # fmt: skip
     try:
         text.encode()
     except UnicodeEncodeError as error:  # JSON may carry lone surrogates ("\\ud800"), which no tokenizer encodes
@@ -76,6 +84,12 @@ def render_chat(
             f"the messages hold text that is not valid Unicode ({error.reason}); send UTF-8 text"
         ) from None
     return tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+
+@lru_cache(maxsize=16)
+def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The characters of the tokenizer's longest vocabulary entry: no token covers more of a text."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
 
 
 TOOLS_PREAMBLE = "You can call these functions; to call one, answer with its name and JSON arguments:"

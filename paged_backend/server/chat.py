@@ -3,6 +3,7 @@ with tool calls read from (or forced on) the output as the request's tool_choice
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -31,7 +32,7 @@ async def create_chat_completion(
     if body.stream and body.prompt_logprobs is not None:
         raise InvalidRequest("prompt_logprobs cannot be streamed on chat (as in vLLM); drop stream or prompt_logprobs")
     plan = tool_call_plan(server, body)
-    prompt = render_chat_prompt(server, body)
+    prompt = await render_chat_prompt(server, body)
     if body.truncate_prompt_tokens is not None:
         prompt = prompt[-body.truncate_prompt_tokens :]
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -80,14 +81,15 @@ def chat_sampling_params(body: ChatCompletionRequest, plan: ToolCallPlan, max_to
     return params
 
 
-def render_chat_prompt(server: ServerState, body: ChatCompletionRequest) -> list[int]:
-    """Token ids of the conversation as the chat template (the request's, else the model's) lays it out."""
+async def render_chat_prompt(server: ServerState, body: ChatCompletionRequest) -> list[int]:
+    """Token ids of the conversation as the chat template (the request's, else the model's) lays it out, on a worker
+    thread: a request's own template may take a while to render, and the event loop serves everyone else."""
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-    return render_chat(
-        server.tokenizer, [message.for_template() for message in body.messages], tools=tools,
+    return await asyncio.to_thread(
+        render_chat, server.tokenizer, [message.for_template() for message in body.messages], tools=tools,
         documents=body.documents, chat_template=body.chat_template, add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message, add_special_tokens=body.add_special_tokens,
-        chat_template_kwargs=body.chat_template_kwargs,
+        chat_template_kwargs=body.chat_template_kwargs, max_model_len=server.max_model_len,
     )  # fmt: skip
 
 

@@ -36,7 +36,7 @@ async def create_message(
     lora_request = server.check_model(body.model)
     chat = chat_request(body)
     plan = tool_call_plan(server, chat)
-    prompt = render_chat_prompt(server, chat)
+    prompt = await render_chat_prompt(server, chat)
     max_tokens = output_budget(body.max_tokens, [len(prompt)], server.max_model_len, default=None)
     generation = Generation(server.async_engine, server.metrics, "msg")
     params = chat_sampling_params(chat, plan, max_tokens)
@@ -52,7 +52,7 @@ async def create_message(
 async def count_message_tokens(body: MessageCountTokensRequest, server: ServerState = Depends(server_state)) -> dict:
     """The prompt tokens a create with this conversation, system prompt and tools would send to the model."""
     server.check_model(body.model)
-    return {"input_tokens": len(render_chat_prompt(server, chat_request(body)))}
+    return {"input_tokens": len(await render_chat_prompt(server, chat_request(body)))}
 
 
 def anthropic_usage(usage: Usage) -> dict:

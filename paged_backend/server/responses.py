@@ -69,7 +69,7 @@ async def create_response(
     conversation = history + body.items()
     chat_body = chat_request(body, chat_messages(conversation, body.instructions, first_new=len(history)))
     plan = tool_call_plan(server, chat_body)
-    prompt = render_chat_prompt(server, chat_body)
+    prompt = await render_chat_prompt(server, chat_body)
     max_tokens = output_budget(body.max_output_tokens, [len(prompt)], server.max_model_len, default=None)
     params = chat_sampling_params(chat_body, plan, max_tokens)
     generation = Generation(server.async_engine, server.metrics, "resp")

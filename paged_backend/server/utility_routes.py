@@ -57,7 +57,7 @@ async def tokenize(
     """Token ids of a prompt (or of chat messages rendered by the chat template), and the model's context length."""
     server.check_model(body.model)
     if isinstance(body, TokenizeChatRequest):
-        tokens = render_chat_prompt(server, body)
+        tokens = await render_chat_prompt(server, body)
     else:
         tokens = server.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
     token_strs = server.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
