@@ -170,6 +170,18 @@ def test_min_tokens_does_not_break_a_finished_grammar(make_llm):
     assert output.outputs[0].text in ("ok", "no")
 
 
+def test_a_grammar_engine_failure_mid_output_ends_the_sequence_and_is_logged(make_llm, caplog):
+    """llguidance builds a huge repetition lazily and gives up at the first 'a': the sequence ends there, in the log."""
+    llm = make_llm()
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a{10000000}"), temperature=0,
+                            max_tokens=MAX_TOKENS)  # fmt: skip
+    with caplog.at_level("WARNING", logger="paged_backend.engine.output_processor"):
+        [output] = llm.generate(["x"], params)
+    assert len(output.outputs[0].token_ids) < MAX_TOKENS
+    assert "structured-output constraint failed at output token 1" in caplog.text
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_bad_constraint_is_refused_before_queueing(make_llm):
     llm = make_llm()
     with pytest.raises(InvalidRequest, match="uses keywords that cannot be enforced: not"):

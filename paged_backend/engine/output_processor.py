@@ -6,10 +6,13 @@ request's stop rules (`stopping`); a finished sequence leaves the scheduler and 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 from paged_backend.engine.request import Request, RequestOutput, Sequence, SequenceStatus
 from paged_backend.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 
 class OutputProcessor:
@@ -20,8 +23,10 @@ class OutputProcessor:
         seq.token_ids.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
-        if seq.grammar is not None:
-            seq.grammar.accept(token)
+        if seq.grammar is not None and not seq.grammar.accept(token) and (error := seq.grammar.error()):
+            # the grammar engine gave up (a limit of its own): the sequence stops here, said in the log, not silently
+            log.warning("request %s: its structured-output constraint failed at output token %d, which ends it: %s",
+                        seq.request.request_id, seq.num_output_tokens, error.splitlines()[0])  # fmt: skip
         new_text = self.detokenize(seq)
         stop = seq.request.stop_rules.check(
             token, seq.text, new_text, seq.num_output_tokens, seq.num_tokens, seq.grammar

@@ -96,6 +96,12 @@ class StructuredOutputManager:
         compiled = llguidance.LLMatcher(self._tokenizer, llguidance_grammar(params), log_level=0)
         if compiled.is_error():
             raise InvalidRequest(f"structured-output {params.kind} cannot be compiled: {compiled.get_error()}")
+        # The first mask, computed once here: a constraint that matches no text at all fails only when asked for it
+        # (the start state's first token then has nothing to come from)
+        fill_next_token_bitmask_par(self._executor, [(compiled, 0)], self._bitmask_rows(1))
+        if compiled.is_error():
+            reason = compiled.get_error().splitlines()[0]
+            raise InvalidRequest(f"structured-output {params.kind} matches no text ({reason}); check the constraint")
         self._compiled[key] = compiled
         if len(self._compiled) > self.cache_size:
             self._compiled.popitem(last=False)

@@ -21,6 +21,10 @@ class Matcher:
         """Advance by one token; False (and a matcher that only allows EOS from then on) if it was not allowed."""
         return self._matcher.consume_token(token_id)
 
+    def error(self) -> str | None:
+        """What the grammar engine failed on (a limit of its own, such as a huge repetition count), if it did."""
+        return self._matcher.get_error() if self._matcher.is_error() else None
+
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (speculative drafts walked to mask their rows)."""
         if num_tokens:
