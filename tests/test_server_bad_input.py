@@ -64,6 +64,7 @@ BAD_BODIES = {
     "min_tokens above max_tokens": json.dumps({"prompt": "hi", "min_tokens": 9, "max_tokens": 2}).encode(),
     "empty string in a prompt list": json.dumps({"prompt": ["hi", ""]}).encode(),
     "max_tokens zero without echo": json.dumps({"prompt": "hi", "max_tokens": 0}).encode(),
+    "stream_options without stream": json.dumps({"prompt": "hi", "stream_options": {"include_usage": True}}).encode(),
     "min_tokens with only stop tokens allowed": json.dumps(
         {"prompt": "hi", "max_tokens": 4, "min_tokens": 2, "allowed_token_ids": [5], "stop_token_ids": [5]}
     ).encode(),
@@ -88,10 +89,24 @@ def test_a_value_of_no_accepted_form_names_its_field_once(server):
 
 
 @pytest.mark.parametrize(
+    "body, named",
+    [({"prompt": "hi", "stop": ["x"] * 20}, ("stop", "at most 16 items")),
+     ({"prompt": ["hi"] * 65}, ("prompt", "at most 64 items")),
+     ({"prompt": "hi", "stream_options": {"include_usage": True}}, ("stream_options", "stream=true"))],
+    ids=["20 stop strings", "65 prompts", "stream_options without stream"],
+)  # fmt: skip
+def test_the_error_names_the_field_and_what_to_change(server, body, named):
+    error = assert_openai_error(server.post("/v1/completions", json=body), 400)
+    assert error["param"] == named[0] and named[1] in error["message"]
+
+
+@pytest.mark.parametrize(
     "body",
     [{"messages": []}, {"messages": [{"role": "robot", "content": "hi"}]}, {"messages": "hi"},
-     {"messages": [{"role": "user"}]}, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 99}],
-    ids=["no messages", "unknown role", "messages not a list", "content missing", "top_logprobs too high"],
+     {"messages": [{"role": "user"}]}, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 99},
+     {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}],
+    ids=["no messages", "unknown role", "messages not a list", "content missing", "top_logprobs too high",
+         "top_logprobs without logprobs"],
 )  # fmt: skip
 def test_bad_chat_bodies_get_400(server, body):
     assert_openai_error(server.post("/v1/chat/completions", json=body), 400)

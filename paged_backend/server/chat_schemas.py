@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from paged_backend.server.schemas import _Lenient, _SamplingRequest
+from paged_backend.server.schemas import _Lenient, _SamplingRequest, fields_rule_error
 from paged_backend.structured.params import checked_json_schema
 
 
@@ -156,6 +156,12 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: list[dict[str, Any]] | None = None  # passed to the template, for RAG templates that render them
     echo: bool = False  # prepend the last message's content when it has the response's role (continuing it)
     add_special_tokens: bool = False  # the template already writes them
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:  # vLLM's and OpenAI's rule: not silently ignored
+            raise fields_rule_error("top_logprobs needs logprobs=true", "top_logprobs")
+        return self
 
     @field_validator("tools")
     @classmethod

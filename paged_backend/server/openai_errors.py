@@ -19,7 +19,7 @@ from starlette.routing import compile_path
 from paged_backend.engine.async_engine import EngineNotRunning, EngineStepFailed, RequestAborted
 from paged_backend.errors import InvalidRequest, OutOfBlocks, PagedBackendError, PromptTooLong
 from paged_backend.server.disconnect import ClientDisconnected
-from paged_backend.server.schemas import UNKNOWN_FIELDS_ERROR
+from paged_backend.server.schemas import FIELDS_RULE_ERROR, UNKNOWN_FIELDS_ERROR
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
     """
     first = errors[0]
     kind = first.get("type", "")
-    if kind == UNKNOWN_FIELDS_ERROR:  # --strict-fields: the body's model names them
+    if kind in (UNKNOWN_FIELDS_ERROR, FIELDS_RULE_ERROR):  # the body's model names the field
         return first.get("msg", "unknown field"), first.get("ctx", {}).get("param")
     if kind == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
@@ -122,6 +122,9 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
     forms_differ = len(siblings) > 1 and len(common) < len(location) and isinstance(location[len(common)], str)
     if forms_differ:  # one value, several union forms (list indices are items, not forms)
         depth = len(common)
+        sized = [e for e in errors if e.get("type") in ("too_long", "too_short") and len(_field_path(e)) == depth + 1]
+        if sized:  # a list of the right kind but the wrong length: its length is what to change
+            return f"invalid value for '{_dotted(common)}': {sized[0].get('msg')}", _dotted(common)
         entered = {path[depth] for path in siblings if len(path) > depth + 1}
         if len(entered) == 1:
             form = common + (entered.pop(),)

@@ -23,6 +23,11 @@ MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_TOKEN_LIST = 4096  # allowed_token_ids, logit_bias and bad_words entries
 GREEDY_BELOW = 1e-5  # vLLM's rule: a smaller temperature is greedy (dividing logits by it overflows)
 UNKNOWN_FIELDS_ERROR = "unknown_fields"
+FIELDS_RULE_ERROR = "fields_rule"  # a rule between fields: its message as written, `param` the field to change
+
+
+def fields_rule_error(message: str, param: str) -> PydanticCustomError:
+    return PydanticCustomError(FIELDS_RULE_ERROR, message, {"param": param})
 # Request fields that map 1:1 onto SamplingParams fields of the same name.
 SAMPLING_FIELDS = (
     "n", "best_of", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k", "min_p",
@@ -173,6 +178,12 @@ class _SamplingRequest(_Request):
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # accepted; the server's grammar engine is fixed
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> _SamplingRequest:
+        if self.stream_options is not None and not self.stream:  # vLLM's rule
+            raise fields_rule_error("stream_options can only be given with stream=true", "stream_options")
+        return self
 
     @field_validator("logit_bias")
     @classmethod
