@@ -188,9 +188,11 @@ def assert_anthropic_error(error: anthropic.APIStatusError, type_: str, *words: 
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tools": TOOLS},
          ["--enable-auto-tool-choice"]),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, ["max_tokens=5000"]),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tool_choice": {"type": "any"}},
+         ['tool_choice {"type": "any"} needs \'tools\'']),
     ],
     ids=["wrong-role-order", "unknown-block", "no-max-tokens", "block-without-text", "unanswered-result", "auto-tools",
-         "past-context"],
+         "past-context", "any-without-tools"],
 )  # fmt: skip
 def test_bad_input_gets_a_bad_request_in_anthropic_shape(client, server, body, words):
     with pytest.raises(anthropic.BadRequestError) as caught:

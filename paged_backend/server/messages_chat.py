@@ -50,6 +50,9 @@ def chat_request(body: MessageCountTokensRequest) -> ChatCompletionRequest:
         ]  # fmt: skip
     if body.tool_choice is not None:
         choice = body.tool_choice
+        if choice.type != "none" and not body.tools:  # said in Anthropic's words, not the chat request's
+            raise InvalidRequest(f'tool_choice {{"type": "{choice.type}"}} needs \'tools\' to choose from; send tools '
+                                 f"or drop tool_choice")  # fmt: skip
         named = isinstance(choice, ToolChoiceTool)
         fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}} if named else (
             _CHAT_TOOL_CHOICE[choice.type]
