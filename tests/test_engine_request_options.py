@@ -119,6 +119,8 @@ def test_rules_that_leave_no_token_are_refused_up_front_or_yield_to_allowed_toke
         llm.generate([PROMPT], SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=[97], stop_token_ids=[97]))
     with pytest.raises(InvalidRequest, match="bad_words ban every token"):
         llm.generate([PROMPT], SamplingParams(max_tokens=4, allowed_token_ids=[97], bad_words=["a"]))
+    with pytest.raises(InvalidRequest, match="logprobs=60000 asks for more alternatives"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=4, logprobs=60000))
     # "aa" bans a second "a" only once one is written: that row then keeps allowed_token_ids, and its neighbour in
     # the same steps is not failed with it
     stuck = SamplingParams(temperature=1.0, seed=0, max_tokens=4, ignore_eos=True, allowed_token_ids=[97],

@@ -94,6 +94,9 @@ class InputProcessor:
         for name, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
             if ids is not None and not all(0 <= t < vocab for t in ids):
                 raise InvalidRequest(f"{name} must name token ids in [0, {vocab})")
+        for name, count in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if count is not None and count > vocab:  # (a step would fail for every request in it)
+                raise InvalidRequest(f"{name}={count} asks for more alternatives than the vocabulary's {vocab} tokens")
         # Compiling the constraint here refuses a bad one before anything is queued.
         grammar = self.grammar_matcher(params)
         if len(prompt_token_ids) >= self.max_model_len:
