@@ -100,6 +100,28 @@ def test_validation_errors_are_422_with_tgi_messages(client, parameters, message
     assert response.json() == {"error": f"Input validation error: {message}", "error_type": "validation"}
 
 
+@pytest.mark.parametrize("route", ["/generate", "/generate_stream"])
+@pytest.mark.parametrize("name", ["temperature", "top_p", "typical_p", "repetition_penalty"])
+def test_nan_and_infinity_are_422_not_500(client, route, name):
+    for value in ("NaN", "Infinity"):
+        body = f'{{"inputs": "Hello", "parameters": {{"max_new_tokens": 2, "do_sample": true, "{name}": {value}}}}}'
+        response = client.post(route, content=body, headers={"Content-Type": "application/json"})
+        assert response.status_code == 422, (value, response.text)
+        assert f"`{name}` must be" in response.json()["error"]
+
+
+@pytest.mark.parametrize(
+    "route, body",
+    [("/generate", {"inputs": "a\ud800b"}), ("/generate_stream", {"inputs": "a\ud800b"}),
+     ("/tokenize", {"inputs": "a\ud800b"}), ("/v1/completions", {"prompt": "a\ud800b", "max_tokens": 2}),
+     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}], "max_tokens": 2})],
+)  # fmt: skip
+def test_a_lone_surrogate_is_422_not_500(client, route, body):
+    response = client.post(route, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    assert response.status_code == 422, response.text
+    assert "not valid Unicode" in response.json()["error"]
+
+
 def test_empty_inputs_and_too_long_inputs(client):
     empty = client.post("/generate", json={"inputs": "", "parameters": {"max_new_tokens": 1}})
     assert empty.json()["error"] == "Input validation error: `inputs` cannot be empty"

@@ -28,7 +28,7 @@ from paged_backend.tgi.http.responses import generate_json, stream_json, timing_
 from paged_backend.tgi.http.schemas import ChatRequest, CompatGenerateRequest, GenerateRequest, TokenizeRequest
 from paged_backend.tgi.http.settings import RouterSettings
 from paged_backend.tgi.http.sse import event, sse_response
-from paged_backend.tgi.http.validation import validate_stream
+from paged_backend.tgi.http.validation import check_unicode, validate_stream
 
 DRAIN_TIMEOUT_SECONDS = 90.0  # TGI's --graceful-termination-timeout default
 
@@ -141,7 +141,7 @@ def create_app(
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
-        encoding = infer.tokenizer(body.inputs, return_offsets_mapping=True)
+        encoding = infer.tokenizer(check_unicode(body.inputs), return_offsets_mapping=True)
         pieces = [
             {"id": token_id, "text": body.inputs[start:stop], "start": start, "stop": stop}
             for token_id, (start, stop) in zip(encoding.input_ids, encoding.offset_mapping, strict=True)

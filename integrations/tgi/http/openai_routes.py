@@ -24,7 +24,7 @@ from paged_backend.tgi.http.schemas import ChatMessage, ChatRequest, CompletionR
 from paged_backend.tgi.http.settings import RouterSettings
 from paged_backend.tgi.http.sse import DONE, event, sse_response
 from paged_backend.tgi.http.tools import ToolPlan, parse_reply, plan_tools, tool_prompt_text
-from paged_backend.tgi.http.validation import validate_parameters
+from paged_backend.tgi.http.validation import check_unicode, validate_parameters
 
 SYSTEM_FINGERPRINT = f"{__version__}-paged-backend"
 FINISH_REASONS = {"eos_token": "stop", "length": "length", "stop_sequence": "stop_sequence"}
@@ -302,7 +302,8 @@ def register(app: FastAPI, infer: Infer, settings: RouterSettings, guarded: list
         validate_parameters(chat_parameters(body, settings, grammar), settings)
         _check_range("max_tokens", body.max_tokens, 1, settings.max_total_tokens - 1)
         prompt = chat_prompt(infer.tokenizer, body.messages, plan, body.tool_prompt)
-        encoding = infer.tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+        encoding = infer.tokenizer(check_unicode(prompt, "messages"), add_special_tokens=False,
+                                   return_offsets_mapping=True)  # fmt: skip
         pieces = [
             {"id": token_id, "text": prompt[start:stop], "start": start, "stop": stop}
             for token_id, (start, stop) in zip(encoding.input_ids, encoding.offset_mapping, strict=True)

@@ -6,6 +6,7 @@ normalized chooser / stopping parameters of TGI's `NextTokenChooserParameters` /
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, replace
 
@@ -66,14 +67,14 @@ _CHOOSER_NAMES = ("temperature", "top_k", "top_p", "typical_p", "repetition_pena
 
 
 def _strictly_positive(name: str, value: float | None) -> None:
-    if value is not None and value <= 0:
+    if value is not None and not 0 < value < math.inf:  # (NaN fails it too: TGI's serde refuses it)
         raise ValidationError(f"`{name}` must be strictly positive")
 
 
 def _open_unit_interval(name: str, value: float | None) -> float:
     if value is None:
         return 1.0
-    if value <= 0.0 or value >= 1.0:
+    if not 0.0 < value < 1.0:
         raise ValidationError(f"`{name}` must be > 0.0 and < 1.0")
     return value
 
@@ -118,6 +119,15 @@ def validate_stream(params: GenerateParameters) -> None:
         raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
 
 
+def check_unicode(text: str, name: str = "inputs") -> str:
+    """`text`, refused if JSON gave it a lone surrogate ("\\ud800"), which no tokenizer encodes."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as error:
+        raise ValidationError(f"`{name}` is not valid Unicode ({error.reason}); send UTF-8 text") from None
+    return text
+
+
 def validate(
     inputs: str,
     params: GenerateParameters,
@@ -134,7 +144,7 @@ def validate(
         raise ValidationError(
             f"`truncate` must be strictly positive and less than {settings.max_input_tokens}. Given: {params.truncate}"
         )
-    input_ids = tokenizer(inputs, add_special_tokens=add_special_tokens).input_ids
+    input_ids = tokenizer(check_unicode(inputs), add_special_tokens=add_special_tokens).input_ids
     if params.truncate is not None:
         input_ids = input_ids[-params.truncate :]
     input_length = len(input_ids)
