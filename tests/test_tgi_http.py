@@ -301,6 +301,24 @@ def test_overload_is_429_and_a_disconnect_frees_blocks_at_once():
         assert engine.stats().generation_tokens < long - 64
 
 
+def test_a_client_that_hangs_up_on_generate_is_aborted_at_once():
+    """Not streamed, nothing is written until the end: the server watches the connection itself."""
+    long, num_blocks = 4096, 4096 // 16 + 8
+    engine = make_engine(num_blocks, max_model_len=long)
+    settings = RouterSettings(max_input_tokens=255, max_total_tokens=long, max_concurrent_requests=1)
+    with serving_in_thread(create_app(PagedBackend(engine), settings, drain_timeout=5)) as url:
+        body = {"inputs": "Hello", "parameters": {"max_new_tokens": long - 64}}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/generate", json=body, timeout=1.0)
+        deadline = time.monotonic() + 10
+        while engine.block_manager.num_free_blocks != num_blocks - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.block_manager.num_free_blocks == num_blocks - 1
+        assert engine.stats().generation_tokens < long - 64
+        response = httpx.post(f"{url}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 1}})
+        assert response.status_code == 200  # its permit was given back too
+
+
 def test_keep_alive_comments_fill_long_silences():
     async def slow_frames():
         await asyncio.sleep(0.2)

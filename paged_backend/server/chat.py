@@ -11,11 +11,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from paged_backend.engine.chat_template import render_chat
+from paged_backend.engine.disconnect import cancel_on_disconnect
 from paged_backend.engine.request import SamplingParams
 from paged_backend.errors import InvalidRequest
 from paged_backend.server import sse
 from paged_backend.server.chat_schemas import ChatCompletionRequest
-from paged_backend.server.disconnect import cancel_on_disconnect
 from paged_backend.server.generation import ChoiceDelta, Generation, check_streamable, output_budget
 from paged_backend.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from paged_backend.server.state import ServerState, server_state

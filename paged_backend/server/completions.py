@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from paged_backend.engine.disconnect import cancel_on_disconnect
 from paged_backend.engine.request import SamplingParams
 from paged_backend.errors import InvalidRequest
 from paged_backend.server import sse
-from paged_backend.server.disconnect import cancel_on_disconnect
 from paged_backend.server.generation import ChoiceDelta, Generation, check_streamable, output_budget
 from paged_backend.server.logprobs import completion_logprobs, joined_logprobs, vllm_prompt_logprobs
 from paged_backend.server.schemas import CompletionRequest

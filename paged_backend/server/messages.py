@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from paged_backend.engine.disconnect import cancel_on_disconnect
 from paged_backend.server import sse
 from paged_backend.server.chat import chat_sampling_params, render_chat_prompt, tool_call_plan
-from paged_backend.server.disconnect import cancel_on_disconnect
 from paged_backend.server.generation import ChoiceDelta, Generation, Usage, output_budget
 from paged_backend.server.messages_chat import chat_request
 from paged_backend.server.messages_events import ContentBlocks, event_stream, new_tool_use_id

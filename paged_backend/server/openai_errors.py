@@ -17,8 +17,8 @@ from starlette.exceptions import HTTPException
 from starlette.routing import compile_path
 
 from paged_backend.engine.async_engine import EngineNotRunning, EngineStepFailed, RequestAborted
+from paged_backend.engine.disconnect import ClientDisconnected
 from paged_backend.errors import InvalidRequest, OutOfBlocks, PagedBackendError, PromptTooLong
-from paged_backend.server.disconnect import ClientDisconnected
 from paged_backend.server.schemas import FIELDS_RULE_ERROR, UNKNOWN_FIELDS_ERROR
 
 logger = logging.getLogger(__name__)

@@ -19,9 +19,9 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import TypeAdapter
 
+from paged_backend.engine.disconnect import cancel_on_disconnect
 from paged_backend.server import sse
 from paged_backend.server.chat import chat_sampling_params, render_chat_prompt, tool_call_plan
-from paged_backend.server.disconnect import cancel_on_disconnect
 from paged_backend.server.generation import Generation, output_budget
 from paged_backend.server.openai_errors import engine_error, error_body
 from paged_backend.server.openapi_document import ErrorResponse

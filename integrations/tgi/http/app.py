@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from paged_backend import __version__
+from paged_backend.engine.disconnect import ClientDisconnected, cancel_on_disconnect
 from paged_backend.observability.tracing import RequestTracer, TraceHeaders
 from paged_backend.tgi.backends.base import Backend
 from paged_backend.tgi.http import openai_routes
@@ -58,6 +59,10 @@ def create_app(
     async def tgi_error(request: Request, error: TgiError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status_code)
 
+    @app.exception_handler(ClientDisconnected)
+    async def disconnected(request: Request, error: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
     @app.exception_handler(RequestValidationError)
     async def body_error(request: Request, error: RequestValidationError) -> JSONResponse:
         errors = error.errors()
@@ -92,12 +97,13 @@ def create_app(
 
     guarded = [Depends(require_api_key)]
 
-    async def generate_response(body: GenerateRequest, default_full_text: bool) -> tuple[dict, dict]:
+    async def generate_response(body: GenerateRequest, default_full_text: bool, http: Request) -> tuple[dict, dict]:
         start = time.monotonic()
         with infer.permit():
             request = infer.validate(body.inputs, body.parameters)
             validation_time = time.monotonic() - start
-            generation, others = await infer.generate(request)
+            # a client that hangs up is aborted at once, its permit and blocks freed (streams notice by themselves)
+            generation, others = await cancel_on_disconnect(http, infer.generate(request))
         params = body.parameters
         full_text = params.return_full_text if params.return_full_text is not None else default_full_text
         with_details = params.details or params.decoder_input_details
@@ -124,8 +130,8 @@ def create_app(
         return sse_response(frames(), headers)
 
     @app.post("/generate", dependencies=guarded)
-    async def generate(body: GenerateRequest) -> JSONResponse:
-        payload, headers = await generate_response(body, default_full_text=False)
+    async def generate(body: GenerateRequest, http: Request) -> JSONResponse:
+        payload, headers = await generate_response(body, False, http)
         return JSONResponse(payload, headers=headers)
 
     @app.post("/generate_stream", dependencies=guarded)
@@ -133,10 +139,10 @@ def create_app(
         return open_stream(body, default_full_text=False, headers={"x-compute-type": backend.name})
 
     @app.post("/", dependencies=guarded)
-    async def compat_generate(body: CompatGenerateRequest) -> Response:
+    async def compat_generate(body: CompatGenerateRequest, http: Request) -> Response:
         if body.stream:
             return open_stream(body, settings.compat_return_full_text)
-        payload, headers = await generate_response(body, settings.compat_return_full_text)
+        payload, headers = await generate_response(body, settings.compat_return_full_text, http)
         return JSONResponse([payload], headers=headers)
 
     @app.post("/tokenize", dependencies=guarded)
@@ -163,8 +169,8 @@ def create_app(
         except PydanticValidationError as error:
             raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from error
         if isinstance(body, ChatRequest):
-            return await chat_completions(body)
-        return await compat_generate(body)
+            return await chat_completions(body, request)
+        return await compat_generate(body, request)
 
     @app.get("/info")
     async def info() -> JSONResponse:

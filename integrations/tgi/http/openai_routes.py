@@ -12,11 +12,12 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError as PydanticValidationError
 
 from paged_backend import __version__
+from paged_backend.engine.disconnect import cancel_on_disconnect
 from paged_backend.tgi.http.errors import TemplateError, TgiError, ToolError, ValidationError
 from paged_backend.tgi.http.grammar import ValidGrammar, response_format_grammar
 from paged_backend.tgi.http.infer import Generation, Infer, StreamStep
@@ -191,14 +192,16 @@ def register(app: FastAPI, infer: Infer, settings: RouterSettings, guarded: list
 
         return sse_response(frames())
 
-    async def generate_one(prompt: str, params: GenerateParameters, add_special_tokens: bool) -> Generation:
+    async def generate_one(
+        prompt: str, params: GenerateParameters, add_special_tokens: bool, http: Request
+    ) -> Generation:
         with infer.permit():
             request = infer.validate(prompt, params, add_special_tokens=add_special_tokens)
-            generation, _ = await infer.generate(request)
+            generation, _ = await cancel_on_disconnect(http, infer.generate(request))  # a hang-up aborts it
         return generation
 
     @app.post("/v1/chat/completions", dependencies=guarded)
-    async def chat_completions(body: ChatRequest) -> Response:
+    async def chat_completions(body: ChatRequest, http: Request) -> Response:
         plan, grammar = chat_grammar(body)
         params = chat_parameters(body, settings, grammar)
         prompt = chat_prompt(infer.tokenizer, body.messages, plan, body.tool_prompt)
@@ -234,7 +237,7 @@ def register(app: FastAPI, infer: Infer, settings: RouterSettings, guarded: list
 
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return stream_openai([prompt], params, chunk, usage_chunk if include_usage else None, False)
-        generation = await generate_one(prompt, params, add_special_tokens=False)
+        generation = await generate_one(prompt, params, add_special_tokens=False, http=http)
         message, finish_reason = _reply_message(generation, plan)
         choice = {
             "index": 0,
@@ -245,7 +248,7 @@ def register(app: FastAPI, infer: Infer, settings: RouterSettings, guarded: list
         return JSONResponse({**envelope("chat.completion"), "choices": [choice], "usage": _usage(generation)})
 
     @app.post("/v1/completions", dependencies=guarded)
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, http: Request) -> Response:
         if body.suffix is not None:
             raise ValidationError("suffix not supported")
         prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
@@ -278,7 +281,7 @@ def register(app: FastAPI, infer: Infer, settings: RouterSettings, guarded: list
                 return {**envelope("text_completion"), "choices": [choice]}
 
             return stream_openai(prompts, params, chunk, None, True)
-        generations = [await generate_one(prompt, params, add_special_tokens=True) for prompt in prompts]
+        generations = [await generate_one(prompt, params, add_special_tokens=True, http=http) for prompt in prompts]
         choices = [
             {
                 "index": index,

@@ -1,12 +1,14 @@
-"""Abort work whose client has gone: for responses that are not streamed, nothing else notices."""
+"""Abort work whose client has gone: for responses that are not streamed, nothing else notices. Shared by the
+OpenAI server and the TGI face, which watch their non-streamed requests with it (ASGI requests, duck-typed)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from fastapi import Request
+if TYPE_CHECKING:
+    from fastapi import Request
 
 T = TypeVar("T")
 
