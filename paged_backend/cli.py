@@ -133,10 +133,14 @@ def run(
     from pydantic import ValidationError
 
     from paged_backend.engine import LLM, SamplingParams
-    from paged_backend.errors import PagedBackendError
+    from paged_backend.errors import PagedBackendError, one_line
 
     defaults = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
-    text = input.read_text() if input is not None and str(input) != "-" else sys.stdin.read()
+    try:
+        text = input.read_text() if input is not None and str(input) != "-" else sys.stdin.read()
+    except UnicodeDecodeError as error:
+        typer.echo(f"error: --input is not UTF-8 text ({error.reason} at byte {error.start})", err=True)
+        raise typer.Exit(2) from error
     records = read_prompts(text, jsonl=True if input is not None and input.suffix in (".jsonl", ".json") else None)
     try:
         params = [
@@ -152,8 +156,8 @@ def run(
         else:
             outputs = llm.generate([r["prompt"] for r in records], params, priority=priorities, use_tqdm=progress)
         elapsed = time.perf_counter() - started
-    except (PagedBackendError, ValidationError, TypeError) as error:
-        typer.echo(f"error: {error}", err=True)
+    except (PagedBackendError, ValidationError, TypeError, ValueError) as error:  # (a line's values, e.g. priority)
+        typer.echo(f"error: {one_line(error)}", err=True)
         raise typer.Exit(2) from error
     except RuntimeError as error:
         if not getattr(error, "fatal", False):

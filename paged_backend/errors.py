@@ -27,3 +27,19 @@ class UnsupportedModel(PagedBackendError):
 
 class BadLoRAAdapter(InvalidRequest):
     """A LoRA adapter is missing, malformed, too large for `max_lora_rank`, or targets modules the model lacks."""
+
+
+def one_line(error: Exception) -> str:
+    """`error` for a command line: a config's pydantic ValidationError as the flags to change (`--num-blocks: Input
+    should be greater than or equal to 2, got 1`), one line for all; any other error as its message."""
+    from pydantic import ValidationError
+
+    if not isinstance(error, ValidationError):
+        return str(error)
+    parts = []
+    for item in error.errors():
+        names = [part for part in item["loc"] if isinstance(part, str)]
+        given = repr(item.get("input"))
+        where = f"--{names[-1].replace('_', '-')}" if names else error.title
+        parts.append(f"{where}: {item['msg']}" + (f", got {given}" if len(given) <= 60 else ""))
+    return "; ".join(parts)

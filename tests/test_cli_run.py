@@ -62,6 +62,16 @@ def test_run_reports_bad_input_clearly(tmp_path):
     prompts.write_text(json.dumps({"prompt": "x"}))
     result = runner.invoke(app, ["run", "-i", str(prompts), "--model", "/no/such/model", "--no-progress"])
     assert result.exit_code == 2 and "not found" in result.stderr
+    result = runner.invoke(app, ["run", *TINY, "-i", str(prompts), "--num-blocks", "1", "--no-progress"])
+    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [
+        "error: --num-blocks: Input should be greater than or equal to 2, got 1"]  # one line naming the flag
+    prompts.write_text(json.dumps({"prompt": "x", "priority": "high"}))
+    result = runner.invoke(app, ["run", *TINY, "-i", str(prompts), "--num-blocks", "32", "--no-progress"])
+    assert result.exit_code == 2 and "high" in result.stderr and "Traceback" not in result.stderr
+    binary = tmp_path / "prompts.txt"
+    binary.write_bytes(b"\xff\xfe hi\n")
+    result = runner.invoke(app, ["run", *TINY, "-i", str(binary), "--num-blocks", "32", "--no-progress"])
+    assert result.exit_code == 2 and "--input is not UTF-8 text" in result.stderr
 
 
 def test_read_prompts_detects_jsonl_and_names_a_bad_line():

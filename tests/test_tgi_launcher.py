@@ -154,3 +154,15 @@ def test_stubs_compile_into_any_directory(tmp_path):
     compile_stubs(proto_path(), tmp_path)
     grpc_module = (tmp_path / "generate_pb2_grpc.py").read_text()
     assert "from . import generate_pb2" in grpc_module
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [(["--port", "70000"], "--port"), (["--max-best-of", "-1"], "--max-best-of"),
+     (["--max-stop-sequences", "-3"], "--max-stop-sequences"), (["--payload-limit", "-1"], "--payload-limit"),
+     (["--max-concurrent-requests", "0"], "--max-concurrent-requests"), (["--sharded", "maybe"], "--sharded")],
+)  # fmt: skip
+def test_out_of_range_flags_are_refused_at_parse_time_as_tgi_s_launcher_types_them(flags, named, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_flags(flags)
+    assert exit_.value.code == 2 and named in capsys.readouterr().err

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from paged_backend.engine.args import CONFIG_HELP, EngineArgs, read_document
 from paged_backend.engine.args_typer import FlagCommand, ModelArgument, add_engine_command
-from paged_backend.errors import PagedBackendError
+from paged_backend.errors import PagedBackendError, one_line
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # paged_backend.server.tool_parsers.TOOL_PARSERS' names
 
@@ -46,7 +46,7 @@ def serve(
         ),
     ] = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="port to listen on")] = 8000,
+    port: Annotated[int, typer.Option(help="port to listen on", min=0, max=65535)] = 8000,
     api_key: Annotated[
         list[str] | None,
         typer.Option(
@@ -142,7 +142,7 @@ def serve(
             base = engine.to_engine_config()
             engines = build_engines(base, model_specs(base, models, names, models_file))
     except (PagedBackendError, ValidationError) as error:
-        typer.echo(f"error: {error}", err=True)
+        typer.echo(f"error: {one_line(error)}", err=True)
         raise typer.Exit(2) from error
     settings = ServerSettings(
         api_key=api_key, max_concurrent_requests=max_concurrent_requests,

@@ -55,6 +55,28 @@ def _router_flag(name: str, kind: Callable[[str], Any] | None) -> Flag:
     return Flag(name, kind, declared.default, declared.metadata["help"])
 
 
+def _ranged(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An int flag in [low, high], as TGI's launcher types them (unsigned counts, a port): refused at parse time."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high if high is not None else 'inf'}], got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its message: "invalid int value"
+    return parse
+
+
+COUNT, POSITIVE, PORT = _ranged(0), _ranged(1), _ranged(0, 65535)
+
+
+def _boolean(text: str) -> str:
+    if text.strip().lower() not in {"true", "false"}:
+        raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
+    return text
+
+
 def _truthy(text: str) -> bool:
     return text.strip().lower() in {"1", "true", "yes", "on"}
 
@@ -86,11 +108,11 @@ FLAGS: list[Flag] = [
     Flag("--cpu-offload-gb", float, None, "GiB of weights moved off the device (vLLM's name)", LOADERS),
     Flag("--offload-folder", str, None, "folder for disk-offloaded weights", LOADERS),
     Flag("--hostname", str, "0.0.0.0", "address to listen on"),
-    Flag("--port", int, 3000, "HTTP port", short="-p"),
-    _router_flag("--max-concurrent-requests", int),
-    _router_flag("--max-best-of", int),
-    _router_flag("--max-stop-sequences", int),
-    _router_flag("--max-top-n-tokens", int),
+    Flag("--port", PORT, 3000, "HTTP port", short="-p"),
+    _router_flag("--max-concurrent-requests", POSITIVE),
+    _router_flag("--max-best-of", COUNT),
+    _router_flag("--max-stop-sequences", COUNT),
+    _router_flag("--max-top-n-tokens", COUNT),
     Flag("--max-input-tokens", int, None, "longest prompt (default: max-total-tokens - 1)"),
     Flag("--max-input-length", int, None, "legacy name of --max-input-tokens"),
     Flag("--max-total-tokens", int, None, "longest prompt + output (default: the model's context)"),
@@ -104,8 +126,8 @@ FLAGS: list[Flag] = [
     Flag("--block-size", int, 16, "tokens per KV block (paged-backend addition)", frozenset({"paged", "grpc"})),
     Flag("--num-blocks", int, None, "KV pool size in blocks, overrides memory sizing", frozenset({"paged", "grpc"})),
     _router_flag("--api-key", str),
-    _router_flag("--payload-limit", int),
-    Flag("--graceful-termination-timeout", int, 90, "seconds to drain requests on shutdown"),
+    _router_flag("--payload-limit", POSITIVE),
+    Flag("--graceful-termination-timeout", COUNT, 90, "seconds to drain requests on shutdown"),
     Flag("--shard-uds-path", str, "/tmp/text-generation-server", "shard socket prefix; rank 0 at {path}-0", ROUTER),
     Flag("--master-shard-uds-path", str, None, "socket of shard 0 (default: {shard-uds-path}-0)", ROUTER),
     _router_flag("--disable-grammar-support", None),
@@ -113,7 +135,7 @@ FLAGS: list[Flag] = [
     # Accepted so TGI command lines keep working; reported as ignored when given.
     Flag("--revision", str, None, "hub revision", NONE),
     Flag("--json-output", None, False, "JSON log lines", NONE),
-    Flag("--sharded", str, None, "true | false: tensor parallelism", SHARDED),
+    Flag("--sharded", _boolean, None, "true | false: tensor parallelism", SHARDED),
     Flag("--num-shard", int, None, "tensor-parallel shards (grpc: shard processes; paged: engine ranks)", SHARDED),
     Flag("--speculate", int, None, "speculative tokens per step (paged: n-gram prompt lookup)", frozenset({"paged"})),
     Flag("--trust-remote-code", None, False, "run model code from the hub", NONE),

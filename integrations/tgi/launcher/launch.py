@@ -16,7 +16,9 @@ import math
 import signal
 import sys
 
-from paged_backend.errors import PagedBackendError
+from pydantic import ValidationError
+
+from paged_backend.errors import PagedBackendError, one_line
 from paged_backend.tgi.backends.lora import lora_options
 from paged_backend.tgi.http.settings import ROUTER_FLAG_FIELDS, RouterSettings
 from paged_backend.tgi.launcher.flags import (
@@ -199,8 +201,8 @@ def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> N
     try:
         try:
             backend = build_backend(args, shards)
-        except PagedBackendError as error:  # a model or format this machine cannot run: say so, no traceback
-            raise LaunchError(str(error)) from error
+        except (PagedBackendError, ValidationError) as error:  # a model it cannot run, a value out of range
+            raise LaunchError(one_line(error)) from error
         settings = router_settings(args, backend.max_model_len)
         try:
             tracer = otlp_tracer(args.otlp_endpoint, args.otlp_service_name) if args.otlp_endpoint else None
