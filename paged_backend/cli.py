@@ -136,6 +136,9 @@ def run(
     from paged_backend.errors import PagedBackendError, one_line
 
     defaults = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
+    if output is not None and not output.parent.is_dir():  # said now, not after the whole run
+        typer.echo(f"error: --output's folder {output.parent} does not exist; create it or write elsewhere", err=True)
+        raise typer.Exit(2)
     try:
         text = input.read_text() if input is not None and str(input) != "-" else sys.stdin.read()
     except UnicodeDecodeError as error:

@@ -72,6 +72,8 @@ def test_run_reports_bad_input_clearly(tmp_path):
     binary.write_bytes(b"\xff\xfe hi\n")
     result = runner.invoke(app, ["run", *TINY, "-i", str(binary), "--num-blocks", "32", "--no-progress"])
     assert result.exit_code == 2 and "--input is not UTF-8 text" in result.stderr
+    result = runner.invoke(app, ["run", *TINY, "-i", str(prompts), "-o", str(tmp_path / "no" / "out.jsonl")])
+    assert result.exit_code == 2 and "--output's folder" in result.stderr
 
 
 def test_read_prompts_detects_jsonl_and_names_a_bad_line():
