@@ -29,6 +29,16 @@ class BadLoRAAdapter(InvalidRequest):
     """A LoRA adapter is missing, malformed, too large for `max_lora_rank`, or targets modules the model lacks."""
 
 
+def not_unicode(text: str) -> str | None:
+    """Why `text` cannot be UTF-8, or None: JSON's escapes let a lone surrogate ("\\ud800") through, and no tokenizer
+    encodes one."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as error:
+        return error.reason
+    return None
+
+
 def one_line(error: Exception) -> str:
     """`error` for a command line: a config's pydantic ValidationError as the flags to change (`--num-blocks: Input
     should be greater than or equal to 2, got 1`), one line for all; any other error as its message."""

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 from transformers import PreTrainedTokenizerBase
 
-from paged_backend.errors import InvalidRequest, PromptTooLong
+from paged_backend.errors import InvalidRequest, PromptTooLong, not_unicode
 
 # apply_chat_template's own arguments: chat_template_kwargs may not override them.
 TEMPLATE_ARGUMENTS = frozenset(
@@ -77,12 +77,8 @@ def render_chat(
     if max_model_len is not None and len(text) > max_model_len * longest_token_chars(tokenizer):
         raise PromptTooLong(f"the chat template rendered {len(text)} characters, more than max_model_len="
                             f"{max_model_len} tokens can hold; shorten the messages or the template")  # fmt: skip
-    try:
-        text.encode()
-    except UnicodeEncodeError as error:  # JSON may carry lone surrogates ("\\ud800"), which no tokenizer encodes
-        raise InvalidRequest(
-            f"the messages hold text that is not valid Unicode ({error.reason}); send UTF-8 text"
-        ) from None
+    if reason := not_unicode(text):
+        raise InvalidRequest(f"the messages hold text that is not valid Unicode ({reason}); send UTF-8 text")
     return tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
 

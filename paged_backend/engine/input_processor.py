@@ -165,8 +165,7 @@ class InputProcessor:
         if not left:
             raise InvalidRequest("bad_words ban every token in allowed_token_ids; allow another token or drop "
                                  "those bad words")  # fmt: skip
-        ends = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        if params.min_tokens and left <= ends:
+        if params.min_tokens and left <= set(self.sampler.ending_ids(params)):
             raise InvalidRequest(f"min_tokens={params.min_tokens} cannot be met: every token allowed_token_ids "
                                  f"leaves ends the sequence (EOS or stop_token_ids); allow another token or drop "
                                  f"min_tokens")  # fmt: skip

@@ -59,12 +59,14 @@ class Sampler:
             logprobs.append(self._logprobs(raw_logprobs[i], token, p.logprobs) if wants_logprobs[i] else None)
         return tokens, logprobs
 
+    def ending_ids(self, params: SamplingParams) -> list[int]:
+        """The tokens that end a sequence of `params` (EOS unless ignored, stop_token_ids): what min_tokens blocks."""
+        return [*([] if params.ignore_eos else self.eos_token_ids), *params.stop_token_ids]
+
     def _blocked_ids(self, seq: Sequence) -> list[int]:
         """Tokens that may not end the sequence yet (min_tokens)."""
         params = seq.request.params
-        if seq.num_output_tokens >= params.min_tokens:
-            return []
-        return [*([] if params.ignore_eos else self.eos_token_ids), *params.stop_token_ids]
+        return [] if seq.num_output_tokens >= params.min_tokens else self.ending_ids(params)
 
     def _sample(self, raw: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         logits = raw.clone()

@@ -38,8 +38,8 @@ class ModelNotFound(Exception):
     """The request names a model this server does not serve."""
 
 
-class ErrorResponse(JSONResponse):
-    """JSON escaped to ASCII: an error may quote request text (a model name, a field's value) holding a lone
+class AsciiJSONResponse(JSONResponse):
+    """JSON escaped to ASCII: a body may quote request text (a model name in an error, stored metadata) holding a lone
     surrogate, which UTF-8 cannot carry (it would turn a 4xx into a 500)."""
 
     def render(self, content) -> bytes:
@@ -54,7 +54,7 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 def error_response(
     status_code: int, message: str, type_: str, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
-    return ErrorResponse(error_body(message, type_, param, code), status_code=status_code)
+    return AsciiJSONResponse(error_body(message, type_, param, code), status_code=status_code)
 
 
 def error_bytes(message: str, type_: str, code: str | None = None) -> bytes:
@@ -191,7 +191,7 @@ def _respond(request: Request, status_code: int, body: dict, headers: dict[str, 
     """`body` (OpenAI's shape) as sent, or in Anthropic's shape on Anthropic's routes."""
     if is_anthropic_path(request.url.path):
         body = anthropic_error_body(body["error"]["message"], status_code)
-    return ErrorResponse(body, status_code=status_code, headers=headers)
+    return AsciiJSONResponse(body, status_code=status_code, headers=headers)
 
 
 async def _validation_handler(request: Request, exc: RequestValidationError) -> JSONResponse:

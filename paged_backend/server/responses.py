@@ -10,7 +10,6 @@ an in_progress response that GET polls and cancel stops.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -23,7 +22,7 @@ from paged_backend.engine.disconnect import cancel_on_disconnect
 from paged_backend.server import sse
 from paged_backend.server.chat import chat_sampling_params, render_chat_prompt, tool_call_plan
 from paged_backend.server.generation import Generation, output_budget
-from paged_backend.server.openai_errors import engine_error, error_body
+from paged_backend.server.openai_errors import AsciiJSONResponse, engine_error, error_body
 from paged_backend.server.openapi_document import ErrorResponse
 from paged_backend.server.responses_conversation import Item, chat_messages, chat_request
 from paged_backend.server.responses_events import OutputAssembler
@@ -181,7 +180,7 @@ def _bad_request(message: str, param: str) -> Response:
 
 def json_response(content: dict[str, Any], status_code: int = 200) -> Response:
     """JSON in ASCII: request text echoed back (metadata, ids) may hold lone surrogates, which UTF-8 cannot carry."""
-    return Response(json.dumps(content, separators=(",", ":")), status_code, media_type="application/json")
+    return AsciiJSONResponse(content, status_code)
 
 
 def _listed(response_id: str, position: int, item: Item) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import math
 import random
 from dataclasses import dataclass, replace
 
+from paged_backend.errors import not_unicode
 from paged_backend.tgi.http.errors import ValidationError
 from paged_backend.tgi.http.grammar import ValidGrammar, validate_grammar
 from paged_backend.tgi.http.schemas import GenerateParameters
@@ -121,10 +122,8 @@ def validate_stream(params: GenerateParameters) -> None:
 
 def check_unicode(text: str, name: str = "inputs") -> str:
     """`text`, refused if JSON gave it a lone surrogate ("\\ud800"), which no tokenizer encodes."""
-    try:
-        text.encode()
-    except UnicodeEncodeError as error:
-        raise ValidationError(f"`{name}` is not valid Unicode ({error.reason}); send UTF-8 text") from None
+    if reason := not_unicode(text):
+        raise ValidationError(f"`{name}` is not valid Unicode ({reason}); send UTF-8 text")
     return text
 
 
