@@ -83,8 +83,62 @@ def test_latency_times_hf_generate_in_the_engines_dtype(tmp_path):
 def test_jsonl_workload_names_the_bad_line(tmp_path):
     dataset = tmp_path / "bad.jsonl"
     dataset.write_text('{"prompt": "ok", "max_tokens": 2}\n{"prompt": "no budget"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: needs a non-empty \"prompt\" and a positive \"max_tokens\""):
+    with pytest.raises(InvalidRequest, match=r"bad.jsonl:2: needs a non-empty \"prompt\" and a positive \"max_tokens\""):
         jsonl_workload(dataset, byte_tokenizer())
+
+
+def _one_line_error(result) -> str:
+    assert result.exit_code == 2, result.output
+    error = result.output.strip().splitlines()[-1]  # (after the startup lines, e.g. the dtype chosen)
+    assert "Traceback" not in result.output and error.startswith("error: "), result.output
+    return error
+
+
+@pytest.mark.parametrize(
+    ("lines", "said"),
+    [(None, "cannot be read as a JSONL file"), ('{"prompt": "a", "max_tokens": 2}\nnot json\n', "data.jsonl:2: not JSON"),
+     ("[1, 2]\n", "data.jsonl:1: needs a non-empty"), ("\n", "no requests")],
+)
+def test_bench_dataset_errors_are_one_line(tmp_path, lines, said):
+    dataset = tmp_path / "data.jsonl"
+    if lines is not None:
+        dataset.write_text(lines)
+    result = CliRunner().invoke(app, ["bench", "throughput", "--quick", "--dataset", str(dataset)])
+    assert said in _one_line_error(result)
+
+
+def test_bench_on_a_model_that_does_not_exist_is_one_line(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "latency", "--model", str(tmp_path / "missing")])
+    assert "not found" in _one_line_error(result)
+
+
+def test_bench_serve_where_no_server_answers_is_one_line():
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = CliRunner().invoke(app, ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1"])
+    assert f"no server answered at http://127.0.0.1:{port}/v1/models" in _one_line_error(result)
+
+
+def test_bench_serve_against_a_server_without_models_is_one_line():
+    import http.server
+    import threading
+
+    class NoRoutes(http.server.BaseHTTPRequestHandler):  # answers 501 to every request, quietly
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoRoutes)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        result = CliRunner().invoke(app, ["bench", "serve", "--base-url", url, "--num-prompts", "1"])
+    finally:
+        server.shutdown()
+    assert f"{url}/v1/models answered HTTP 501 without a model" in _one_line_error(result)
+    assert "give --model" in result.output
 
 
 def test_bench_serve_rejects_an_unknown_slo():

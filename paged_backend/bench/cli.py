@@ -19,7 +19,19 @@ COMMANDS = {
 
 def _command(name: str, summary: str):
     def command(ctx: typer.Context) -> None:
-        importlib.import_module(f"paged_backend.bench.{name}").main(ctx.args)
+        import httpx
+
+        from paged_backend.errors import PagedBackendError, one_line
+
+        try:
+            importlib.import_module(f"paged_backend.bench.{name}").main(ctx.args)
+        except PagedBackendError as error:  # a dataset, model or flag to change: one line, not a traceback
+            typer.echo(f"error: {one_line(error)}", err=True)
+            raise typer.Exit(2) from error
+        except httpx.TransportError as error:  # `bench serve` against a URL where nothing answers
+            typer.echo(f"error: no server answered at {error.request.url}: {error}; start one or fix --base-url",
+                       err=True)  # fmt: skip
+            raise typer.Exit(2) from error
 
     command.__doc__ = summary
     return command

@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from paged_backend.bench.report import distribution_ms, markdown_table, write_json, write_plot
+from paged_backend.errors import InvalidRequest
 
 WORDS = "the paged cache keeps every block of keys and values in one pool so new requests join at once".split()
 SLO_KEYS = ("ttft", "tpot", "e2el")
@@ -287,6 +288,19 @@ def server(args: argparse.Namespace):
         process.wait(60)
 
 
+def served_model(url: str, headers: dict) -> str:
+    """The first model of the server's /v1/models, or an error saying why there is none to ask for."""
+    import httpx
+
+    response = httpx.get(f"{url}/v1/models", headers=headers, timeout=30)
+    try:
+        return response.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError) as error:
+        raise InvalidRequest(f"{url}/v1/models answered HTTP {response.status_code} without a model "
+                             f"({response.text[:120]!r}); give --model, or --base-url of an OpenAI-compatible "
+                             "server") from error  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> list[RateSummary]:
     import httpx
 
@@ -295,7 +309,7 @@ def main(argv: list[str] | None = None) -> list[RateSummary]:
     parse_goodput(args.goodput)  # a bad SLO fails before any request
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     with server(args) as url:
-        model = args.model or httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+        model = args.model or served_model(url, headers)
         print(f"{url}{args.endpoint} serving {model}: {args.num_prompts} requests per rate, prompt {args.input_len} "
               f"words, {args.output_len} output tokens, concurrency {args.max_concurrency or 'unbounded'}")  # fmt: skip
         summaries = []

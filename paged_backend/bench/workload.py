@@ -7,6 +7,8 @@ import math
 import random
 from pathlib import Path
 
+from paged_backend.errors import InvalidRequest
+
 
 def synthetic_workload(num_requests: int, seed: int, vocab_size: int) -> tuple[list[list[int]], list[int]]:
     """Long-tailed (log-normal) prompt and output lengths: most short, a few long."""
@@ -23,18 +25,25 @@ def synthetic_workload(num_requests: int, seed: int, vocab_size: int) -> tuple[l
 def jsonl_workload(path: str | Path, tokenizer, num_requests: int | None = None) -> tuple[list[list[int]], list[int]]:
     """A workload read from JSONL: one `{"prompt": str | [ids], "max_tokens"|"output_len": int}` per line."""
     prompts, outputs = [], []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise InvalidRequest(f"--dataset {path}: cannot be read as a JSONL file ({error})") from error
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        record = json.loads(line)
-        prompt = record.get("prompt")
-        wanted = record.get("max_tokens", record.get("output_len"))
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise InvalidRequest(f"{path}:{number}: not JSON ({error.msg} at column {error.colno})") from error
+        prompt = record.get("prompt") if isinstance(record, dict) else None
+        wanted = record.get("max_tokens", record.get("output_len")) if isinstance(record, dict) else None
         if not isinstance(wanted, int) or wanted < 1 or not isinstance(prompt, (str, list)) or not prompt:
-            raise ValueError(f'{path}:{number}: needs a non-empty "prompt" and a positive "max_tokens"')
+            raise InvalidRequest(f'{path}:{number}: needs a non-empty "prompt" and a positive "max_tokens"')
         prompts.append(list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt))
         outputs.append(wanted)
         if num_requests is not None and len(prompts) == num_requests:
             break
     if not prompts:
-        raise ValueError(f"{path}: no requests")
+        raise InvalidRequest(f"{path}: no requests")
     return prompts, outputs
