@@ -32,7 +32,9 @@ def test_throughput_quick_on_a_jsonl_workload(tmp_path):
     assert written["num_requests"] == 3 and written["output_tokens"] == 13
     # HF's continuous-batching manager takes 10-20 s to wind down even on three requests: skipped here.
     assert [r["system"] for r in written["results"]] == [
-        "paged-backend engine mbt=512", "paged-backend engine mbt=512, dense weights", "HF generate static batch=3"
+        "paged-backend engine mbt=512",
+        "paged-backend engine mbt=512, dense weights",
+        "HF generate static batch=3",
     ]
     assert set(written["speedup"]) == {"vs_best_hf_static"}
     assert png_path.read_bytes()[:8] == PNG
@@ -83,7 +85,9 @@ def test_latency_times_hf_generate_in_the_engines_dtype(tmp_path):
 def test_jsonl_workload_names_the_bad_line(tmp_path):
     dataset = tmp_path / "bad.jsonl"
     dataset.write_text('{"prompt": "ok", "max_tokens": 2}\n{"prompt": "no budget"}\n')
-    with pytest.raises(InvalidRequest, match=r"bad.jsonl:2: needs a non-empty \"prompt\" and a positive \"max_tokens\""):
+    with pytest.raises(
+        InvalidRequest, match=r"bad.jsonl:2: needs a non-empty \"prompt\" and a positive \"max_tokens\""
+    ):
         jsonl_workload(dataset, byte_tokenizer())
 
 
@@ -96,8 +100,12 @@ def _one_line_error(result) -> str:
 
 @pytest.mark.parametrize(
     ("lines", "said"),
-    [(None, "cannot be read as a JSONL file"), ('{"prompt": "a", "max_tokens": 2}\nnot json\n', "data.jsonl:2: not JSON"),
-     ("[1, 2]\n", "data.jsonl:1: needs a non-empty"), ("\n", "no requests")],
+    [
+        (None, "cannot be read as a JSONL file"),
+        ('{"prompt": "a", "max_tokens": 2}\nnot json\n', "data.jsonl:2: not JSON"),
+        ("[1, 2]\n", "data.jsonl:1: needs a non-empty"),
+        ("\n", "no requests"),
+    ],
 )
 def test_bench_dataset_errors_are_one_line(tmp_path, lines, said):
     dataset = tmp_path / "data.jsonl"
