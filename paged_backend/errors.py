@@ -39,9 +39,10 @@ def not_unicode(text: str) -> str | None:
     return None
 
 
-def one_line(error: Exception) -> str:
+def one_line(error: Exception, flags: dict[str, str] | None = None) -> str:
     """`error` for a command line: a config's pydantic ValidationError as the flags to change (`--num-blocks: Input
-    should be greater than or equal to 2, got 1`), one line for all; any other error as its message."""
+    should be greater than or equal to 2, got 1`), one line for all; any other error as its message. `flags` names
+    the flag that set a field where it is not the field's own (`launch --max-batch-size` sets `max_num_seqs`)."""
     from pydantic import ValidationError
 
     if not isinstance(error, ValidationError):
@@ -50,6 +51,6 @@ def one_line(error: Exception) -> str:
     for item in error.errors():
         names = [part for part in item["loc"] if isinstance(part, str)]
         given = repr(item.get("input"))
-        where = f"--{names[-1].replace('_', '-')}" if names else error.title
+        where = (flags or {}).get(names[-1]) or f"--{names[-1].replace('_', '-')}" if names else error.title
         parts.append(f"{where}: {item['msg']}" + (f", got {given}" if len(given) <= 60 else ""))
     return "; ".join(parts)

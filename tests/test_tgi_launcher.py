@@ -7,10 +7,12 @@ import sys
 
 import pytest
 import typer
+from pydantic import ValidationError
 from typer.testing import CliRunner
 
+from paged_backend.errors import one_line
 from paged_backend.tgi.launcher.cli import register
-from paged_backend.tgi.launcher.flags import ignored_flags, parse_flags
+from paged_backend.tgi.launcher.flags import TGI_FLAG_OF_FIELD, ignored_flags, parse_flags
 from paged_backend.tgi.launcher.launch import LaunchError, cuda_graph_max, engine_config, router_settings
 from paged_backend.tgi.proto import generate_pb2 as pb
 from paged_backend.tgi.proto.stubs import compile_stubs, proto_path
@@ -160,9 +162,19 @@ def test_stubs_compile_into_any_directory(tmp_path):
     "flags, named",
     [(["--port", "70000"], "--port"), (["--max-best-of", "-1"], "--max-best-of"),
      (["--max-stop-sequences", "-3"], "--max-stop-sequences"), (["--payload-limit", "-1"], "--payload-limit"),
-     (["--max-concurrent-requests", "0"], "--max-concurrent-requests"), (["--sharded", "maybe"], "--sharded")],
+     (["--max-concurrent-requests", "0"], "--max-concurrent-requests"), (["--sharded", "maybe"], "--sharded"),
+     (["--speculate", "-1"], "--speculate"), (["--max-input-tokens", "0"], "--max-input-tokens"),
+     (["--max-batch-size", "0"], "--max-batch-size"), (["--num-blocks", "-1"], "--num-blocks"),
+     (["--master-port", "70000"], "--master-port")],
 )  # fmt: skip
 def test_out_of_range_flags_are_refused_at_parse_time_as_tgi_s_launcher_types_them(flags, named, capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_flags(flags)
     assert exit_.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_an_engine_value_refused_names_the_tgi_flag_that_set_it():
+    with pytest.raises(ValidationError) as refused:
+        engine_config(parse_flags(["--cuda-memory-fraction", "1.5"]))
+    said = one_line(refused.value, TGI_FLAG_OF_FIELD)
+    assert said.startswith("--cuda-memory-fraction: ") and "gpu-memory-utilization" not in said

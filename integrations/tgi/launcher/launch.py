@@ -24,6 +24,7 @@ from paged_backend.tgi.http.settings import ROUTER_FLAG_FIELDS, RouterSettings
 from paged_backend.tgi.launcher.flags import (
     ADDED_ENGINE_FIELDS,
     ENGINE_FIELDS_FROM_TGI,
+    TGI_FLAG_OF_FIELD,
     ignored_flags,
     parse_flags,
 )
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> N
         try:
             backend = build_backend(args, shards)
         except (PagedBackendError, ValidationError) as error:  # a model it cannot run, a value out of range
-            raise LaunchError(one_line(error)) from error
+            raise LaunchError(one_line(error, TGI_FLAG_OF_FIELD)) from error
         settings = router_settings(args, backend.max_model_len)
         try:
             tracer = otlp_tracer(args.otlp_endpoint, args.otlp_service_name) if args.otlp_endpoint else None
