@@ -32,9 +32,7 @@ def test_throughput_quick_on_a_jsonl_workload(tmp_path):
     assert written["num_requests"] == 3 and written["output_tokens"] == 13
     # HF's continuous-batching manager takes 10-20 s to wind down even on three requests: skipped here.
     assert [r["system"] for r in written["results"]] == [
-        "paged-backend engine mbt=512",
-        "paged-backend engine mbt=512, dense weights",
-        "HF generate static batch=3",
+        "paged-backend engine mbt=512", "paged-backend engine mbt=512, dense weights", "HF generate static batch=3"
     ]
     assert set(written["speedup"]) == {"vs_best_hf_static"}
     assert png_path.read_bytes()[:8] == PNG

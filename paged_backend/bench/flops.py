@@ -31,9 +31,8 @@ def matmul_peak(model, repeats: int = 20) -> float:
 
     config = model.config
     x = torch.randn(256, config.hidden_size, dtype=model.dtype, device=model.device)
-    layer = torch.nn.Linear(
-        config.hidden_size, config.intermediate_size, bias=False, dtype=model.dtype, device=model.device
-    )
+    layer = torch.nn.Linear(config.hidden_size, config.intermediate_size, bias=False, dtype=model.dtype,
+                            device=model.device)
     best = float("inf")
     for linear in (layer.forward, packed_forward(layer)) if packable(layer) else (layer.forward,):
         for _ in range(repeats + 3):
