@@ -178,3 +178,16 @@ def test_an_engine_value_refused_names_the_tgi_flag_that_set_it():
         engine_config(parse_flags(["--cuda-memory-fraction", "1.5"]))
     said = one_line(refused.value, TGI_FLAG_OF_FIELD)
     assert said.startswith("--cuda-memory-fraction: ") and "gpu-memory-utilization" not in said
+
+
+def test_a_router_with_no_shard_says_so_and_exits_cleanly(tmp_path, monkeypatch, caplog):
+    import grpc
+
+    from paged_backend.tgi.router import backend
+
+    monkeypatch.setattr(backend, "SHARD_WAIT_S", 1)
+    master = f"{tmp_path}/shard-0"
+    with grpc.insecure_channel(f"unix://{master}") as channel, pytest.raises(SystemExit) as exit_:
+        backend.wait_for_shard(channel, master, started_here=False)
+    assert f"no shard answered at {master} within 1 s" in str(exit_.value.code)
+    assert f"no shard at {master} yet; waiting up to 1 s" in caplog.text

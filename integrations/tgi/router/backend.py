@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -41,6 +42,23 @@ def load_tokenizer(model_id: str | None, tokenizer_name: str | None):
     from paged_backend.worker.models import load_tokenizer
 
     return load_tokenizer(model_id, tokenizer_name)
+
+
+SHARD_WAIT_S = 60  # a shard started beside the router may still be loading its weights
+
+
+def wait_for_shard(channel: grpc.Channel, master: str, started_here: bool) -> None:
+    """Wait for the master shard to answer, saying so when its socket is not there yet; a clear exit if it never
+    answers (a traceback before)."""
+    if not started_here and not os.path.exists(master):
+        logger.warning("no shard at %s yet; waiting up to %d s for one (`text-generation-server serve "
+                       "--uds-path %s`)", master, SHARD_WAIT_S, master.removesuffix("-0"))  # fmt: skip
+    try:
+        grpc.channel_ready_future(channel).result(timeout=SHARD_WAIT_S)
+    except grpc.FutureTimeoutError:
+        raise SystemExit(f"paged-backend launch: no shard answered at {master} within {SHARD_WAIT_S} s: start "
+                         "one there, point --shard-uds-path (or --master-shard-uds-path) at its socket, or give "
+                         "--num-shard N to start N here") from None  # fmt: skip
 
 
 def warmup_chooser() -> pb.NextTokenChooserParameters:
@@ -133,7 +151,7 @@ class GrpcBackend:
         if shards_ready is not None:
             shards_ready()
         with grpc.insecure_channel(f"unix://{master}") as channel:
-            grpc.channel_ready_future(channel).result(timeout=60)
+            wait_for_shard(channel, master, started_here=shards_ready is not None)
             urls = list(pb_grpc.TextGenerationServiceStub(channel).ServiceDiscovery(pb.ServiceDiscoveryRequest()).urls)
         on_every_shard(urls, lambda stub: stub.ClearCache(pb.ClearCacheRequest()))
         info = on_every_shard(urls, lambda stub: stub.Info(pb.InfoRequest()))[0]
