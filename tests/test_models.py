@@ -75,6 +75,18 @@ def test_load_from_local_directory_matches_the_saved_model(tmp_path):
     assert from_path.outputs[0].token_ids == from_object.outputs[0].token_ids
 
 
+def test_a_bad_tokenizer_is_blamed_on_the_tokenizer_not_the_model(tmp_path):
+    model_dir, empty = tmp_path / "model", tmp_path / "empty"
+    tiny_model().save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)
+    empty.mkdir()
+    with pytest.raises(InvalidRequest, match=r"tokenizer '.*missing' not found: no such directory \(--tokenizer\)"):
+        load_model(str(model_dir), tokenizer=str(tmp_path / "missing"), device="cpu")
+    with pytest.raises(InvalidRequest, match=r"tokenizer '.*empty' .*\(--tokenizer\)") as refused:
+        load_model(str(model_dir), tokenizer=str(empty), device="cpu")
+    assert "model path" not in str(refused.value)
+
+
 def test_load_with_explicit_dtype(tmp_path):
     tiny_model().save_pretrained(tmp_path)
     byte_tokenizer().save_pretrained(tmp_path)

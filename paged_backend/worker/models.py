@@ -278,4 +278,15 @@ def load_tokenizer(model: str | None, tokenizer: str | None = None) -> PreTraine
     if source == TINY_MODEL:
         return byte_tokenizer()
     gguf = gguf_source.gguf_file(source)
-    return AutoTokenizer.from_pretrained(str(gguf_source.converted(gguf)) if gguf else os.path.expanduser(source))
+    folder = str(gguf_source.converted(gguf)) if gguf else os.path.expanduser(source)
+    if tokenizer is None:  # the model's own: its loading errors are the model's (`load_model` names them)
+        return AutoTokenizer.from_pretrained(folder)
+    if gguf is None and _is_path(tokenizer) and not os.path.isdir(folder):
+        raise InvalidRequest(f"tokenizer '{tokenizer}' not found: no such directory (--tokenizer)")
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except OSError as exc:  # a hub id that does not resolve here
+        raise InvalidRequest(f"tokenizer '{tokenizer}' not found (--tokenizer): {exc}") from exc
+    except ValueError as exc:  # a folder without files transformers reads as a tokenizer
+        raise InvalidRequest(f"tokenizer '{tokenizer}' cannot be loaded (--tokenizer): no tokenizer.json there, nor "
+                             "a slow tokenizer transformers can convert") from exc  # fmt: skip
