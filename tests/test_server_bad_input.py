@@ -77,6 +77,14 @@ def test_bad_completion_bodies_get_400(server, body):
     assert_openai_error(response, 400)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/messages"])
+def test_a_json_body_sent_as_text_plain_is_told_the_content_type(server, path):
+    body = {"model": "m", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    response = server.post(path, content=json.dumps(body).encode(), headers={"Content-Type": "text/plain"})
+    assert response.status_code == 400, response.text
+    assert "Content-Type: application/json, not text/plain" in response.text
+
+
 def test_unknown_field_is_ignored_not_refused(server):
     """vLLM's policy: a field the server does not know is logged and ignored (--strict-fields refuses it)."""
     response = server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "best_of_luck": 3})

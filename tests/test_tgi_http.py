@@ -110,6 +110,14 @@ def test_nan_and_infinity_are_422_not_500(client, route, name):
         assert f"`{name}` must be" in response.json()["error"]
 
 
+@pytest.mark.parametrize("route", ["/generate", "/generate_stream", "/v1/chat/completions"])
+def test_a_json_body_sent_as_text_plain_is_415_as_axum_answers(client, route):
+    body = {"inputs": "Hi", "messages": [{"role": "user", "content": "Hi"}]}
+    response = client.post(route, content=json.dumps(body).encode(), headers={"Content-Type": "text/plain"})
+    assert response.status_code == 415, response.text
+    assert response.json()["error"] == "Expected request with `Content-Type: application/json`"
+
+
 @pytest.mark.parametrize(
     "route, body",
     [("/generate", {"inputs": "a\ud800b"}), ("/generate_stream", {"inputs": "a\ud800b"}),

@@ -197,7 +197,16 @@ def _respond(request: Request, status_code: int, body: dict, headers: dict[str, 
 async def _validation_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = list(exc.errors())
     message, param = describe_validation_error(errors) if errors else ("the request is invalid", None)
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if _body_sent_as(media_type, errors):
+        message, param = f"send the body as JSON with Content-Type: application/json, not {media_type}", None
     return _respond(request, 400, error_body(message, "invalid_request_error", param))
+
+
+def _body_sent_as(media_type: str, errors: list[dict]) -> bool:
+    """Whether the body failed because it came as another media type (FastAPI then hands over raw bytes)."""
+    not_json = media_type not in ("", "application/json") and not media_type.endswith("+json")
+    return not_json and any(tuple(error.get("loc", ()))[:1] == ("body",) for error in errors)
 
 
 async def _http_handler(request: Request, exc: HTTPException) -> JSONResponse:

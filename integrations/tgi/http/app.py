@@ -66,6 +66,11 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def body_error(request: Request, error: RequestValidationError) -> JSONResponse:
         errors = error.errors()
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type not in ("", "application/json") and not media_type.endswith("+json") and any(
+            e["loc"][:1] == ("body",) for e in errors
+        ):
+            return _error_response(415, "Expected request with `Content-Type: application/json`")  # axum's words
         if any(e["type"] == "json_invalid" for e in errors):  # axum: syntax errors are 400, shape errors 422
             return _error_response(400, f"Failed to parse the request body as JSON: {errors[0]['msg']}")
         problems = "; ".join(f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in errors)
