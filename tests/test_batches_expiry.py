@@ -10,17 +10,24 @@ import pytest
 from tests._server_helpers import running_server
 from tests.test_batches_api import chat_line, create, output_lines, summed_usage, upload, wait_until
 
-WINDOW = 3  # seconds; one line at a time and 128 tokens each, the batch needs far longer
-LINES = [chat_line("quick", "Hi", max_tokens=1)] + [
-    chat_line(f"long-{i}", f"Tell me everything about block {i}", max_tokens=128) for i in range(60)
-]
-
-
 def endless_line(custom_id: str) -> dict:
     """A line that needs ~1 s of decoding: 1500 tokens, EOS ignored (vLLM's extension)."""
     line = chat_line(custom_id, "Keep going", max_tokens=1500)
     line["body"]["ignore_eos"] = True
     return line
+
+
+def long_line(custom_id: str) -> dict:
+    """~0.2 s of decoding on a fast box: 300 tokens, EOS ignored."""
+    line = chat_line(custom_id, "Keep going", max_tokens=300)
+    line["body"]["ignore_eos"] = True
+    return line
+
+
+# Seconds. Long enough for the first lines to finish on a loaded box (3 s once was not: lines reach the engine about,
+# not exactly, in input order), far too short for the rest: one line at a time, the batch needs ~25 s on this box.
+WINDOW = 6
+LINES = [chat_line("quick", "Hi", max_tokens=1)] + [long_line(f"long-{i}") for i in range(200)]
 
 
 # The queued batch's window ends as late after the first's as its create call came: up to ~0.2 s on a busy box, and
