@@ -10,6 +10,7 @@ import pytest
 from tests._server_helpers import running_server
 from tests.test_batches_api import chat_line, create, output_lines, summed_usage, upload, wait_until
 
+
 def endless_line(custom_id: str) -> dict:
     """A line that needs ~1 s of decoding: 1500 tokens, EOS ignored (vLLM's extension)."""
     line = chat_line(custom_id, "Keep going", max_tokens=1500)

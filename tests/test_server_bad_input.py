@@ -85,6 +85,16 @@ def test_a_json_body_sent_as_text_plain_is_told_the_content_type(server, path):
     assert "Content-Type: application/json, not text/plain" in response.text
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("field", [{"chat_template": "{{ 'x' * 10**9 }}"},
+                                   {"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}])  # fmt: skip
+def test_a_request_s_own_chat_template_is_refused_unless_the_server_trusts_them(server, path, field):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **field}
+    response = server.post(path, json=body)
+    assert response.status_code == 400, response.text
+    assert "--trust-request-chat-template" in response.text
+
+
 def test_unknown_field_is_ignored_not_refused(server):
     """vLLM's policy: a field the server does not know is logged and ignored (--strict-fields refuses it)."""
     response = server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "best_of_luck": 3})

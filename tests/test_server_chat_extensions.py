@@ -59,13 +59,16 @@ RENDERED = (
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    """TEMPLATE as the server's `--chat-template` file (the tokenizer keeps its own), and request templates
+    trusted."""
     model_dir = tmp_path_factory.mktemp("tools-template-model")
     tiny_model(seed=3).save_pretrained(model_dir)
-    tokenizer = byte_tokenizer()
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)
+    template_file = model_dir / "tools.jinja"
+    template_file.write_text(TEMPLATE)
     with running_server("--model", str(model_dir), "--served-model-name", MODEL, "--num-blocks", "256",
-                        "--max-model-len", "512") as server:  # fmt: skip
+                        "--max-model-len", "512", "--chat-template", str(template_file),
+                        "--trust-request-chat-template") as server:  # fmt: skip
         yield server
 
 

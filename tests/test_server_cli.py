@@ -13,7 +13,8 @@ ENGINE_FLAGS = ["--model", "--block-size", "--num-blocks", "--max-num-seqs", "--
                 "--max-model-len", "--swap-space", "--enable-prefix-caching", "--no-enable-prefix-caching",
                 "--dtype", "--device", "--seed", "--gpu-memory-utilization", "--enforce-eager"]  # fmt: skip
 SERVER_FLAGS = ["--host", "--port", "--api-key", "--max-concurrent-requests", "--max-request-body-bytes",
-                "--strict-fields", "--enable-auto-tool-choice", "--tool-call-parser"]  # fmt: skip
+                "--strict-fields", "--enable-auto-tool-choice", "--tool-call-parser", "--chat-template",
+                "--trust-request-chat-template"]  # fmt: skip
 
 
 def test_every_flag_lands_on_its_config_field():
@@ -61,3 +62,14 @@ def test_the_parser_choices_are_the_registered_parsers():
     from paged_backend.server.tool_parsers import TOOL_PARSERS
 
     assert set(TOOL_CALL_PARSERS) == set(TOOL_PARSERS)
+
+
+def test_chat_template_is_a_file_or_an_inline_template(tmp_path):
+    from paged_backend.server.cli import server_chat_template
+
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    assert server_chat_template(str(tmp_path / "t.jinja")) == template
+    assert server_chat_template(template) == template and server_chat_template(None) is None
+    missing = serve_exit("--chat-template", str(tmp_path / "missing.jinja"))
+    assert missing.exit_code == 2 and "--chat-template: no such file" in missing.output

@@ -46,7 +46,8 @@ def render_chat(
     b'user\\nhi\\xfe'
     """
     if not (chat_template or tokenizer.chat_template):
-        raise InvalidRequest("this model's tokenizer has no chat template; send 'chat_template' or use completions")
+        raise InvalidRequest("this model's tokenizer has no chat template; give one (serve --chat-template, "
+                             "LLM.chat(chat_template=...)) or use completions")  # fmt: skip
     if add_generation_prompt and continue_final_message:
         raise InvalidRequest(
             "continue_final_message and add_generation_prompt cannot both be true; "

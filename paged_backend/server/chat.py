@@ -85,9 +85,15 @@ async def render_chat_prompt(server: ServerState, body: ChatCompletionRequest) -
     """Token ids of the conversation as the chat template (the request's, else the model's) lays it out, on a worker
     thread: a request's own template may take a while to render, and the event loop serves everyone else."""
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    own_template = body.chat_template is not None or "chat_template" in (body.chat_template_kwargs or {})
+    if own_template and not server.settings.trust_request_chat_template:  # vLLM's default since its template CVEs
+        raise InvalidRequest("this request sends its own chat_template, which is code the server would run; this "
+                             "server renders only its own template (start it with --trust-request-chat-template "
+                             "to allow them)")  # fmt: skip
     return await asyncio.to_thread(
         render_chat, server.tokenizer, [message.for_template() for message in body.messages], tools=tools,
-        documents=body.documents, chat_template=body.chat_template, add_generation_prompt=body.add_generation_prompt,
+        documents=body.documents, chat_template=body.chat_template or server.settings.chat_template,
+        add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message, add_special_tokens=body.add_special_tokens,
         chat_template_kwargs=body.chat_template_kwargs, max_model_len=server.max_model_len,
     )  # fmt: skip

@@ -5,6 +5,8 @@ and the model itself since it takes several (`--model a --model b`, or a `models
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -12,7 +14,7 @@ from pydantic import ValidationError
 
 from paged_backend.engine.args import CONFIG_HELP, EngineArgs, read_document
 from paged_backend.engine.args_typer import FlagCommand, ModelArgument, add_engine_command
-from paged_backend.errors import PagedBackendError, one_line
+from paged_backend.errors import InvalidRequest, PagedBackendError, one_line
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # paged_backend.server.tool_parsers.TOOL_PARSERS' names
 
@@ -114,6 +116,13 @@ def serve(
             help="serve POST /sleep (level 1 frees the KV pool, 2 the weights too), /wake_up, GET /is_sleeping"
         ),
     ] = False,
+    chat_template: Annotated[
+        str | None,
+        typer.Option(help="the chat template for every chat request, instead of the tokenizer's: a file, or inline"),
+    ] = None,
+    trust_request_chat_template: Annotated[
+        bool, typer.Option(help="render a request's own chat_template (a template is code run on this server)")
+    ] = False,
 ) -> None:
     """Serve OpenAI /v1/completions and /v1/chat/completions, /v1/models, vLLM's /tokenize, /detokenize and
     /version, /health and /metrics."""
@@ -129,6 +138,11 @@ def serve(
     if enable_auto_tool_choice and tool_call_parser is None:
         typer.echo("error: --enable-auto-tool-choice needs --tool-call-parser NAME (the format to parse)", err=True)
         raise typer.Exit(2)
+    try:
+        template = server_chat_template(chat_template)
+    except InvalidRequest as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from error
     models = [model_tag] if model_tag is not None else model or []  # vLLM's rule: the positional model wins
     names = served_model_name or []
     engine.model = models[0] if len(models) == 1 else None
@@ -154,7 +168,8 @@ def serve(
         allow_runtime_lora_updating=allow_runtime_lora_updating,
         max_stored_responses=max_stored_responses, stored_response_ttl=stored_response_ttl,
         files_dir=files_dir, max_file_bytes=max_file_bytes, enable_sleep_mode=enable_sleep_mode,
-        batch_completion_window=batch_completion_window,
+        batch_completion_window=batch_completion_window, chat_template=template,
+        trust_request_chat_template=trust_request_chat_template,
     )  # fmt: skip
     try:
         if engines is None:
@@ -175,6 +190,20 @@ def serve(
             each.close()  # stops the worker ranks of a parallel engine
     if server.exit_code:
         raise typer.Exit(server.exit_code)
+
+
+def server_chat_template(given: str | None) -> str | None:
+    """`--chat-template`: a file's text, or the template itself when it is written inline (vLLM's rule)."""
+    if given is None:
+        return None
+    if os.path.isfile(given):
+        try:
+            return Path(given).read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise InvalidRequest(f"--chat-template: cannot read {given} as text ({error})") from error
+    if "{" not in given:  # neither a file nor a template: a path that is wrong
+        raise InvalidRequest(f"--chat-template: no such file {given!r} (an inline template has {{{{ or {{% in it)")
+    return given
 
 
 def register(app: typer.Typer) -> None:

@@ -36,6 +36,8 @@ class ServerSettings:
     max_file_bytes: int = 200 << 20  # larger /v1/files uploads get 413
     batch_completion_window: float = COMPLETION_WINDOW  # seconds a batch ("24h") has to finish before it expires
     enable_sleep_mode: bool = False  # POST /sleep, /wake_up and GET /is_sleeping (vLLM's routes); off: 404
+    chat_template: str | None = None  # replaces the tokenizer's template for every chat request (vLLM's flag)
+    trust_request_chat_template: bool = False  # render a request's own chat_template (code run here)
 
     @property
     def api_keys(self) -> list[str]:
