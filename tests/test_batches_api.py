@@ -231,6 +231,15 @@ def test_bad_batch_requests_are_4xx_naming_what_to_change(client):
     assert window.value.body["type"] == "invalid_request_error"
 
 
+def test_a_file_upload_missing_a_part_names_the_part(server):
+    """/v1/files takes multipart: its own errors name the part, never "send the body as JSON"."""
+    for form, files, named in (({}, {"file": ("a.jsonl", b"{}")}, "purpose"), ({"purpose": "batch"}, None, "file")):
+        response = server.post("/v1/files", data=form, files=files)
+        assert response.status_code == 400, response.text
+        message = response.json()["error"]["message"]
+        assert named in message and "JSON" not in message, message
+
+
 def test_line_usage_reads_every_endpoints_names():
     def output(usage, status=200):
         return {"response": {"status_code": status, "body": {"usage": usage}}, "error": None}

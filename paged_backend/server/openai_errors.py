@@ -203,10 +203,16 @@ async def _validation_handler(request: Request, exc: RequestValidationError) -> 
     return _respond(request, 400, error_body(message, "invalid_request_error", param))
 
 
+NOT_AN_OBJECT = frozenset({"model_attributes_type", "model_type", "dict_type"})
+
+
 def _body_sent_as(media_type: str, errors: list[dict]) -> bool:
-    """Whether the body failed because it came as another media type (FastAPI then hands over raw bytes)."""
+    """Whether a JSON route's body failed because it came as another media type: FastAPI then hands over raw bytes,
+    which are not an object. (A form route's own errors, /v1/files' missing `purpose`, are not this.)"""
     not_json = media_type not in ("", "application/json") and not media_type.endswith("+json")
-    return not_json and any(tuple(error.get("loc", ()))[:1] == ("body",) for error in errors)
+    return not_json and any(
+        tuple(error.get("loc", ()))[:1] == ("body",) and error.get("type") in NOT_AN_OBJECT for error in errors
+    )
 
 
 async def _http_handler(request: Request, exc: HTTPException) -> JSONResponse:
