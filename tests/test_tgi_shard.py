@@ -208,6 +208,55 @@ def test_unknown_batch_is_not_found(stub):
     assert error.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def _prompt_slots(blocks: list[int], count: int) -> list[int]:
+    return [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(count)]
+
+
+MALFORMED = {
+    "block past the pool": ([text_request(50, "Hello world", 4, [NUM_BLOCKS], _prompt_slots([NUM_BLOCKS], 14))],
+                            "block 129 is outside the KV pool: blocks are 0..128"),
+    "block far past the pool": ([text_request(51, "Hello world", 4, [10**6], _prompt_slots([10**6], 14))],
+                                "outside the KV pool"),
+    "slots past the blocks": ([text_request(52, "Hello world", 4, [1], _prompt_slots([1, 2], 20))],
+                              "20 slots need 2 blocks of 16 tokens; the request has 1"),
+    "no requests": ([], "has no requests"),
+    "no input tokens": ([pb.Request(id=53, inputs="", input_chunks=pb.Input(chunks=[pb.InputChunk(text="")]),
+                                    blocks=[1], slots=[16], **greedy(1))], "request 53 has no input tokens"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("requests, said", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_prefills_are_invalid_argument_and_the_shard_lives_on(shard, stub, requests, said):
+    """The router's blocks index the pool in the kernels unchecked: a block past it crashed the shard (SIGSEGV)."""
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=50, requests=requests, size=len(requests))))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+    assert said in error.value.details()
+    assert shard.process.poll() is None
+    stub.Health(pb.HealthRequest())
+
+
+def test_top_n_tokens_past_the_vocabulary_is_the_whole_vocabulary(stub):
+    prefill = stub.Prefill(pb.PrefillRequest(batch=batch(55, [request(1, BlockAllocator(), top_n_tokens=2**31)])))
+    stub.ClearCache(pb.ClearCacheRequest(id=55))
+    assert len(prefill.generations[0].top_tokens[0].ids) == len(byte_tokenizer())
+
+
+def test_a_bad_decode_or_filter_leaves_the_cached_batches_as_they_were(stub):
+    prefill = stub.Prefill(pb.PrefillRequest(batch=batch(60, [request(2, BlockAllocator())])))
+    unknown = pb.CachedBatch(id=999, request_ids=[1], size=1)
+    for call, code in ((lambda: stub.Decode(pb.DecodeRequest(batches=[prefill.batch, unknown])), "NOT_FOUND"),
+                       (lambda: stub.Decode(pb.DecodeRequest(batches=[prefill.batch, prefill.batch])), "INVALID_ARGUMENT"),
+                       (lambda: stub.FilterBatch(pb.FilterBatchRequest(batch_id=60, request_ids=[])), "INVALID_ARGUMENT"),
+                       (lambda: stub.FilterBatch(pb.FilterBatchRequest(batch_id=60, request_ids=[7])), "INVALID_ARGUMENT")):
+        with pytest.raises(grpc.RpcError) as error:
+            call()
+        assert error.value.code().name == code, error.value.details()
+    decoded = stub.Decode(pb.DecodeRequest(batches=[prefill.batch]))  # still cached, still whole
+    stub.ClearCache(pb.ClearCacheRequest(id=60))
+    assert [prefill.generations[0].tokens.ids[0], decoded.generations[0].tokens.ids[0]] == engine_tokens()[2][:2]
+
+
 def test_cache_len_reuses_prefix_blocks_the_router_shares(stub):
     """With prefix caching the router hands a new request the blocks of an earlier one and sets cache_len."""
     text = "a prompt that is long enough to fill two whole blocks"

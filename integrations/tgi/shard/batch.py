@@ -6,6 +6,7 @@ Each request wraps an engine `Sequence` (token ids, sampling params, seeded gene
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from paged_backend.core.block_manager import slot_of
@@ -46,6 +47,11 @@ class ShardBatch:
 
     def filter(self, request_ids: list[int]) -> ShardBatch:
         keep = set(request_ids)
+        if not keep:  # TGI's server refuses it too; the router drops a finished batch with ClearCache
+            raise InvalidRequest("FilterBatch needs request_ids; ClearCache drops a whole batch")
+        unknown = sorted(keep - {request.id for request in self.requests})
+        if unknown:
+            raise InvalidRequest(f"batch {self.id} holds no request {', '.join(map(str, unknown))}")
         return ShardBatch(self.id, [r for r in self.requests if r.id in keep], self.block_size)
 
     @classmethod
@@ -98,8 +104,16 @@ def input_text(request) -> str:
     return "".join(chunks) if request.input_chunks.chunks else request.inputs
 
 
-def check_slots(blocks: list[int], slots: list[int], block_size: int) -> None:
-    """The runner derives decode slots from the block table, so the router's slots must agree with it."""
+def check_slots(blocks: list[int], slots: list[int], block_size: int, num_blocks: int | None) -> None:
+    """The runner derives decode slots from the block table, so the router's slots must agree with it; and the
+    kernels index the pool with these blocks unchecked, so a block past the pool is refused here (it wrote out of
+    bounds before). `num_blocks` is None at Warmup, whose blocks the shard lays out itself."""
+    outside = [block for block in blocks if num_blocks is not None and not 0 <= block < num_blocks]
+    if outside:
+        raise InvalidRequest(f"block {outside[0]} is outside the KV pool: blocks are 0..{num_blocks - 1}")
+    if len(slots) > len(blocks) * block_size:
+        raise InvalidRequest(f"{len(slots)} slots need {math.ceil(len(slots) / block_size)} blocks of {block_size} "
+                             f"tokens; the request has {len(blocks)}")  # fmt: skip
     for position, slot in enumerate(slots):
         if slot != slot_of(blocks, position, block_size):
             raise InvalidRequest(
@@ -108,12 +122,17 @@ def check_slots(blocks: list[int], slots: list[int], block_size: int) -> None:
             )
 
 
-def request_from_pb(request, tokenizer, eos_ids: set[int], block_size: int) -> ShardRequest:
+def request_from_pb(
+    request, tokenizer, eos_ids: set[int], block_size: int, num_blocks: int | None
+) -> ShardRequest:
     if request.HasField("chunk_len"):
         raise InvalidRequest("chunked prefill (chunk_len) is not supported: this shard reports support_chunking=false")
     input_ids = tokenizer(input_text(request), add_special_tokens=request.add_special_tokens).input_ids
     if request.truncate:
         input_ids = input_ids[-request.truncate :]
+    if not input_ids:
+        raise InvalidRequest(f"request {request.id} has no input tokens")
+    top_n_tokens = min(request.top_n_tokens, len(tokenizer))  # as TGI's server: never more than the vocabulary
     chooser = chooser_from_pb(request.parameters)
     stop = request.stopping_parameters
     stopping = StoppingParameters(
@@ -122,10 +141,10 @@ def request_from_pb(request, tokenizer, eos_ids: set[int], block_size: int) -> S
         ignore_eos_token=stop.ignore_eos_token,
     )
     # Prompt logprobs are the shard's own (from the router's cache_len on), not the engine's prompt_logprobs.
-    params = sampling_params(chooser, stopping, request.top_n_tokens)
+    params = sampling_params(chooser, stopping, top_n_tokens)
     seq = Sequence(Request(str(request.id), None, list(input_ids), params), 0)
     blocks, slots = list(request.blocks), list(request.slots)
-    check_slots(blocks, slots, block_size)
+    check_slots(blocks, slots, block_size, num_blocks)
     return ShardRequest(
         id=request.id,
         seq=seq,
@@ -135,7 +154,7 @@ def request_from_pb(request, tokenizer, eos_ids: set[int], block_size: int) -> S
         detokenizer=TokenTexts(tokenizer, input_ids),
         chooser=chooser,
         prefill_logprobs=request.prefill_logprobs,
-        top_n_tokens=request.top_n_tokens,
+        top_n_tokens=top_n_tokens,
         # A fully cached prompt still recomputes its last token: its logits give the first new token.
         num_computed_tokens=min(request.cache_len, len(input_ids) - 1),
     )

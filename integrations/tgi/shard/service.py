@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from paged_backend.errors import PagedBackendError
+from paged_backend.errors import InvalidRequest, PagedBackendError
 from paged_backend.tgi.backends.tokens import generated_text, token_text
 from paged_backend.tgi.proto import generate_pb2 as pb
 from paged_backend.tgi.proto import generate_pb2_grpc as pb_grpc
@@ -60,7 +60,12 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         return pb.ClearCacheResponse()
 
     async def FilterBatch(self, request, context):
-        batch = (await self._take(context, request.batch_id)).filter(list(request.request_ids))
+        (batch,) = await self._take(context, [request.batch_id])
+        try:
+            batch = batch.filter(list(request.request_ids))
+        except PagedBackendError as error:
+            self.cache[batch.id] = batch  # a bad filter leaves the batch as it was
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         self.cache[batch.id] = batch
         return pb.FilterBatchResponse(batch=batch.to_pb(pb))
 
@@ -73,9 +78,11 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "Prefill with a cached batch needs support_chunking, which is off"
             )
+        if self.model.kv_cache is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Prefill before Warmup: Warmup sizes the KV pool")
         start = time.perf_counter_ns()
         async with self.lock:
-            batch = await self._run(context, asyncio.to_thread(self._batch_from_pb, request.batch))
+            batch = await self._run(context, asyncio.to_thread(self._batch_from_pb, request.batch, True))
             return await self._step_response(pb.PrefillResponse, context, batch, start)
 
     async def Decode(self, request, context):
@@ -83,7 +90,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         if not request.batches:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Decode needs at least one cached batch")
         async with self.lock:
-            batches = [await self._take(context, cached.id) for cached in request.batches]
+            batches = await self._take(context, [cached.id for cached in request.batches])
             batch = ShardBatch.concatenate(batches) if len(batches) > 1 else batches[0]
             concat_ns = time.perf_counter_ns() - start
             return await self._step_response(pb.DecodeResponse, context, batch, start, concat_ns=concat_ns)
@@ -111,15 +118,22 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             **timings,
         )
 
-    async def _take(self, context, batch_id: int) -> ShardBatch:
-        batch = self.cache.pop(batch_id, None)
-        if batch is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"batch {batch_id} not found in the shard cache")
-        return batch
+    async def _take(self, context, batch_ids: list[int]) -> list[ShardBatch]:
+        """The cached batches, all or none: one unknown id leaves the others cached (they were lost before)."""
+        missing = [batch_id for batch_id in batch_ids if batch_id not in self.cache]
+        if missing or len(set(batch_ids)) < len(batch_ids):
+            what = f"batch {missing[0]} not found in the shard cache" if missing else "a batch is named twice"
+            await context.abort(grpc.StatusCode.NOT_FOUND if missing else grpc.StatusCode.INVALID_ARGUMENT, what)
+        return [self.cache.pop(batch_id) for batch_id in batch_ids]
 
-    def _batch_from_pb(self, batch) -> ShardBatch:
+    def _batch_from_pb(self, batch, pool_sized: bool = False) -> ShardBatch:
         model = self.model
-        requests = [request_from_pb(r, model.tokenizer, model.eos_ids, model.block_size) for r in batch.requests]
+        if not batch.requests:
+            raise InvalidRequest(f"batch {batch.id} has no requests")
+        num_blocks = model.num_blocks if pool_sized else None  # Warmup's blocks are the shard's own
+        requests = [
+            request_from_pb(r, model.tokenizer, model.eos_ids, model.block_size, num_blocks) for r in batch.requests
+        ]
         shard_batch = ShardBatch(batch.id, requests, model.block_size)
         model.check_grammars(shard_batch)
         return shard_batch
