@@ -88,3 +88,22 @@ def test_output_keeps_the_input_order_with_error_lines_for_malformed_lines(outpu
     inputs, cached, outs = (sum(usage[key] for usage in usages) for key in ("input_tokens", "cached_tokens",
                                                                              "output_tokens"))  # fmt: skip
     assert outs > 0 and f"{inputs} input tokens ({cached} cached), {outs} output tokens" in stderr
+
+
+def test_a_background_line_is_refused_not_answered_in_progress():
+    """A background response would be an in_progress stub, counted as answered, whose result no one could fetch."""
+    from paged_backend.server.batch_lines import parse_lines
+
+    line = {**responses_line("bg", "hi"), "body": {**responses_line("bg", "hi")["body"], "background": True}}
+    [parsed] = parse_lines(jsonl([line]).decode())
+    assert parsed.problem == "line 1: a batch request runs to its end; remove 'background' from the body"
+
+
+def test_an_output_folder_that_does_not_exist_is_refused_before_the_run(tmp_path):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_bytes(jsonl(LINES[:1]))
+    command = [str(Path(sys.executable).with_name("paged-backend")), "run-batch", "-i", str(requests),
+               "-o", str(tmp_path / "missing" / "out.jsonl"), "--model", MODEL, "--device", "cpu"]  # fmt: skip
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert finished.returncode == 2 and "Traceback" not in finished.stderr
+    assert "--output-file's folder" in finished.stderr and "does not exist" in finished.stderr

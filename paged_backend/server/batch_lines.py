@@ -85,6 +85,8 @@ def _problem(record: dict, number: int, endpoint: str | None) -> str | None:
         return f"line {number} needs a 'body' object (the request to {url})"
     if body.get("stream"):
         return f"line {number}: a batch request cannot stream; remove 'stream' from the body"
+    if body.get("background"):  # its answer would be an in_progress stub whose result no one can fetch
+        return f"line {number}: a batch request runs to its end; remove 'background' from the body"
     return None
 
 

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from paged_backend.engine.args import EngineArgs
 from paged_backend.engine.args_typer import add_engine_command
-from paged_backend.errors import PagedBackendError
+from paged_backend.errors import PagedBackendError, one_line
 from paged_backend.server.batch_lines import (
     USAGE_KEYS,
     BatchLine,
@@ -51,12 +51,16 @@ def run_batch(
     from paged_backend.server.app import build_app
     from paged_backend.server.state import ServerSettings
 
+    if not output_file.parent.is_dir():  # said now, not after the whole run
+        typer.echo(f"error: --output-file's folder {output_file.parent} does not exist; create it or write elsewhere",
+                   err=True)  # fmt: skip
+        raise typer.Exit(2)
     lines = parse_lines(input_file.read_text(errors="replace"))
     engine_thread = EngineThread()  # built where it will step, as serve does
     try:
         built = engine_thread.submit(lambda: Engine(engine.to_engine_config())).result()
     except (PagedBackendError, ValidationError) as error:
-        typer.echo(f"error: {error}", err=True)
+        typer.echo(f"error: {one_line(error)}", err=True)
         raise typer.Exit(2) from error
     app = build_app(built, ServerSettings(served_model_name=served_model_name), engine_thread=engine_thread)
     started = time.perf_counter()
