@@ -84,6 +84,17 @@ def test_adapters_and_bases_of_both_models_mixed_equal_peft_then_unload(setup):
     assert server.post("/v1/unload_lora_adapter", json=unload).status_code == 404
 
 
+def test_an_answer_names_the_adapter_or_model_the_request_asked_for(setup):
+    """vLLM's rule: an adapter's answers carry the adapter's name, the base model's its own."""
+    server, _, _ = setup
+    client = server.client()
+    for model in ("llama", "llama-attn4", "qwen-mlp2"):
+        completion = client.completions.create(model=model, prompt="hi", max_tokens=1)
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        response = client.responses.create(model=model, input="hi", max_output_tokens=1, store=False)
+        assert (completion.model, chat.model, response.model) == (model, model, model)
+
+
 def test_a_bad_runtime_adapter_is_a_400_naming_the_fix(setup, tmp_path):
     server, _, _ = setup
     body = {"lora_name": "x", "lora_path": str(tmp_path / "absent"), "model": "qwen"}

@@ -103,7 +103,8 @@ class _ChatFormatter:
     def __init__(
         self, server: ServerState, body: ChatCompletionRequest, completion_id: str, plan: ToolCallPlan
     ) -> None:
-        self.tokenizer, self.model_name, self.body, self.id = server.tokenizer, server.model_name, body, completion_id
+        self.tokenizer, self.body, self.id = server.tokenizer, body, completion_id
+        self.model_name = server.answered_as(body.model)
         self.plan, self.role = plan, body.response_role()
         self.created = int(time.time())
         last = body.messages[-1]

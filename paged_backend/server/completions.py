@@ -70,7 +70,7 @@ class _ChoiceFormatter:
     def __init__(
         self, server: ServerState, body: CompletionRequest, generation: Generation, prompt_texts: list[str | None]
     ) -> None:
-        self.tokenizer, self.model_name, self.body = server.tokenizer, server.model_name, body
+        self.tokenizer, self.model_name, self.body = server.tokenizer, server.answered_as(body.model), body
         self.generation, self.n = generation, body.n or 1
         # echo returns a text prompt as sent; token-id (or truncated) prompts come back decoded
         self.prompt_texts = prompt_texts

@@ -73,7 +73,7 @@ async def create_response(
     params = chat_sampling_params(chat_body, plan, max_tokens)
     generation = Generation(server.async_engine, server.metrics, "resp")
     await cancel_on_disconnect(request, generation.start([prompt], params, body.priority, lora_request))
-    stored = StoredResponse(ResponseRecord(body, server.model_name), conversation)
+    stored = StoredResponse(ResponseRecord(body, server.answered_as(body.model)), conversation)
     if body.store:
         store.put(owner, stored.record.id, stored)
     assembler = OutputAssembler(stored.record)

@@ -70,6 +70,10 @@ class ServerState:
             raise ModelNotFound(f"model '{requested}' is not served here; this server serves {served}")
         return LoRARequest(adapter.name, adapter.int_id, adapter.path)
 
+    def answered_as(self, requested: str | None) -> str:
+        """The `model` an answer names: the adapter the request asked for (vLLM's rule), else the served model."""
+        return requested if requested in served_adapters(self.async_engine.engine) else self.model_name
+
 
 def server_state(request: Request) -> ServerState:
     return request.app.state.server
