@@ -101,6 +101,9 @@ def test_a_bad_runtime_adapter_is_a_400_naming_the_fix(setup, tmp_path):
     absent = server.post("/v1/load_lora_adapter", json=body)
     assert absent.status_code == 400 and "not a directory" in absent.json()["error"]["message"]
     assert "x" not in {card.id for card in server.client().models.list().data}
+    nameless = server.post("/v1/load_lora_adapter", json={**body, "lora_name": ""})
+    assert nameless.status_code == 400 and "lora_name" in nameless.json()["error"]["message"]
+    assert "LoRARequest" not in nameless.text
 
 
 def test_32_concurrent_streams_across_both_models_finish(setup):

@@ -12,7 +12,7 @@ import os
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from paged_backend.errors import InvalidRequest
 from paged_backend.lora.manager import served_adapters
@@ -43,8 +43,8 @@ def adapter_cards(server: ServerState, created: int) -> list[dict]:
 
 
 class LoadLoRAAdapterRequest(BaseModel):
-    lora_name: str
-    lora_path: str
+    lora_name: str = Field(min_length=1)  # the `model` requests will name it by
+    lora_path: str = Field(min_length=1)
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
