@@ -45,6 +45,25 @@ def _matplotlib():
     return Figure, PatchCollection, Patch, Rectangle
 
 
+def output_paths(path: str | Path) -> tuple[Path, Path]:
+    """The picture and the HTML page `draw_kv_map(snapshot, path)` writes, checked before anything is drawn (or
+    fetched): a folder, or a suffix savefig cannot write, raises InvalidRequest. No suffix means .png, which
+    savefig would add on its own; the paths returned say so."""
+    picture = Path(path)
+    if picture.is_dir():  # savefig would write a sibling `path`.png, not a file in the folder
+        raise InvalidRequest(f"{picture} is a folder; name the picture to write, e.g. {picture / 'kv_map.png'}")
+    picture = picture if picture.suffix else picture.with_suffix(".png")
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:  # drawing says which extra to install
+        return picture, picture.with_suffix(".html")
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if picture.suffix[1:].lower() not in formats:
+        raise InvalidRequest(f"{picture}: matplotlib cannot write a {picture.suffix} picture; name one ending in "
+                             f"{', '.join('.' + name for name in formats)} (the HTML page goes beside it)")  # fmt: skip
+    return picture, picture.with_suffix(".html")
+
+
 def _owner_colors(snapshot: dict) -> dict[str, str]:
     from matplotlib import colormaps
 
@@ -107,9 +126,10 @@ def _group_title(snapshot: dict, group: int) -> str:
 
 
 def draw_kv_map(snapshot: dict, path: str | Path = "kv_map.png", *, title: str = "KV pool") -> KVMapDrawing:
-    """Write `path` (PNG) and the same name with .html; returns the paths and the cells drawn per panel."""
+    """Write `path` (PNG, or another format savefig writes; no suffix means .png) and the same name with .html;
+    returns the paths and the cells drawn per panel."""
     Figure, PatchCollection, Patch, Rectangle = _matplotlib()
-    png = Path(path)
+    png, page = output_paths(path)
     colors = _owner_colors(snapshot)
     groups = len(snapshot["sliding_windows"])
     has_swapped = bool(snapshot["swapped"])
@@ -147,7 +167,6 @@ def draw_kv_map(snapshot: dict, path: str | Path = "kv_map.png", *, title: str =
     )
     png.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(png, dpi=110)
-    page = png.with_suffix(".html")
     page.write_text(_html_page(figure, snapshot, title))
     return KVMapDrawing(png, page, cells_per_group, swapped_cells)
 

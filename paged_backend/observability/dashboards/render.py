@@ -22,12 +22,33 @@ def promql(expression: str, window: str = "1m", instance: str = ".*") -> str:
     return expression
 
 
+class PrometheusError(Exception):
+    """Prometheus could not be asked, refused a query (`status` 400: the query, e.g. its rate window) or answered
+    something other than a query_range result; the message says which, for one line of a command's output."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
 def query_range(prometheus: str, expression: str, start: float, end: float, step: float) -> list[dict]:
-    response = httpx.get(
-        f"{prometheus}/api/v1/query_range", params=dict(query=expression, start=start, end=end, step=step), timeout=30
-    )
-    response.raise_for_status()
-    return response.json()["data"]["result"]
+    url = f"{prometheus}/api/v1/query_range"
+    try:
+        response = httpx.get(url, params=dict(query=expression, start=start, end=end, step=step), timeout=30)
+    except (httpx.HTTPError, httpx.InvalidURL) as error:  # refused, timed out, no http:// scheme, ...
+        raise PrometheusError(f"cannot reach {url}: {str(error) or type(error).__name__}") from error
+    try:
+        body = response.json()
+    except ValueError:  # an HTML page, say: not a Prometheus
+        body = None
+    if response.status_code != 200:
+        detail = body.get("error") if isinstance(body, dict) else None  # Prometheus says why it refused a query
+        raise PrometheusError(f"GET {url} answered {response.status_code}" + (f": {detail}" if detail else ""),
+                              response.status_code)  # fmt: skip
+    try:
+        return body["data"]["result"]
+    except (TypeError, KeyError) as error:
+        raise PrometheusError(f"GET {url} did not answer a Prometheus query_range result") from error
 
 
 def render(face: str, path: str | Path, prometheus: str, start: float, end: float, window: str = "1m") -> Path:
