@@ -53,6 +53,29 @@ def test_keys_of_another_width_than_the_config_are_unsupported():
         cache.update(torch.zeros(1, 2, 3, 32), torch.zeros(1, 2, 3, 32), 0)
 
 
+def test_a_cache_of_fewer_layers_than_the_model_says_it_was_built_for_another_config():
+    cache = PagedCache(llama_config(), max_tokens=64)
+    with pytest.raises(UnsupportedModel, match="this PagedCache was built for a config of"):
+        cache.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), cache.geometry.num_layers)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.uint8, torch.bool])
+def test_a_pool_dtype_that_cannot_hold_keys_is_refused(dtype):
+    """Under sdpa an integer pool ran, rounding every key: tokens differed from DynamicCache's, silently."""
+    with pytest.raises(InvalidRequest, match=r"PagedCache\(dtype=torch\.\w+\) cannot hold keys and values"):
+        PagedCache(llama_config(), max_tokens=64, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "arguments, named",
+    [({"block_size": 0}, "block_size=0"), ({"max_tokens": 1.5}, "max_tokens=1.5"), ({"max_tokens": 0}, "max_tokens=0"),
+     ({"max_tokens": -1}, "max_tokens=-1"), ({"num_blocks": 0}, "num_blocks=0"), ({"memory_bytes": -5}, "memory_bytes")],
+)  # fmt: skip
+def test_budget_arguments_out_of_range_name_the_argument_given(arguments, named):
+    with pytest.raises(InvalidRequest, match=f"PagedCache\\({named}"):
+        PagedCache(llama_config(), **arguments)
+
+
 @pytest.mark.parametrize(
     "budget",
     [{"max_tokens": 64, "num_blocks": 8}, {"max_tokens": 64, "num_blocks": 8, "memory_bytes": 1 << 20}],

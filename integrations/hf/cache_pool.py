@@ -69,6 +69,11 @@ def build_pool(
     # Sliding-window layers get their own block tables and drop blocks that leave their window.
     groups = kv_cache_groups(geometry.sliding_windows)
     dtype = dtype or facts.dtype
+    if not dtype.is_floating_point:  # an integer pool would silently round every key and value
+        raise InvalidRequest(f"PagedCache(dtype={dtype}) cannot hold keys and values; give a floating dtype "
+                             "(float32, bfloat16, float16, or an fp8 one)")  # fmt: skip
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise InvalidRequest(f"PagedCache(block_size={block_size!r}) must be a positive whole number of tokens")
     pool_device = torch.device(device or facts.device)
     num_blocks = pool_blocks(
         geometry, groups, block_size, dtype, pool_device,
@@ -102,6 +107,9 @@ def pool_blocks(
         raise InvalidRequest(
             "give PagedCache one budget at most: max_tokens=, num_blocks= or memory_bytes= (none: the default budget)"
         )
+    for name, value in (("max_tokens", max_tokens), ("num_blocks", num_blocks), ("memory_bytes", memory_bytes)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise InvalidRequest(f"PagedCache({name}={value!r}) must be a positive whole number")
     if max_tokens is not None:  # every group holds each token; + the reserved null block
         return len(groups) * -(-max_tokens // block_size) + 1
     if num_blocks is not None:

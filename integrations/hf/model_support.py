@@ -66,7 +66,8 @@ def check_update_shapes(key, value, geometry: KVGeometry, layer_idx: int) -> Non
     expected = (geometry.num_kv_heads, geometry.head_dim)
     if layer_idx >= geometry.num_layers:
         raise UnsupportedModel(
-            f"the model wrote cache layer {layer_idx} but its config declares {geometry.num_layers} layers"
+            f"the model wrote cache layer {layer_idx}, but this PagedCache was built for a config of "
+            f"{geometry.num_layers} layers; build the cache from the model it serves"
         )
     if tuple(key.shape[1:2]) + tuple(key.shape[3:]) != expected or value.shape != key.shape:
         raise UnsupportedModel(
