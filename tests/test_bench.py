@@ -14,6 +14,7 @@ from paged_backend.cli import app
 from paged_backend.errors import InvalidRequest
 from paged_backend.worker.default_model import TINY_MODEL
 from paged_backend.worker.models import byte_tokenizer
+from tests._http_stub import answering
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -129,20 +130,8 @@ def test_bench_serve_where_no_server_answers_is_one_line():
 
 
 def test_bench_serve_against_a_server_without_models_is_one_line():
-    import http.server
-    import threading
-
-    class NoRoutes(http.server.BaseHTTPRequestHandler):  # answers 501 to every request, quietly
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoRoutes)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with answering(501) as url:
         result = CliRunner().invoke(app, ["bench", "serve", "--base-url", url, "--num-prompts", "1"])
-    finally:
-        server.shutdown()
     assert f"{url}/v1/models answered HTTP 501 without a model" in _one_line_error(result)
     assert "give --model" in result.output
 

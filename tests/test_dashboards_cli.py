@@ -3,13 +3,11 @@ traceback. No Prometheus runs here: a port nothing listens on, or a tiny HTTP se
 
 from __future__ import annotations
 
-import http.server
 import json
 import socket
-import threading
-from contextlib import contextmanager
 
 import pytest
+from _http_stub import answering
 from typer.testing import CliRunner
 
 from paged_backend.cli import app
@@ -24,30 +22,6 @@ def one_line_error(result) -> str:
     error = result.output.strip()
     assert error.startswith("error: "), result.output
     return error
-
-
-@contextmanager
-def answering(status: int, body: bytes):
-    """A server answering every GET with `status` and `body` (JSON), quietly; yields its base URL."""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def unused_url() -> str:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import threading
-from contextlib import contextmanager
 
 import httpx
 import pytest
 import torch
 from _hf_models import tiny_model
+from _http_stub import answering
 from _server_helpers import API_KEY, MODEL, running_server
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
@@ -111,30 +110,6 @@ def test_kv_map_command_draws_a_running_server(tmp_path):
         assert snapshot["history"] and {b["state"] for b in snapshot["blocks"]} <= {"owned", "shared", "cached", "free"}
 
 
-@contextmanager
-def answering(body: bytes):
-    """A server answering every GET with 200 and `body` (JSON), quietly; yields its base URL."""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 def kv_map_command(*args: str):
     return CliRunner().invoke(cli.app, ["kv-map", *args])
 
@@ -147,24 +122,9 @@ def one_line_error(result) -> str:
 
 
 def test_kv_map_command_refuses_an_unwritable_format_before_fetching(tmp_path):
-    fetched = []
-
-    class Counting(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            fetched.append(self.path)
-            self.send_error(500)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Counting)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    fetched: list[str] = []
+    with answering(500, asked=fetched) as url:
         error = one_line_error(kv_map_command("--url", url, "--output", str(tmp_path / "out.txt")))
-    finally:
-        server.shutdown()
-        server.server_close()
     assert error.startswith(f"error: --output {tmp_path / 'out.txt'}: matplotlib cannot write a .txt picture")
     assert ".png" in error and ".svg" in error and ".pdf" in error and fetched == []
 
@@ -172,7 +132,7 @@ def test_kv_map_command_refuses_an_unwritable_format_before_fetching(tmp_path):
 @pytest.mark.parametrize("body", [json.dumps({"status": "ok"}), json.dumps([1, 2]), "<html>hello</html>"],
                          ids=["other-json", "a-list", "not-json"])  # fmt: skip
 def test_kv_map_command_against_something_else_says_so(tmp_path, body):
-    with answering(body.encode()) as url:
+    with answering(200, body.encode()) as url:
         error = one_line_error(kv_map_command("--url", url, "--output", str(tmp_path / "kv.png")))
     assert error.startswith(f"error: GET {url}/debug/kv did not answer the KV map's data") and "--url" in error
     assert "--enable-debug-routes" in error and not list(tmp_path.iterdir())
@@ -183,7 +143,7 @@ def snapshot_json() -> bytes:
 
 
 def test_kv_map_command_names_the_files_it_writes(tmp_path):
-    with answering(snapshot_json()) as url:
+    with answering(200, snapshot_json()) as url:
         done = kv_map_command("--url", url, "--output", str(tmp_path / "noext"))  # savefig adds .png
     assert done.exit_code == 0, done.output
     assert done.output.strip() == f"wrote {tmp_path / 'noext.png'} and {tmp_path / 'noext.html'}"
@@ -193,7 +153,7 @@ def test_kv_map_command_names_the_files_it_writes(tmp_path):
 def test_kv_map_command_refuses_a_folder_as_output(tmp_path):
     folder = tmp_path / "maps"
     folder.mkdir()
-    with answering(snapshot_json()) as url:
+    with answering(200, snapshot_json()) as url:
         error = one_line_error(kv_map_command("--url", url, "--output", str(folder)))
     assert error == f"error: --output {folder} is a folder; name the picture to write, e.g. {folder / 'kv_map.png'}"
     assert not list(folder.iterdir()) and not (tmp_path / "maps.png").exists()
