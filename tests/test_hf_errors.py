@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from _hf_models import prompts, tiny_model
@@ -53,27 +54,57 @@ def test_keys_of_another_width_than_the_config_are_unsupported():
         cache.update(torch.zeros(1, 2, 3, 32), torch.zeros(1, 2, 3, 32), 0)
 
 
-def test_a_cache_of_fewer_layers_than_the_model_says_it_was_built_for_another_config():
-    cache = PagedCache(llama_config(), max_tokens=64)
-    with pytest.raises(UnsupportedModel, match="this PagedCache was built for a config of"):
-        cache.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), cache.geometry.num_layers)
+@pytest.mark.parametrize("attn", ["sdpa", "paged_backend"])
+def test_a_cache_of_fewer_layers_than_the_model_says_it_was_built_for_another_config(attn):
+    """The message said the model's config declared 2 layers; the 2 were the cache's config's, the model has 4."""
+    cache = PagedCache(tiny_model("llama", attn), max_tokens=256)
+    with pytest.raises(UnsupportedModel, match=r"built for a config with 2 layers, but the model has more.*"
+                                               r"PagedCache\(model"):  # fmt: skip
+        tiny_model("llama", attn, num_hidden_layers=4).generate(
+            **prompts(padded=True), max_new_tokens=2, do_sample=False, past_key_values=cache
+        )
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.uint8, torch.bool])
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.int32, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fnuz, torch.float8_e8m0fnu, "float16"],
+)
 def test_a_pool_dtype_that_cannot_hold_keys_is_refused(dtype):
-    """Under sdpa an integer pool ran, rounding every key: tokens differed from DynamicCache's, silently."""
-    with pytest.raises(InvalidRequest, match=r"PagedCache\(dtype=torch\.\w+\) cannot hold keys and values"):
+    """Under sdpa an integer pool ran, rounding every key, and fp8 formats the pool ops do not scale were cast
+    unscaled: tokens differed from DynamicCache's, silently. The message lists the dtypes that work."""
+    with pytest.raises(InvalidRequest, match=rf"PagedCache\(dtype={dtype!r}\) cannot hold keys and values; pass "
+                                             r"dtype= one of torch.float16, .*torch.float8_e4m3fn"):  # fmt: skip
         PagedCache(llama_config(), max_tokens=64, dtype=dtype)
+
+
+def test_a_model_dtype_the_pool_cannot_hold_is_named_as_the_models():
+    """Without dtype= the pool takes the model's dtype; the message must not claim the user passed one."""
+    with pytest.raises(InvalidRequest, match=r"^the model's dtype torch.int8 cannot hold keys and values; pass dtype="):
+        PagedCache(llama_config(dtype="int8"), max_tokens=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.float64])
+def test_the_pool_dtypes_of_the_engine_still_run(dtype):
+    model = tiny_model("llama")
+    cache = PagedCache(model, max_tokens=256, dtype=dtype)
+    tokens = model.generate(**prompts(padded=True), max_new_tokens=3, do_sample=False, past_key_values=cache)
+    assert cache.kv_cache.dtype == dtype and tokens.shape == (2, 12)
 
 
 @pytest.mark.parametrize(
     "arguments, named",
     [({"block_size": 0}, "block_size=0"), ({"max_tokens": 1.5}, "max_tokens=1.5"), ({"max_tokens": 0}, "max_tokens=0"),
-     ({"max_tokens": -1}, "max_tokens=-1"), ({"num_blocks": 0}, "num_blocks=0"), ({"memory_bytes": -5}, "memory_bytes")],
+     ({"max_tokens": -1}, "max_tokens=-1"), ({"num_blocks": 0}, "num_blocks=0"), ({"memory_bytes": -5}, "memory_bytes"),
+     ({"max_tokens": True}, "max_tokens=True"), ({"block_size": 16.0, "max_tokens": 64}, "block_size=16.0")],
 )  # fmt: skip
 def test_budget_arguments_out_of_range_name_the_argument_given(arguments, named):
     with pytest.raises(InvalidRequest, match=f"PagedCache\\({named}"):
         PagedCache(llama_config(), **arguments)
+
+
+def test_budget_arguments_may_be_numpy_integers():
+    cache = PagedCache(llama_config(), max_tokens=np.int64(64), block_size=np.int32(16))
+    assert cache.kv_cache.num_blocks == 5 and type(cache.kv_cache.block_size) is int
 
 
 @pytest.mark.parametrize(

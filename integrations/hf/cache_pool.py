@@ -3,18 +3,24 @@ budget buys. Budgets follow `core.kv_budget`, so a bare `PagedCache(model)` gets
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
 
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.core.kv_budget import GPU_MEMORY_UTILIZATION, kv_memory_bytes, num_blocks_for_budget
-from paged_backend.core.kv_cache import PagedKVCache
+from paged_backend.core.kv_cache import KV_CACHE_DTYPES, PagedKVCache
 from paged_backend.core.kv_groups import KVCacheGroup, kv_cache_groups
 from paged_backend.errors import InvalidRequest
 from paged_backend.worker.offload import input_device, layer_devices
 
 from .model_support import KVGeometry, kv_geometry, rank_geometry
+
+# The dtypes the pool's ops store: the engine's KV dtypes (fp8 e4m3 / e5m2 quantize with the pool's scales), and
+# float64, which sdpa / eager read back exactly. Other floating formats (fp8 fnuz, e8m0, fp4) would be written by an
+# unscaled cast and integers round every key: either ran and gave other tokens, silently.
+POOL_DTYPES = (*dict.fromkeys(dtype for dtype in KV_CACHE_DTYPES.values() if dtype is not None), torch.float64)
 
 
 @dataclass(frozen=True)
@@ -68,12 +74,15 @@ def build_pool(
     geometry = rank_geometry(kv_geometry(facts.config), facts.tp_size)
     # Sliding-window layers get their own block tables and drop blocks that leave their window.
     groups = kv_cache_groups(geometry.sliding_windows)
-    dtype = dtype or facts.dtype
-    if not dtype.is_floating_point:  # an integer pool would silently round every key and value
-        raise InvalidRequest(f"PagedCache(dtype={dtype}) cannot hold keys and values; give a floating dtype "
-                             "(float32, bfloat16, float16, or an fp8 one)")  # fmt: skip
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise InvalidRequest(f"PagedCache(block_size={block_size!r}) must be a positive whole number of tokens")
+    pool_dtype = facts.dtype if dtype is None else dtype
+    if pool_dtype not in POOL_DTYPES:
+        # Without dtype= the pool took the model's dtype: say so, and dtype= is still what to pass.
+        given = f"the model's dtype {facts.dtype}" if dtype is None else f"PagedCache(dtype={dtype!r})"
+        raise InvalidRequest(
+            f"{given} cannot hold keys and values; pass dtype= one of {', '.join(map(str, POOL_DTYPES))}"
+        )
+    dtype = pool_dtype
+    block_size = whole_number("block_size", block_size)  # before any math: 0 divided by zero in pool_blocks
     pool_device = torch.device(device or facts.device)
     num_blocks = pool_blocks(
         geometry, groups, block_size, dtype, pool_device,
@@ -107,9 +116,11 @@ def pool_blocks(
         raise InvalidRequest(
             "give PagedCache one budget at most: max_tokens=, num_blocks= or memory_bytes= (none: the default budget)"
         )
-    for name, value in (("max_tokens", max_tokens), ("num_blocks", num_blocks), ("memory_bytes", memory_bytes)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise InvalidRequest(f"PagedCache({name}={value!r}) must be a positive whole number")
+    # Checked here, before the math: max_tokens=0 became "num_blocks ... got 1", and 1.5 a TypeError in the pool.
+    max_tokens, num_blocks, memory_bytes = (
+        None if value is None else whole_number(name, value)
+        for name, value in (("max_tokens", max_tokens), ("num_blocks", num_blocks), ("memory_bytes", memory_bytes))
+    )
     if max_tokens is not None:  # every group holds each token; + the reserved null block
         return len(groups) * -(-max_tokens // block_size) + 1
     if num_blocks is not None:
@@ -119,3 +130,10 @@ def pool_blocks(
     return num_blocks_for_budget(
         len(groups[0].layers), geometry.num_kv_heads, geometry.head_dim, block_size, dtype, memory_bytes=budget
     )
+
+
+def whole_number(name: str, value) -> int:
+    """`value` of the argument `name` as an int, or `InvalidRequest` naming it (numpy integers count; bools do not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise InvalidRequest(f"PagedCache({name}={value!r}) must be a positive whole number")
+    return int(value)

@@ -64,10 +64,10 @@ def rank_geometry(geometry: KVGeometry, tp_size: int | None) -> KVGeometry:
 def check_update_shapes(key, value, geometry: KVGeometry, layer_idx: int) -> None:
     """A model whose per-layer K/V does not match its config cannot share one pool layout."""
     expected = (geometry.num_kv_heads, geometry.head_dim)
-    if layer_idx >= geometry.num_layers:
+    if layer_idx >= geometry.num_layers:  # the layer count is the cache's config's, not the model's
         raise UnsupportedModel(
-            f"the model wrote cache layer {layer_idx}, but this PagedCache was built for a config of "
-            f"{geometry.num_layers} layers; build the cache from the model it serves"
+            f"this PagedCache was built for a config with {geometry.num_layers} layers, but the model has more (it "
+            f"wrote cache layer {layer_idx}); build the cache from the same model: PagedCache(model, ...)"
         )
     if tuple(key.shape[1:2]) + tuple(key.shape[3:]) != expected or value.shape != key.shape:
         raise UnsupportedModel(
