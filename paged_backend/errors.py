@@ -39,6 +39,21 @@ def not_unicode(text: str) -> str | None:
     return None
 
 
+# pydantic's error types for a body that is not a JSON object (FastAPI hands a non-JSON body over as raw bytes)
+NOT_AN_OBJECT = frozenset({"model_attributes_type", "model_type", "dict_type"})
+
+
+def body_media_type_error(content_type: str, errors: list[dict]) -> str | None:
+    """The media type a JSON route's body came as, when that is why it failed validation (`text/plain` with a JSON
+    body), else None. Both faces answer it in their own words. A form route's own errors (/v1/files' missing
+    `purpose`) are not this: they are about a part, not the body being no object."""
+    media_type = content_type.partition(";")[0].strip().lower()
+    if media_type in ("", "application/json") or media_type.endswith("+json"):
+        return None
+    failed = any(tuple(e.get("loc", ()))[:1] == ("body",) and e.get("type") in NOT_AN_OBJECT for e in errors)
+    return media_type if failed else None
+
+
 def one_line(error: Exception, flags: dict[str, str] | None = None) -> str:
     """`error` for a command line: a config's pydantic ValidationError as the flags to change (`--num-blocks: Input
     should be greater than or equal to 2, got 1`), one line for all; any other error as its message. `flags` names
@@ -51,6 +66,7 @@ def one_line(error: Exception, flags: dict[str, str] | None = None) -> str:
     for item in error.errors():
         names = [part for part in item["loc"] if isinstance(part, str)]
         given = repr(item.get("input"))
-        where = (flags or {}).get(names[-1]) or f"--{names[-1].replace('_', '-')}" if names else error.title
+        flag = (flags or {}).get(names[-1]) if names else None
+        where = flag or (f"--{names[-1].replace('_', '-')}" if names else error.title)
         parts.append(f"{where}: {item['msg']}" + (f", got {given}" if len(given) <= 60 else ""))
     return "; ".join(parts)

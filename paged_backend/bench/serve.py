@@ -302,7 +302,6 @@ def served_model(url: str, headers: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[RateSummary]:
-
     args = build_parser().parse_args(argv)
     rates = [float(rate) for rate in args.request_rate.split(",")]
     parse_goodput(args.goodput)  # a bad SLO fails before any request

@@ -18,7 +18,13 @@ from starlette.routing import compile_path
 
 from paged_backend.engine.async_engine import EngineNotRunning, EngineStepFailed, RequestAborted
 from paged_backend.engine.disconnect import ClientDisconnected
-from paged_backend.errors import InvalidRequest, OutOfBlocks, PagedBackendError, PromptTooLong
+from paged_backend.errors import (
+    InvalidRequest,
+    OutOfBlocks,
+    PagedBackendError,
+    PromptTooLong,
+    body_media_type_error,
+)
 from paged_backend.server.schemas import FIELDS_RULE_ERROR, UNKNOWN_FIELDS_ERROR
 
 logger = logging.getLogger(__name__)
@@ -197,22 +203,9 @@ def _respond(request: Request, status_code: int, body: dict, headers: dict[str, 
 async def _validation_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = list(exc.errors())
     message, param = describe_validation_error(errors) if errors else ("the request is invalid", None)
-    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-    if _body_sent_as(media_type, errors):
+    if media_type := body_media_type_error(request.headers.get("content-type", ""), errors):
         message, param = f"send the body as JSON with Content-Type: application/json, not {media_type}", None
     return _respond(request, 400, error_body(message, "invalid_request_error", param))
-
-
-NOT_AN_OBJECT = frozenset({"model_attributes_type", "model_type", "dict_type"})
-
-
-def _body_sent_as(media_type: str, errors: list[dict]) -> bool:
-    """Whether a JSON route's body failed because it came as another media type: FastAPI then hands over raw bytes,
-    which are not an object. (A form route's own errors, /v1/files' missing `purpose`, are not this.)"""
-    not_json = media_type not in ("", "application/json") and not media_type.endswith("+json")
-    return not_json and any(
-        tuple(error.get("loc", ()))[:1] == ("body",) and error.get("type") in NOT_AN_OBJECT for error in errors
-    )
 
 
 async def _http_handler(request: Request, exc: HTTPException) -> JSONResponse:

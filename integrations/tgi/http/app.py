@@ -18,6 +18,7 @@ from starlette.routing import Match
 
 from paged_backend import __version__
 from paged_backend.engine.disconnect import ClientDisconnected, cancel_on_disconnect
+from paged_backend.errors import body_media_type_error
 from paged_backend.observability.tracing import RequestTracer, TraceHeaders
 from paged_backend.tgi.backends.base import Backend
 from paged_backend.tgi.http import openai_routes
@@ -66,10 +67,7 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def body_error(request: Request, error: RequestValidationError) -> JSONResponse:
         errors = error.errors()
-        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-        if media_type not in ("", "application/json") and not media_type.endswith("+json") and any(
-            e["loc"][:1] == ("body",) for e in errors
-        ):
+        if body_media_type_error(request.headers.get("content-type", ""), errors):
             return _error_response(415, "Expected request with `Content-Type: application/json`")  # axum's words
         if any(e["type"] == "json_invalid" for e in errors):  # axum: syntax errors are 400, shape errors 422
             return _error_response(400, f"Failed to parse the request body as JSON: {errors[0]['msg']}")

@@ -108,9 +108,10 @@ def check_slots(blocks: list[int], slots: list[int], block_size: int, num_blocks
     """The runner derives decode slots from the block table, so the router's slots must agree with it; and the
     kernels index the pool with these blocks unchecked, so a block past the pool is refused here (it wrote out of
     bounds before). `num_blocks` is None at Warmup, whose blocks the shard lays out itself."""
-    outside = [block for block in blocks if num_blocks is not None and not 0 <= block < num_blocks]
-    if outside:
-        raise InvalidRequest(f"block {outside[0]} is outside the KV pool: blocks are 0..{num_blocks - 1}")
+    if num_blocks is not None:
+        outside = next((block for block in blocks if not 0 <= block < num_blocks), None)
+        if outside is not None:
+            raise InvalidRequest(f"block {outside} is outside the KV pool: blocks are 0..{num_blocks - 1}")
     if len(slots) > len(blocks) * block_size:
         raise InvalidRequest(f"{len(slots)} slots need {math.ceil(len(slots) / block_size)} blocks of {block_size} "
                              f"tokens; the request has {len(blocks)}")  # fmt: skip

@@ -82,7 +82,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Prefill before Warmup: Warmup sizes the KV pool")
         start = time.perf_counter_ns()
         async with self.lock:
-            batch = await self._run(context, asyncio.to_thread(self._batch_from_pb, request.batch, True))
+            batch = await self._run(context, asyncio.to_thread(self._batch_from_pb, request.batch))
             return await self._step_response(pb.PrefillResponse, context, batch, start)
 
     async def Decode(self, request, context):
@@ -126,11 +126,11 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND if missing else grpc.StatusCode.INVALID_ARGUMENT, what)
         return [self.cache.pop(batch_id) for batch_id in batch_ids]
 
-    def _batch_from_pb(self, batch, pool_sized: bool = False) -> ShardBatch:
+    def _batch_from_pb(self, batch) -> ShardBatch:
         model = self.model
         if not batch.requests:
             raise InvalidRequest(f"batch {batch.id} has no requests")
-        num_blocks = model.num_blocks if pool_sized else None  # Warmup's blocks are the shard's own
+        num_blocks = model.num_blocks or None  # no pool before the first Warmup, which lays out its own blocks
         requests = [
             request_from_pb(r, model.tokenizer, model.eos_ids, model.block_size, num_blocks) for r in batch.requests
         ]
