@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from paged_backend.config.env import env_flag
 from paged_backend.config.placement import parse_device_map, parse_max_memory
 from paged_backend.config.speculative import SpeculativeConfig, parse_speculative_config
 from paged_backend.core.kv_budget import GPU_MEMORY_UTILIZATION
@@ -29,12 +29,12 @@ class CacheConfig(_Config):
     enable_prefix_caching: bool = True
     watermark: float = Field(0.01, ge=0, lt=1, description="fraction of blocks kept free at admission")
 
-    @model_validator(mode="after")
-    def _check_block_size(self):
-        bs = self.block_size
-        if bs < 1 or bs > 256 or bs & (bs - 1):
-            raise ValueError(f"block_size must be a power of two between 1 and 256, got {bs}")
-        return self
+    @field_validator("block_size")
+    @classmethod
+    def _check_block_size(cls, size: int) -> int:
+        if size < 1 or size > 256 or size & (size - 1):
+            raise ValueError("block_size must be a power of two between 1 and 256 (1, 2, 4, ..., 256)")
+        return size
 
 
 class SchedulerConfig(_Config):
@@ -82,7 +82,7 @@ class EngineConfig(_Config):
     max_memory: dict | None = Field(None, description="{device: size}, e.g. {0: '20GiB', 'cpu': '60GiB'}")
     cpu_offload_gb: float = Field(0.0, ge=0, description="GiB of weights moved off the device (GPU->CPU, CPU->disk)")
     offload_folder: str | None = Field(None, description="where disk-offloaded weights go (non-safetensors)")
-    seed: int = 0
+    seed: int = Field(0, ge=-(2**63), lt=2**64, description="the engine's random state (torch takes 64 bits)")
     attention_backend: Literal["auto", "torch", "cpu", "triton", "cuda"] = "auto"
     enforce_eager: bool = Field(
         False,
@@ -101,7 +101,7 @@ class EngineConfig(_Config):
         "weights, so its packed copies take as much memory again; a loaded model's are replaced)",
     )
     batch_invariant: bool = Field(
-        default_factory=lambda: os.environ.get(BATCH_INVARIANT_ENV) == "1",
+        default_factory=lambda: env_flag(BATCH_INVARIANT_ENV, False),
         description="a request's tokens and logprobs are bitwise the same alone or in any batch, chunking, "
         "prefix-cache state or preemption (fixed-tile linear layers, one attention path per row; slower); default: "
         f"{BATCH_INVARIANT_ENV}=1",

@@ -12,8 +12,6 @@ and the BlockManager hands each block id to one group at a time.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from paged_backend.core.kv_groups import KVCacheGroup
@@ -44,10 +42,10 @@ def resolve_kv_dtype(name: str | torch.dtype | None, model_dtype: torch.dtype) -
 def check_kv_dtype_runs(dtype: torch.dtype, device: torch.device, backend: str | None) -> None:
     """Refuse at load a pool the chosen attention kernels cannot read: e5m2 runs on the cpu and torch backends
     (the Triton and CUDA kernels read e4m3), so on a GPU it needs backend 'torch'."""
-    from paged_backend.ops import ENV_VAR
+    from paged_backend.ops import asked_backend
 
     if backend in (None, "auto"):
-        backend = os.environ.get(ENV_VAR) or None
+        backend = asked_backend(None)
     gpu_kernel = backend in ("triton", "cuda") or (backend in (None, "auto") and device.type == "cuda")
     if dtype == torch.float8_e5m2 and gpu_kernel:
         raise InvalidRequest(

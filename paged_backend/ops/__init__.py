@@ -28,6 +28,7 @@ from types import ModuleType
 
 import torch
 
+from paged_backend.config.env import env_choice
 from paged_backend.errors import BackendUnavailable
 from paged_backend.ops._contract import batch_invariant, batch_invariant_enabled, is_decode_batch
 from paged_backend.ops.triton import triton_interpreted
@@ -57,9 +58,23 @@ def unavailable_reason(name: str) -> str | None:
     return module.unavailable_reason()
 
 
+def asked_backend(name: str | None) -> str | None:
+    """The backend asked for: `name`, else the one PAGED_BACKEND_ATTENTION names (an unknown one refused as the
+    variable's), else None."""
+    return name or env_choice(ENV_VAR, ("auto", *BACKENDS))
+
+
 def resolve_backend(name: str | None, device: torch.device, *, decode_only: bool = False) -> str:
     """The backend to run: the one asked for (checked), else the best available for `device`."""
-    name = name or os.environ.get(ENV_VAR) or None
+    if name or not os.environ.get(ENV_VAR):
+        return _resolve(name, device, decode_only)
+    try:
+        return _resolve(asked_backend(None), device, decode_only)
+    except BackendUnavailable as error:
+        raise BackendUnavailable(f"{ENV_VAR}={os.environ[ENV_VAR]}: {error}") from None
+
+
+def _resolve(name: str | None, device: torch.device, decode_only: bool) -> str:
     if name and name != "auto":
         reason = unavailable_reason(name)
         if reason:

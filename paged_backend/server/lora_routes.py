@@ -8,12 +8,12 @@ waits on a disk read.
 from __future__ import annotations
 
 import asyncio
-import os
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
+from paged_backend.config.env import env_flag
 from paged_backend.errors import InvalidRequest
 from paged_backend.lora.manager import served_adapters
 from paged_backend.server.openai_errors import ModelNotFound
@@ -24,7 +24,7 @@ RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 def runtime_updating_allowed(flag: bool) -> bool:
-    return flag or os.environ.get(RUNTIME_UPDATING_ENV, "").lower() in ("1", "true")
+    return flag or env_flag(RUNTIME_UPDATING_ENV, False)
 
 
 def adapter_cards(server: ServerState, created: int) -> list[dict]:
@@ -62,7 +62,7 @@ def _manager(server: ServerState):
 @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, server: ServerState = Depends(server_state)) -> str:
     lora = _manager(server)
-    if body.lora_name == server.model_name or body.lora_name in lora.adapters:
+    if body.lora_name in server.model_names or body.lora_name in lora.adapters:
         raise InvalidRequest(f"the name {body.lora_name!r} is already served; unload it first or pick another")
     adapter = await asyncio.to_thread(lora.read, lora.request_for(body.lora_name, body.lora_path))
     await server.async_engine.run_on_engine_thread(lambda: lora.register(adapter))

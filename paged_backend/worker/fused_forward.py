@@ -29,13 +29,13 @@ same kernels in the same order, so the same bits; `PAGED_BACKEND_NATIVE_LAYERS=0
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
 from torch import nn
 
+from paged_backend.config.env import env_flag
 from paged_backend.core.kv_cache import PagedKVCache
 from paged_backend.ops import resolve_backend
 from paged_backend.ops.cpu import AttentionPlan
@@ -71,7 +71,8 @@ def _hooked(module: nn.Module) -> bool:
 
 def unfused_reason(model: nn.Module, kv_cache: PagedKVCache, attention_backend: str | None) -> str | None:
     """None when `FusedForward` runs this model over this pool, else why transformers' forward runs instead."""
-    if os.environ.get(SWITCH, "1") == "0":
+    env_flag(NATIVE_SWITCH, True)  # checked at load: a step reads it again and must not fail on it
+    if not env_flag(SWITCH, True):
         return f"{SWITCH}=0"
     family = FAMILIES.get(type(model).__name__)
     if family is None:
@@ -169,7 +170,7 @@ class FusedForward:
             return None  # a swap-in that only works through active()
         if any(self._hook_dicts):
             return None
-        native = os.environ.get(NATIVE_SWITCH, "1") != "0"
+        native = env_flag(NATIVE_SWITCH, True)
         key = (self.linears.refresh() if self.linears is not None else None, self.kv_cache.generation, native)
         if key != self._built_key:
             self._built, self._built_key = self._build_calls(native), key

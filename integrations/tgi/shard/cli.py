@@ -16,6 +16,7 @@ from typing import Annotated
 
 import typer
 
+from paged_backend.config.env import env_flag, env_fraction
 from paged_backend.tgi.names import kv_cache_dtype as kv_cache_dtype_from_tgi
 from paged_backend.worker.default_model import TINY_MODEL
 
@@ -80,6 +81,8 @@ def serve(
     if ignored:
         logger.warning("ignoring %s: no meaning for the paged-backend shard", ", ".join(ignored))
     try:
+        # TGI's launcher exports PREFIX_CACHING; with it the router's radix allocator sends cache_len > 0.
+        prefix_caching = env_flag("PREFIX_CACHING", False)
         quantization, quantization_param = from_tgi(quantize)
         model = ShardModel(
             model_id,
@@ -89,13 +92,11 @@ def serve(
             device=device,
             kv_cache_dtype=kv_cache_dtype_from_tgi(kv_cache_dtype),
             num_blocks=num_blocks,
-            memory_fraction=float(os.environ.get("CUDA_MEMORY_FRACTION", "1.0")),
+            memory_fraction=env_fraction("CUDA_MEMORY_FRACTION", 1.0),
             rank=rank,
         )
-    except PagedBackendError as error:  # a model or format this machine cannot run
+    except PagedBackendError as error:  # a model or format this machine cannot run, a bad environment value
         raise typer.BadParameter(str(error)) from error
-    # TGI's launcher exports PREFIX_CACHING; with it the router's radix allocator sends cache_len > 0.
-    prefix_caching = os.environ.get("PREFIX_CACHING", "0").lower() in {"1", "true"}
     asyncio.run(
         serve_shard(model, uds_path, rank=rank.rank, world_size=rank.world_size, use_prefix_caching=prefix_caching)
     )

@@ -1,0 +1,48 @@
+"""Environment switches, each read one way: a value that is not a boolean (or not one of a switch's choices) is an
+error naming the variable, never silently "off"."""
+
+from __future__ import annotations
+
+import os
+
+from paged_backend.errors import InvalidRequest
+
+TRUE = frozenset({"1", "true", "yes", "on"})
+FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """`name` as a boolean; unset or empty is `default`."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in TRUE:
+        return True
+    if raw in FALSE:
+        return False
+    raise InvalidRequest(f"{name}={os.environ[name]!r} is not a boolean: set it to 1 or 0 (true/false, yes/no, on/off), "
+                         f"or unset it")  # fmt: skip
+
+
+def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
+    """`name` as one of `choices`; unset or empty is None."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    if raw not in choices:
+        raise InvalidRequest(f"{name}={raw!r} is not one of {', '.join(choices)}: set one of them, or unset it")
+    return raw
+
+
+def env_fraction(name: str, default: float) -> float:
+    """`name` as a fraction in (0, 1]; unset or empty is `default`."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise InvalidRequest(f"{name}={raw!r} is not a fraction in (0, 1]: set e.g. 0.9, or unset it")
+    return value

@@ -1,0 +1,121 @@
+"""Engine flags and environment switches a user gets wrong: each is one line naming the flag or variable, exit 2,
+never a traceback; and the forms vLLM accepts are accepted."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from paged_backend.cli import app
+from paged_backend.config import EngineConfig
+from paged_backend.config.env import env_flag
+from paged_backend.engine.args import EngineArgs
+from paged_backend.errors import InvalidRequest, one_line
+from paged_backend.lora.request import parse_lora_modules
+from paged_backend.worker.default_model import TINY_MODEL
+from paged_backend.worker.models import resolve_dtype
+
+runner = CliRunner()
+
+
+def run_error(tmp_path, *flags: str, env: dict[str, str] | None = None) -> str:
+    """The one stderr line of `paged-backend run` on the tiny model with `flags`, which must exit 2."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello\n")
+    args = ["run", "--model", TINY_MODEL, "-i", str(prompts), "--max-tokens", "2", "--no-progress", *flags]
+    result = runner.invoke(app, args, env=env)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("paged-backend: --dtype auto")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--block-size", "3"], "error: --block-size: block_size must be a power of two between 1 and 256"),
+        (["--seed", str(2**64)], "error: --seed: Input should be less than 18446744073709551616"),
+        (["--device", "mps"], "device must be auto, cpu, cuda or cuda:N, got 'mps'"),
+        (["--speculative-config", "[1]"], "error: --speculative-config: speculative_config must be a JSON object"),
+        (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 100}'],
+         "error: --speculative-config: num_speculative_tokens: Input should be less than or equal to 16, got 100"),
+        (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}'],
+         "error: --speculative-config: bogus: Extra inputs are not permitted"),
+        (["--max-model-len", "4096"], "max_model_len=4096 is longer than the model's context (2048 positions"),
+        (["--lora-modules", "a=/x", "a=/y"], "--lora-modules names 'a' twice (/x and /y)"),
+        (["--dtype", "double"], "dtype must be auto, float32, float16, bfloat16 (or half, float); got 'double'"),
+    ],
+)  # fmt: skip
+def test_a_bad_engine_flag_is_one_line_naming_it(tmp_path, flags, said):
+    assert said in run_error(tmp_path, *flags)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("PAGED_BACKEND_BATCH_INVARIANT", "true-ish", "PAGED_BACKEND_BATCH_INVARIANT='true-ish' is not a boolean"),
+        ("PAGED_BACKEND_FUSED_FORWARD", "maybe", "PAGED_BACKEND_FUSED_FORWARD='maybe' is not a boolean"),
+        ("PAGED_BACKEND_NATIVE_LAYERS", "2", "PAGED_BACKEND_NATIVE_LAYERS='2' is not a boolean"),
+        ("PAGED_BACKEND_ATTENTION", "flash", "PAGED_BACKEND_ATTENTION='flash' is not one of auto, torch, cpu"),
+        ("PAGED_BACKEND_ATTENTION", "cuda", "PAGED_BACKEND_ATTENTION=cuda: attention backend"),
+        ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "sure", "VLLM_ALLOW_LONG_MAX_MODEL_LEN='sure' is not a boolean"),
+    ],
+)  # fmt: skip
+def test_a_bad_environment_switch_is_one_line_naming_it(tmp_path, variable, value, said):
+    flags = ["--max-model-len", "4096"] if variable == "VLLM_ALLOW_LONG_MAX_MODEL_LEN" else []
+    assert said in run_error(tmp_path, *flags, env={variable: value})
+
+
+def test_boolean_switches_read_every_usual_spelling(monkeypatch):
+    for value, meant in [("1", True), ("TRUE", True), ("yes", True), ("on", True), ("0", False), ("off", False),
+                         ("False", False), ("", True)]:  # fmt: skip
+        monkeypatch.setenv("PAGED_BACKEND_TEST_SWITCH", value)
+        assert env_flag("PAGED_BACKEND_TEST_SWITCH", True) is meant
+    monkeypatch.setenv("PAGED_BACKEND_BATCH_INVARIANT", "true")  # "true" used to count as off: only "1" did
+    assert EngineConfig().batch_invariant
+
+
+def test_vllm_switch_allows_a_max_model_len_past_the_model_positions(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello\n")
+    args = ["run", "--model", TINY_MODEL, "-i", str(prompts), "--max-tokens", "2", "--no-progress",
+            "--max-model-len", "4096", "--num-blocks", "600"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+
+
+def test_vllm_dtype_names_half_and_float():
+    import torch
+
+    assert resolve_dtype("half", torch.device("cpu")) is torch.float16
+    assert resolve_dtype("float", torch.device("cpu")) is torch.float32
+
+
+def test_speculative_config_null_is_none_and_a_missing_method_names_the_flag():
+    assert EngineArgs(speculative_config="null").to_engine_config().speculative_config is None
+    with pytest.raises(Exception) as raised:
+        EngineConfig(speculative_config='{"num_speculative_tokens": 2}')
+    assert one_line(raised.value).startswith('--speculative-config: speculative_config needs "method"')
+
+
+def test_lora_modules_refuse_one_name_for_two_adapters_and_non_string_fields():
+    with pytest.raises(InvalidRequest, match="names 'a' twice"):
+        parse_lora_modules(['{"name": "a", "path": "/x"}', "a=/y"])
+    assert parse_lora_modules(['{"name": "a", "path": "/x"}', "a=/x"]) == {"a": "/x"}  # the same one twice
+    with pytest.raises(InvalidRequest, match="must be non-empty strings"):
+        parse_lora_modules(['{"name": 3, "path": "/x"}'])
+
+
+def test_a_config_file_that_does_not_parse_is_one_line_with_where(tmp_path):
+    bad = tmp_path / "engine.yaml"
+    bad.write_text("max-num-seqs: [1\nblock-size: : 8\n")
+    result = runner.invoke(app, ["run", "--model", TINY_MODEL, "-i", str(bad), "--config", str(bad)])
+    assert result.exit_code == 2
+    assert "not valid YAML: expected ',' or ']', but got ':' (line 2, column 11)" in result.stderr
+    assert "^" not in result.stderr  # pyyaml's caret line stays out
+
+
+def test_a_device_map_on_the_built_in_model_says_why(tmp_path):
+    said = run_error(tmp_path, "--device-map", "auto")
+    assert f"{TINY_MODEL} is built in memory: give --model a directory, hub id or .gguf file" in said
