@@ -64,9 +64,17 @@ def one_line(error: Exception, flags: dict[str, str] | None = None) -> str:
         return str(error)
     parts = []
     for item in error.errors():
-        names = [part for part in item["loc"] if isinstance(part, str)]
+        names = [part for part in item["loc"] if isinstance(part, str) and part not in FLATTENED_SECTIONS]
         given = repr(item.get("input"))
-        flag = (flags or {}).get(names[-1]) if names else None
-        where = flag or (f"--{names[-1].replace('_', '-')}" if names else error.title)
-        parts.append(f"{where}: {item['msg']}" + (f", got {given}" if len(given) <= 60 else ""))
+        field, keys = (names[0], names[1:]) if names else (None, [])  # keys: inside a JSON-valued flag
+        flag = (flags or {}).get(field) if field else None
+        where = flag or (f"--{field.replace('_', '-')}" if field else error.title)
+        where += "".join(f": {key}" for key in keys)
+        message = item["msg"].removeprefix("Value error, ")  # pydantic's wrapping of a validator's ValueError
+        parts.append(f"{where}: {message}" + (f", got {given}" if len(given) <= 60 else ""))
     return "; ".join(parts)
+
+
+# The config sections whose fields are flags of their own (`cache.block_size` is `--block-size`); any other nested
+# name is a key inside a JSON-valued flag (`speculative_config.method` is `--speculative-config`'s "method").
+FLATTENED_SECTIONS = frozenset({"cache", "scheduler", "parallel"})

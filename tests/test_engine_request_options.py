@@ -147,7 +147,7 @@ def test_typical_p_matches_transformers_warper_and_leaves_greedy_alone(make_llm)
 
 
 def test_watermarked_text_is_detected_and_plain_text_is_not(make_llm):
-    llm = make_llm(max_model_len=1024, num_blocks=300)  # a max_model_len the pool cannot hold is refused
+    llm = make_llm(max_model_len=256, num_blocks=300)
     prompts = ragged_prompts(4, seed=2, longest=8)
     plain = SamplingParams(temperature=1.0, seed=11, max_tokens=100, ignore_eos=True)
     marked = SamplingParams(temperature=1.0, seed=11, max_tokens=100, ignore_eos=True, watermark=True)

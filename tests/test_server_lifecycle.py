@@ -34,8 +34,10 @@ def read_stream(url: str, body: dict, first_chunk: threading.Event, result: dict
     result["finish"] = finish
 
 
-def test_sigterm_drains_short_streams_cuts_endless_ones_and_exits_cleanly():
-    # "endless" must outlast the drain however fast decoding gets: 30000 tokens are ~30 s at 1 ms a token
+def test_sigterm_drains_short_streams_cuts_endless_ones_and_exits_cleanly(monkeypatch):
+    # "endless" must outlast the drain however fast decoding gets: 30000 tokens are ~30 s at 1 ms a token, past
+    # the tiny model's 2048 positions, which vLLM's switch allows
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     flags = ("--num-blocks", "2200", "--max-model-len", "32768", "--drain-timeout", "5", "--log-level", "info")
     with running_server(*flags) as server:
         short = {"prompt": "Short", "max_tokens": 24, "stream": True, "ignore_eos": True,

@@ -57,4 +57,9 @@ def parse_speculative_config(value: str | dict | SpeculativeConfig | None) -> Sp
                 f'--speculative-config must be JSON, e.g. \'{{"method": "ngram", '
                 f'"num_speculative_tokens": 3}}\' ({error})'
             ) from error
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f'speculative_config must be a JSON object such as {{"method": "ngram", '
+                         f'"num_speculative_tokens": 3}}, not a {type(value).__name__}')  # fmt: skip
     return SpeculativeConfig(**value)

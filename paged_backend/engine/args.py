@@ -212,10 +212,20 @@ def read_document(path: str) -> dict[str, Any]:
         else:
             document = yaml.safe_load(text)
     except (OSError, ValueError, yaml.YAMLError) as error:
-        raise InvalidRequest(f"cannot read the config file {path}: {error}") from error
+        raise InvalidRequest(f"cannot read the config file {path}: {_one_line_reason(error)}") from error
     if not isinstance(document, dict):
         raise InvalidRequest(f"{path}: a config file maps flag names to values, e.g. `max-num-seqs: 8`")
     return document
+
+
+def _one_line_reason(error: Exception) -> str:
+    """pyyaml's errors span several lines (the context, the problem, a caret under the text): the problem and where."""
+    import yaml
+
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:
+        mark = error.problem_mark
+        return f"not valid YAML: {error.problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return " ".join(str(error).split())
 
 
 def read_config_file(path: str) -> dict[str, Any]:

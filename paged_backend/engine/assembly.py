@@ -10,6 +10,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from paged_backend.config import EngineConfig
+from paged_backend.config.env import env_flag
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.core.kv_budget import KVShape
 from paged_backend.core.kv_cache import PagedKVCache
@@ -21,6 +22,8 @@ from paged_backend.worker.model_worker import ModelWorker, plan_pool
 from paged_backend.worker.models import load_configured
 from paged_backend.worker.offload import input_device
 from paged_backend.worker.runner import ModelRunner
+
+ALLOW_LONG_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"  # vLLM's: =1 lets max_model_len pass the model's positions
 
 
 @dataclass
@@ -141,6 +144,12 @@ def _max_model_len(config: EngineConfig, manager: BlockManager, max_positions: i
             f"sequence, but the pool has {manager.usable_blocks} usable blocks of {manager.block_size} tokens "
             f"({manager.num_groups} layer group(s)), so it holds at most {capacity} tokens: raise num_blocks / "
             f"kv_cache_memory_bytes / gpu_memory_utilization, or lower max_model_len to {capacity}"
+        )
+    if asked is not None and asked > max_positions and not env_flag(ALLOW_LONG_ENV, False):
+        raise InvalidRequest(
+            f"max_model_len={asked} is longer than the model's context ({max_positions} positions, its config's "
+            f"max_position_embeddings): lower max_model_len to {max_positions} or less, or set {ALLOW_LONG_ENV}=1 "
+            f"to run past the positions the model was trained on"
         )
     return min(asked or max_positions, capacity)
 

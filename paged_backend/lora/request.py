@@ -46,5 +46,10 @@ def parse_lora_modules(values: list[str]) -> dict[str, str]:
             name, sep, path = value.partition("=")
             if not sep or not name or not path:
                 raise InvalidRequest(f"--lora-modules {value!r}: give name=path")
+        if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+            raise InvalidRequest(f"--lora-modules {value!r}: 'name' and 'path' must be non-empty strings")
+        if modules.get(name, path) != path:  # the same adapter twice is harmless; two under one name is not
+            raise InvalidRequest(f"--lora-modules names {name!r} twice ({modules[name]} and {path}); give each "
+                                 f"adapter its own name")  # fmt: skip
         modules[name] = path
     return modules

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from paged_backend.config import EngineConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's --dtype takes these too
 ARCHITECTURES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -68,8 +69,14 @@ def resolve_device(device: str) -> torch.device:
         resolved = torch.device(device)
     except RuntimeError as exc:
         raise InvalidRequest(f"device must be auto, cpu, cuda or cuda:N, got {device!r}") from exc
+    if resolved.type not in ("cpu", "cuda"):
+        raise InvalidRequest(f"device must be auto, cpu, cuda or cuda:N, got {device!r}: this engine runs on CPUs "
+                             f"and CUDA GPUs only")  # fmt: skip
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise InvalidRequest("device 'cuda' was asked for but no CUDA device is available; use --device cpu")
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise InvalidRequest(f"device {device!r} does not exist: this machine has {torch.cuda.device_count()} CUDA "
+                             f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")  # fmt: skip
     return resolved
 
 
@@ -92,8 +99,9 @@ def resolve_dtype(dtype: str, device: torch.device, config_dtype: torch.dtype | 
             print(f"paged-backend: --dtype auto: {str(chosen).removeprefix('torch.')} ({why})", file=sys.stderr)
             return chosen
         return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
     if dtype not in DTYPES:
-        raise InvalidRequest(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
+        raise InvalidRequest(f"dtype must be auto, {', '.join(DTYPES)} (or half, float); got {dtype!r}")
     return DTYPES[dtype]
 
 
@@ -219,7 +227,8 @@ def load_model(
     dispatched = uses_accelerate(device_map, max_memory, cpu_offload_gb)
     model = default_model() if model is None else model
     if dispatched and model == TINY_MODEL:
-        raise InvalidRequest("device maps and offload load a checkpoint: give --model (a directory or hub id)")
+        raise InvalidRequest(f"device maps and offload load a checkpoint from disk, and {TINY_MODEL} is built in "
+                             f"memory: give --model a directory, hub id or .gguf file")  # fmt: skip
     if model == TINY_MODEL:
         loaded, tok = embedded_model(resolve_dtype(dtype, target))
         quantization_module.quantize_in_place(loaded.to(target), quantization, quantization_param)
