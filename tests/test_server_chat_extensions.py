@@ -19,6 +19,8 @@ import pytest
 from paged_backend.worker.models import byte_tokenizer, tiny_model
 from tests._server_helpers import MODEL, client_fixture, running_server
 
+ALIAS = "the-same-model"  # a second --served-model-name for the one model
+
 # transformers renders templates with trim_blocks, which eats a newline right after a block tag: hence {{ '\\n' }}.
 TEMPLATE = (
     "{% if greeting %}{{ greeting }}\n{% endif %}"
@@ -59,20 +61,30 @@ RENDERED = (
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """TEMPLATE as the server's `--chat-template` file (the tokenizer keeps its own), and request templates
-    trusted."""
+    """TEMPLATE as the server's `--chat-template` file (the tokenizer keeps its own), request templates trusted,
+    and the model under two names, given as vLLM's `--served-model-name A B`."""
     model_dir = tmp_path_factory.mktemp("tools-template-model")
     tiny_model(seed=3).save_pretrained(model_dir)
     byte_tokenizer().save_pretrained(model_dir)
     template_file = model_dir / "tools.jinja"
     template_file.write_text(TEMPLATE)
-    with running_server("--model", str(model_dir), "--served-model-name", MODEL, "--num-blocks", "256",
+    with running_server("--model", str(model_dir), "--served-model-name", MODEL, ALIAS, "--num-blocks", "256",
                         "--max-model-len", "512", "--chat-template", str(template_file),
                         "--trust-request-chat-template") as server:  # fmt: skip
         yield server
 
 
 client = client_fixture()
+
+
+def test_every_served_name_is_listed_and_taken_and_answers_give_the_first(client):
+    assert [model.id for model in client.models.list().data] == [MODEL, ALIAS]
+    hello = [{"role": "user", "content": "hi"}]
+    by_alias = greedy_chat(client, hello, model=ALIAS)
+    assert by_alias.model == MODEL  # vLLM's rule: the first name is the one answers give
+    assert by_alias.choices[0].message.content == greedy_chat(client, hello).choices[0].message.content
+    with pytest.raises(openai.NotFoundError, match=f"serves '{MODEL}', '{ALIAS}'"):
+        greedy_chat(client, hello, model="not-served")
 
 
 def prompt_tokens(text: str) -> list[int]:

@@ -52,10 +52,11 @@ def build_app(
     """An app serving `engine`; the engine loop starts and drains with the app's lifespan. Request spans go to
     `tracer`, or to settings.otlp_traces_endpoint. `engine_thread`: the thread that built the engine, to step it."""
     async_engine = AsyncEngine(engine, engine_thread)
-    model_name = settings.served_model_name or served_name(engine.config.model)
+    model_name, *aliases = settings.served_names or [served_name(engine.config.model)]
     if tracer is None and settings.otlp_traces_endpoint:
         tracer = otlp_tracer(settings.otlp_traces_endpoint, "paged-backend")
-    state = ServerState(settings, async_engine, ServerMetrics(async_engine, model_name, tracer), model_name)
+    state = ServerState(settings, async_engine, ServerMetrics(async_engine, model_name, tracer), model_name,
+                        tuple(aliases))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -149,7 +149,7 @@ def serve(
     single = engines = engine_thread = None
     try:
         models_file = config if config is not None and "models" in read_document(config) else None
-        if models_file is None and len(models) <= 1 and len(names) <= 1:
+        if models_file is None and len(models) <= 1:  # one model: several names are its aliases (vLLM's rule)
             engine_thread = EngineThread()  # built where it will step: see EngineThread
             single = engine_thread.submit(lambda: Engine(engine.to_engine_config())).result()
         else:  # several models: one engine and KV pool each, sharing one budget
@@ -161,7 +161,7 @@ def serve(
     settings = ServerSettings(
         api_key=api_key, max_concurrent_requests=max_concurrent_requests,
         max_request_body_bytes=max_request_body_bytes, drain_timeout=drain_timeout,
-        served_model_name=names[0] if names else None, strict_fields=strict_fields,
+        served_model_name=names if engines is None else None, strict_fields=strict_fields,
         enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
         otlp_traces_endpoint=otlp_traces_endpoint,
         enable_debug_routes=enable_debug_routes,

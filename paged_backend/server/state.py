@@ -23,7 +23,7 @@ class ServerSettings:
     max_concurrent_requests: int | None = None  # generation requests in flight; more get 429
     max_request_body_bytes: int = 1 << 20  # larger bodies get 413
     drain_timeout: float = 10.0  # seconds in-flight requests get to finish on shutdown
-    served_model_name: str | None = None  # default: --model, or the embedded model's name
+    served_model_name: str | list[str] | None = None  # default: --model; several: the first answers, all are taken
     strict_fields: bool = False  # unknown request fields are a 400 instead of a logged warning
     enable_auto_tool_choice: bool = False  # tool_choice "auto" parses calls out of the text (vLLM's flag)
     tool_call_parser: str | None = None  # which format "auto" parses: hermes, llama3_json or mistral
@@ -43,13 +43,23 @@ class ServerSettings:
     def api_keys(self) -> list[str]:
         return [self.api_key] if isinstance(self.api_key, str) else list(self.api_key or [])
 
+    @property
+    def served_names(self) -> list[str]:
+        names = self.served_model_name
+        return [names] if isinstance(names, str) else list(names or [])
+
 
 @dataclass
 class ServerState:
     settings: ServerSettings
     async_engine: AsyncEngine
     metrics: ServerMetrics
-    model_name: str
+    model_name: str  # the name answers give
+    aliases: tuple[str, ...] = ()  # more names requests may use for the same model (vLLM's --served-model-name a b)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.aliases)
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -62,11 +72,11 @@ class ServerState:
     def check_model(self, requested: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model, also when omitted). OpenAI answers 404
         model_not_found for a model it does not serve."""
-        if requested is None or requested == self.model_name:
+        if requested is None or requested in self.model_names:
             return None
         adapter = served_adapters(self.async_engine.engine).get(requested)
         if adapter is None:
-            served = ", ".join(f"'{name}'" for name in [self.model_name, *served_adapters(self.async_engine.engine)])
+            served = ", ".join(f"'{name}'" for name in [*self.model_names, *served_adapters(self.async_engine.engine)])
             raise ModelNotFound(f"model '{requested}' is not served here; this server serves {served}")
         return LoRARequest(adapter.name, adapter.int_id, adapter.path)
 

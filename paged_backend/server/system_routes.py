@@ -39,6 +39,6 @@ async def metrics(server: ServerState = Depends(server_state)) -> Response:
 
 @router.get("/v1/models")
 async def list_models(server: ServerState = Depends(server_state)) -> JSONResponse:
-    model = {"id": server.model_name, "object": "model", "created": STARTED, "owned_by": "paged-backend",
-             "max_model_len": server.max_model_len}  # fmt: skip
-    return JSONResponse({"object": "list", "data": [model, *adapter_cards(server, STARTED)]})
+    models = [{"id": name, "object": "model", "created": STARTED, "owned_by": "paged-backend",
+               "max_model_len": server.max_model_len} for name in server.model_names]  # fmt: skip
+    return JSONResponse({"object": "list", "data": [*models, *adapter_cards(server, STARTED)]})
