@@ -147,6 +147,7 @@ def serve(
     names = served_model_name or []
     engine.model = models[0] if len(models) == 1 else None
     single = engines = engine_thread = None
+    aliases = {}  # several models: each one's further served names
     try:
         models_file = config if config is not None and "models" in read_document(config) else None
         if models_file is None and len(models) <= 1:  # one model: several names are its aliases (vLLM's rule)
@@ -154,7 +155,8 @@ def serve(
             single = engine_thread.submit(lambda: Engine(engine.to_engine_config())).result()
         else:  # several models: one engine and KV pool each, sharing one budget
             base = engine.to_engine_config()
-            engines = build_engines(base, model_specs(base, models, names, models_file))
+            specs = model_specs(base, models, names, models_file)
+            engines, aliases = build_engines(base, specs), {spec.name: spec.aliases for spec in specs}
     except (PagedBackendError, ValidationError) as error:
         typer.echo(f"error: {one_line(error)}", err=True)
         raise typer.Exit(2) from error
@@ -176,7 +178,7 @@ def serve(
             app = build_app(single, settings, engine_thread=engine_thread)
             draining = app.state.server.async_engine
         else:
-            app = draining = build_multi_model_app(engines, settings)
+            app = draining = build_multi_model_app(engines, settings, aliases)
     except RuntimeError as error:  # tracing asked for without the SDK, or an unknown OTLP protocol
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from error

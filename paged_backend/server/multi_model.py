@@ -6,25 +6,36 @@ body's `model` (a served model or one of its LoRA adapters) and hands the reques
 unknown model gets OpenAI's 404 naming the served ones. `/v1/models`, `/health` and `/metrics` (with vLLM's
 `model_name` label) answer for all models. The KV budget is split by each model's share, so one model's
 overload can only fill its own pool and queue, never another's.
+
+A models file entry (`models:` in YAML, `[[models]]` in TOML) takes `model`, `served_model_name` (one name, or
+several as vLLM's --served-model-name takes them: the first answers, all route to the model), `share` and any
+engine option, each key spelled as its field or its flag, with - or _ (vLLM's config files use both);
+`lora_modules` in the forms --lora-modules takes. A key set to null is not given. Anything else is refused in one
+line naming the entry and the key.
 """
 
 from __future__ import annotations
 
 import asyncio
+import difflib
 import json
+import math
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from paged_backend.config import EngineConfig
-from paged_backend.errors import InvalidRequest
+from paged_backend.errors import InvalidRequest, one_line
 from paged_backend.lora.manager import served_adapters
+from paged_backend.lora.request import parse_lora_modules
 from paged_backend.server import system_routes
 from paged_backend.server.guard import RequestGuard, _reject, _replaying
 from paged_backend.server.state import ServerSettings
@@ -34,11 +45,17 @@ SHARED_PATHS = ("/v1/models", "/health", "/metrics")
 
 @dataclass
 class ModelSpec:
-    """One served model: its API name, engine options, and its share of the KV budget."""
+    """One served model: its API name (and further names requests may use), engine options, and its share of the
+    KV budget."""
 
     name: str
     config: EngineConfig
     share: float = 1.0
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
 
 
 def read_models_file(path: str) -> list[dict]:
@@ -48,14 +65,105 @@ def read_models_file(path: str) -> list[dict]:
 
     document = read_document(path)
     models = (document or {}).get("models") if isinstance(document, dict) else None
-    if not isinstance(models, list) or not models or not all(isinstance(m, dict) for m in models):
+    if not isinstance(models, list) or not models:
         raise InvalidRequest(f"{path}: give a non-empty `models` list of tables, each with at least `model`")
+    for index, entry in enumerate(models):
+        if not isinstance(entry, dict):
+            raise InvalidRequest(f"{path}: models[{index}] is {entry!r}; each entry is a table with at least `model`")
     return models
+
+
+ENTRY_KEYS = ("model", "served_model_name", "share")  # an entry's own keys; the rest are engine options
+LORA_FORMS = "name=path, {name: NAME, path: PATH}, a list of those, or a table {NAME: PATH}"
+
+
+def _entry_keys() -> dict[str, str]:
+    """Every key an entry may use, underscored, -> the field it sets: the field's name and each long flag's name
+    (`kv_cache_dtype` sets `cache_dtype`, `scheduling_policy` sets `policy`)."""
+    from paged_backend.engine.args import ENGINE_FLAGS
+
+    keys = {key: key for key in ENTRY_KEYS}
+    for flag in ENGINE_FLAGS:
+        for spelling in (flag.field, *(name[2:] for name in flag.names if name.startswith("--"))):
+            keys[spelling.replace("-", "_")] = flag.field
+    return keys
+
+
+def _positive_share(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise InvalidRequest(f"{where}: `share` must be a positive number (its part of the KV budget), got {value!r}")
+    return float(value)
+
+
+def _served_names(value: Any, where: str, key: str) -> list[str]:
+    """`served_model_name`: one name, or a list of them (vLLM's --served-model-name a b)."""
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not names or not all(isinstance(name, str) and name for name in names):
+        raise InvalidRequest(f"{where}: `{key}` must be a name or a non-empty list of names, got {value!r}")
+    return names
+
+
+def _lora_modules(value: Any, where: str, key: str) -> dict[str, str]:
+    """`lora_modules` in the forms --lora-modules takes (`name=path`, or JSON / a table with `name` and `path`; one
+    or a list), or a table {name: path}."""
+    if isinstance(value, dict) and not {"name", "path"} <= set(value):  # {name: path, ...}
+        if not all(isinstance(name, str) and name and isinstance(path, str) and path for name, path in value.items()):
+            raise InvalidRequest(f"{where}: `{key}` {value!r}: give {LORA_FORMS}")
+        return dict(value)
+    modules: dict[str, str] = {}
+    for item in value if isinstance(value, list) else [value]:
+        flag_value = json.dumps(item, default=str) if isinstance(item, dict) else item
+        try:
+            if not isinstance(flag_value, str):
+                raise InvalidRequest(f"not a string: {flag_value!r}")
+            modules.update(parse_lora_modules([flag_value]))
+        except InvalidRequest as error:
+            raise InvalidRequest(f"{where}: `{key}` {item!r} is no adapter; give {LORA_FORMS}") from error
+    return modules
+
+
+def entry_spec(base: EngineConfig, entry: dict, where: str) -> ModelSpec:
+    """One models-file entry as a spec: its options over `base`'s (the flags every model shares). `where` names
+    the entry in errors (`models.yaml: models[1]`)."""
+    from paged_backend.engine import engine_config
+
+    keys = _entry_keys()
+    given: dict[str, Any] = {}
+    spelled: dict[str, str] = {}  # field -> the key as the entry wrote it
+    for key, value in entry.items():
+        field = keys.get(str(key).replace("-", "_"))
+        if field is None:
+            close = difflib.get_close_matches(str(key).replace("-", "_"), keys, n=1)
+            hint = f"did you mean `{close[0]}`? " if close else ""
+            raise InvalidRequest(f"{where}: unknown key `{key}`; {hint}an entry takes `model`, `served_model_name`, "
+                                 "`share` and engine options by their flag names (`max_num_seqs` or `max-num-seqs`)")
+        if field in spelled:
+            raise InvalidRequest(f"{where}: `{field}` is given twice (as `{spelled[field]}` and `{key}`); keep one")
+        spelled[field] = str(key)
+        if value is not None:  # null: not given, as in a --config file
+            given[field] = value
+    model = given.pop("model", None)
+    if not isinstance(model, str) or not model:
+        said = "no `model`" if model is None else f"`{spelled['model']}` must be a string, got {model!r}"
+        raise InvalidRequest(f"{where}: {said}; give the model to serve: a local directory, hub id or .gguf file")
+    names = _served_names(given.pop("served_model_name"), where, spelled["served_model_name"]) if (
+        "served_model_name" in given) else [model]  # fmt: skip
+    share = _positive_share(given.pop("share", 1.0), where)
+    if "lora_modules" in given:
+        given["lora_modules"] = _lora_modules(given["lora_modules"], where, spelled["lora_modules"])
+    try:
+        config = engine_config(**{**_flat(base), **given, "model": model})
+    except ValidationError as error:
+        flags = {field: f"`{key}`" for field, key in spelled.items()}  # name the entry's keys, not the flags
+        raise InvalidRequest(f"{where}: {one_line(error, flags)}") from error
+    except InvalidRequest as error:
+        raise InvalidRequest(f"{where}: {error}") from error
+    return ModelSpec(names[0], config, share, tuple(names[1:]))
 
 
 def split_budget(specs: list[ModelSpec], total_bytes: int) -> list[ModelSpec]:
     """Give each model without an explicit pool size its share of `total_bytes` of KV memory."""
-    total_share = sum(spec.share for spec in specs)
+    total_share = sum(_positive_share(spec.share, f"model '{spec.name}'") for spec in specs)
     sized = []
     for spec in specs:
         cache = spec.config.cache
@@ -68,9 +176,15 @@ def split_budget(specs: list[ModelSpec], total_bytes: int) -> list[ModelSpec]:
 
 
 def check_names(specs: list[ModelSpec]) -> None:
-    names = [spec.name for spec in specs]
-    if len(set(names)) != len(names):
-        raise InvalidRequest(f"served model names must differ, got {names}; set --served-model-name per model")
+    """Every served name (aliases too) routes to one model."""
+    models = {}
+    for index, spec in enumerate(specs):
+        for name in dict.fromkeys(spec.names):  # a name repeated within one model is harmless
+            models.setdefault(name, []).append(index)
+    repeated = [name for name, owners in models.items() if len(owners) > 1]
+    if repeated:
+        raise InvalidRequest(f"served model names must differ, got {', '.join(map(repr, repeated))} for several "
+                             "models; set --served-model-name per model (in a models file: `served_model_name`)")
 
 
 class ModelRouter:
@@ -78,6 +192,7 @@ class ModelRouter:
 
     def __init__(self, apps: dict[str, FastAPI], settings: ServerSettings) -> None:
         self.apps, self.default = apps, next(iter(apps))
+        self.named = {name: app for app in apps.values() for name in app.state.server.model_names}  # aliases too
         self.shared = _shared_app(apps)
         self.guard = RequestGuard(self._route, api_keys=settings.api_keys, max_concurrent_requests=None,
                                   max_request_body_bytes=settings.max_request_body_bytes,
@@ -110,15 +225,15 @@ class ModelRouter:
         await asyncio.gather(*(engine.shutdown(drain_timeout) for engine in engines))
 
     def _app_for(self, name: str) -> FastAPI | None:
-        if name in self.apps:
-            return self.apps[name]
+        if name in self.named:
+            return self.named[name]
         for app in self.apps.values():  # a LoRA adapter of one of the models
             if name in served_adapters(app.state.server.async_engine.engine):
                 return app
         return None
 
     def _served_names(self) -> list[str]:
-        names = list(self.apps)
+        names = list(self.named)
         for app in self.apps.values():
             names += served_adapters(app.state.server.async_engine.engine)
         return names
@@ -196,12 +311,17 @@ def labelled_exposition(states: dict) -> bytes:
     return generate_latest(registry)
 
 
-def build_multi_model_app(engines: dict, settings: ServerSettings) -> ModelRouter:
-    """The router over one single-model app per `{served name: Engine}`; their batch lines enter through it."""
+def build_multi_model_app(
+    engines: dict, settings: ServerSettings, aliases: dict[str, tuple[str, ...]] | None = None
+) -> ModelRouter:
+    """The router over one single-model app per `{served name: Engine}`, each also under its `aliases` (`{served
+    name: further names}`); their batch lines enter through it."""
     from paged_backend.server.app import build_app
     from paged_backend.server.batch_runner import send_lines_through
 
-    apps = {name: build_app(engine, replace(settings, served_model_name=name)) for name, engine in engines.items()}
+    aliases = aliases or {}
+    apps = {name: build_app(engine, replace(settings, served_model_name=[name, *aliases.get(name, ())]))
+            for name, engine in engines.items()}  # fmt: skip
     router = ModelRouter(apps, settings)
     send_lines_through(router, apps.values())  # a batch line runs on the model its body names
     return router
@@ -214,15 +334,8 @@ def model_specs(base: EngineConfig, models: list[str], names: list[str], config_
     if config_file is not None and (models or names):
         raise InvalidRequest("give the models either with --model / --served-model-name or in --config, not both")
     if config_file is not None:
-        specs = []
-        for entry in read_models_file(config_file):
-            options = dict(entry)
-            name = options.pop("served_model_name", None) or options.get("model")
-            share = float(options.pop("share", 1.0))
-            flat = {**_flat(base), **options}
-            from paged_backend.engine import engine_config
-
-            specs.append(ModelSpec(str(name), engine_config(**flat), share))
+        specs = [entry_spec(base, entry, f"{config_file}: models[{index}]")
+                 for index, entry in enumerate(read_models_file(config_file))]  # fmt: skip
     else:
         if names and len(names) != len(models):
             raise InvalidRequest(f"{len(names)} --served-model-name for {len(models)} --model; give one per model")
