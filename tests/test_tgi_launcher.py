@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -191,3 +192,90 @@ def test_a_router_with_no_shard_says_so_and_exits_cleanly(tmp_path, monkeypatch,
         backend.wait_for_shard(channel, master, started_here=False)
     assert f"no shard answered at {master} within 1 s" in str(exit_.value.code)
     assert f"no shard at {master} yet; waiting up to 1 s" in caplog.text
+
+
+TGI_ENV_VARS = ("TGI_BACKEND", "PORT", "MAX_BATCH_SIZE", "SHARDED", "CUDA_MEMORY_FRACTION", "TRUST_REMOTE_CODE",
+                "CUDA_GRAPHS", "MAX_INPUT_TOKENS", "MAX_TOTAL_TOKENS", "MODEL_ID", "NUM_SHARD")  # fmt: skip
+
+
+def _launch(flags: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`paged-backend launch FLAGS` as a user runs it (the typer app), with `env` on a clean TGI environment."""
+    environ = {key: value for key, value in os.environ.items() if key not in TGI_ENV_VARS}
+    environ.update(HF_HUB_OFFLINE="1", **(env or {}))
+    command = [sys.executable, "-c", "from paged_backend.cli import app; app()", "launch", *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, env=environ)
+
+
+def _assert_usage_error(result: subprocess.CompletedProcess, *named: str) -> None:
+    """Exit 2 and one line `paged-backend launch: error: ...` naming what to change; no traceback, no usage dump."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and len(lines) == 1, result.stderr
+    assert lines[0].startswith("paged-backend launch: error: ") and lines[0].endswith("--help)"), lines[0]
+    for name in named:
+        assert name in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "env, named",
+    [({"TGI_BACKEND": "foo"}, ["TGI_BACKEND", "--backend", "'paged', 'reference', 'grpc'"]),
+     ({"PORT": "x"}, ["PORT", "--port", "invalid int value"]),
+     ({"MAX_BATCH_SIZE": "0"}, ["MAX_BATCH_SIZE", "--max-batch-size", "[1, inf]"]),
+     ({"SHARDED": "maybe"}, ["SHARDED", "--sharded", "true or false"]),
+     ({"CUDA_MEMORY_FRACTION": "abc"}, ["CUDA_MEMORY_FRACTION", "--cuda-memory-fraction", "invalid float value"]),
+     ({"TRUST_REMOTE_CODE": "maybe"}, ["TRUST_REMOTE_CODE", "--trust-remote-code", "true"]),
+     ({"CUDA_GRAPHS": "abc"}, ["CUDA_GRAPHS", "--cuda-graphs", "1,2,4,8"])],
+)  # fmt: skip
+def test_a_bad_env_value_is_refused_at_once_naming_the_env_var_and_its_flag(env, named):
+    _assert_usage_error(_launch(["--device", "cpu"], env), *named)
+
+
+def test_help_works_whatever_the_environment_holds():
+    result = _launch(["--help"], {"PORT": "x", "TGI_BACKEND": "foo", "SHARDED": "maybe"})
+    assert result.returncode == 0 and "--port" in result.stdout and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [(["--port", "x"], ["--port", "invalid int value: 'x'"]),
+     (["--backend", "nope"], ["--backend", "invalid choice: 'nope'"]),
+     (["--cuda-graphs", "abc"], ["--cuda-graphs", "1,2,4,8"]),
+     (["--cuda-memory-fraction", "1.5"], ["--cuda-memory-fraction", "less than or equal to 1"]),  # the engine's check
+     (["--speculate", "100"], ["--speculate: num_speculative_tokens: Input should be less than or equal to 16"]),
+     (["--max-input-tokens", "600", "--max-total-tokens", "500"], ["--max-input-tokens", "--max-total-tokens"]),
+     (["--sharded", "false", "--num-shard", "2"], ["--sharded", "--num-shard"])],
+)  # fmt: skip
+def test_usage_errors_exit_2_with_one_line_naming_the_flag(flags, named):
+    _assert_usage_error(_launch(["--device", "cpu", *flags]), *named)
+
+
+def test_env_values_are_checked_only_where_they_are_used(monkeypatch, tmp_path):
+    monkeypatch.setenv("PORT", "x")
+    monkeypatch.setenv("TGI_BACKEND", "foo")
+    assert (parse_flags(["--port", "9090", "--backend", "grpc"]).port, "grpc") == (9090, "grpc")  # the flag wins
+    config = tmp_path / "launch.yaml"
+    config.write_text("port: 8080\nbackend: reference\n")
+    assert parse_flags(["--config", str(config)]).port == 8080  # so does the config file
+    monkeypatch.setenv("PORT", "")
+    monkeypatch.setenv("TGI_BACKEND", " ")
+    assert (parse_flags([]).port, parse_flags([]).backend) == (3000, "paged")  # an empty env var is unset, as clap's
+    monkeypatch.setenv("TRUST_REMOTE_CODE", "0")
+    monkeypatch.setenv("CUDA_GRAPHS", "1,2,8")
+    args = parse_flags([])
+    assert (args.trust_remote_code, args.cuda_graphs, cuda_graph_max(args.cuda_graphs)) == (False, "1,2,8", 8)
+
+
+@pytest.mark.parametrize(
+    "env, flags, named",
+    [({"PORT": "70000"}, [], "env PORT='70000' (sets --port): must be in [0, 65535]"),
+     ({"CUDA_GRAPHS": "1,-2"}, [], "env CUDA_GRAPHS='1,-2' (sets --cuda-graphs): must be batch sizes like 1,2,4,8"),
+     ({}, ["--cuda-graphs", "1,-2"], "argument --cuda-graphs: must be batch sizes like 1,2,4,8"),
+     ({}, ["--cuda-graphs", ""], "argument --cuda-graphs: must be batch sizes like 1,2,4,8")],
+)  # fmt: skip
+def test_env_and_flag_values_get_the_same_checks(env, flags, named, monkeypatch, capsys):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exit_:
+        parse_flags(flags)
+    said = capsys.readouterr().err
+    assert exit_.value.code == 2 and named in said and len(said.strip().splitlines()) == 1, said

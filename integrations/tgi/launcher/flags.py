@@ -2,8 +2,11 @@
 TGI lacks (from the one declaration in paged_backend.engine.args, vLLM's forms included).
 
 Each TGI flag reads the env var of its name in upper snake case (`--max-input-tokens` / MAX_INPUT_TOKENS) like
-TGI's clap parser; command line beats `--config FILE` beats env beats default. A flag that has no meaning for the
-chosen backend is still accepted, and `ignored_flags` names it so the launcher can say so once.
+TGI's clap parser; command line beats `--config FILE` beats env beats default. An env value is checked as the flag's
+own value would be (type, range, choices) once the command line and the config file have had their say, so
+`--help` works whatever the environment holds and a bad value is refused naming the env var; an empty one counts as
+unset, as clap has it. A flag that has no meaning for the chosen backend is still accepted, and `ignored_flags` names
+it so the launcher can say so once. Usage errors are one line, `PROG: error: ... (see PROG --help)`, exit 2.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from paged_backend.config.env import FALSE, TRUE
 from paged_backend.engine.args import ENGINE_FLAGS, add_engine_arguments, parse_with_config
 from paged_backend.tgi.http.settings import ROUTER_FLAG_FIELDS
 
@@ -35,6 +39,7 @@ class Flag:
     used_by: frozenset[str] = ALL  # backends for which the flag changes anything
     env: str | None = None  # default: the name in upper snake case
     short: str | None = None
+    choices: tuple[str, ...] | None = None
 
     @property
     def dest(self) -> str:
@@ -77,12 +82,38 @@ def _boolean(text: str) -> str:
     return text
 
 
-def _truthy(text: str) -> bool:
-    return text.strip().lower() in {"1", "true", "yes", "on"}
+def _switch(text: str) -> bool:
+    """A switch's env value (TRUST_REMOTE_CODE=true), spelled as every environment switch here is."""
+    word = text.strip().lower()
+    if word not in TRUE | FALSE:
+        raise argparse.ArgumentTypeError(f"must be 1 or 0 (true/false, yes/no, on/off), got {text!r}")
+    return word in TRUE
+
+
+def cuda_graph_sizes(text: str) -> list[int]:
+    """TGI's `--cuda-graphs 1,2,4,8`: the batch sizes to capture, comma-separated (0: none); ValueError if not."""
+    try:
+        values = [int(size) for size in text.split(",") if size.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 0:
+        raise ValueError(f"batch sizes like 1,2,4,8 (comma-separated; 0 for none), got {text!r}")
+    return values
+
+
+def _cuda_graphs(text: str) -> str:
+    try:
+        cuda_graph_sizes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"must be {error}") from error
+    return text
 
 
 FLAGS: list[Flag] = [
-    Flag("--backend", str, "paged", "paged | reference | grpc: which engine serves the TGI API", env="TGI_BACKEND"),
+    Flag(
+        "--backend", str, "paged", "paged | reference | grpc: which engine serves the TGI API", env="TGI_BACKEND",
+        choices=BACKENDS,
+    ),
     Flag("--model-id", str, None, "local directory, hub id or .gguf file; omit for the default model"),
     Flag("--tokenizer-name", str, None, "tokenizer directory or id when it differs from the model"),
     # grpc: passed on to the shards this launcher starts (--num-shard).
@@ -139,8 +170,11 @@ FLAGS: list[Flag] = [
     Flag("--num-shard", COUNT, None, "tensor-parallel shards (grpc: shard processes; paged: engine ranks)", SHARDED),
     Flag("--speculate", COUNT, None, "speculative tokens per step (paged: n-gram prompt lookup)", frozenset({"paged"})),
     Flag("--trust-remote-code", None, False, "run model code from the hub", NONE),
-    Flag("--cuda-graphs", str, None, "CUDA graph batch sizes: the largest is the engine's max_cudagraph_capture_size "
-         "(0: none)", PAGED),
+    Flag(
+        "--cuda-graphs", _cuda_graphs, None,
+        "CUDA graph batch sizes, comma-separated: the largest is the engine's max_cudagraph_capture_size (0: none)",
+        PAGED,
+    ),
     Flag("--master-addr", str, None, "torch.distributed address of the shards (default localhost)", ROUTER),
     Flag("--master-port", PORT, None, "torch.distributed port of the shards (default 29500)", ROUTER),
     Flag("--huggingface-hub-cache", str, None, "hub cache dir", NONE),
@@ -189,23 +223,65 @@ TGI_FLAG_OF_FIELD = {field: "--" + dest.replace("_", "-") for field, dest in ENG
 ADDED_ENGINE_FIELDS = frozenset(flag.field for flag in ENGINE_FLAGS if flag.field not in ENGINE_FIELDS_FROM_TGI)
 
 
+def usage_error(prog: str, message: str) -> str:
+    """A usage error as one line: what to change, and where the flags are listed (argparse's 50-line usage is not)."""
+    return f"{prog}: error: {message} (see {prog} --help)"
+
+
+@dataclass(frozen=True)
+class _FromEnv:
+    """A flag's default taken from its env var: checked as the flag's value once parsing is done (`resolve`)."""
+
+    flag: Flag
+    raw: str
+
+    def resolve(self) -> Any:
+        flag, where = self.flag, f"env {self.flag.env_var}={self.raw!r} (sets {self.flag.name})"
+        kind = flag.type or _switch
+        try:
+            value = kind(self.raw)
+        except argparse.ArgumentTypeError as error:
+            raise ValueError(f"{where}: {error}") from error
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{where}: invalid {getattr(kind, '__name__', 'value')} value") from error
+        if flag.choices is not None and value not in flag.choices:
+            raise ValueError(f"{where}: invalid choice (choose from {', '.join(map(repr, flag.choices))})")
+        return value
+
+
+class LaunchParser(argparse.ArgumentParser):
+    """argparse with one-line usage errors, and env defaults checked after the command line had its say."""
+
+    def error(self, message: str):
+        self.exit(2, usage_error(self.prog, message) + "\n")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        for dest, value in vars(parsed).items():
+            if isinstance(value, _FromEnv):
+                try:
+                    setattr(parsed, dest, value.resolve())
+                except ValueError as error:
+                    self.error(str(error))
+        return parsed
+
+
 def build_parser(prog: str = "paged-backend launch") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = LaunchParser(
         prog=prog,
         description="Serve the TGI HTTP API (text-generation-launcher flags and env vars) on paged-backend.",
     )
     for flag in FLAGS:
-        raw_env = os.environ.get(flag.env_var)
+        raw_env = os.environ.get(flag.env_var, "")
+        default = _FromEnv(flag, raw_env) if raw_env.strip() else flag.default
         names = [flag.short, flag.name] if flag.short else [flag.name]
         help_text = f"{flag.help} [env {flag.env_var}]"
         if flag.type is None:
-            default = _truthy(raw_env) if raw_env is not None else flag.default
             parser.add_argument(*names, dest=flag.dest, action="store_true", default=default, help=help_text)
         else:
-            default = flag.type(raw_env) if raw_env is not None else flag.default
-            choices = BACKENDS if flag.dest == "backend" else None
             parser.add_argument(
-                *names, dest=flag.dest, type=flag.type, default=default, choices=choices, help=help_text, metavar="X"
+                *names, dest=flag.dest, type=flag.type, default=default, choices=flag.choices, help=help_text,
+                metavar="X",
             )
     add_engine_arguments(parser, skip={flag.field for flag in ENGINE_FLAGS} - ADDED_ENGINE_FIELDS)
     return parser

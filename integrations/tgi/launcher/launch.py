@@ -25,8 +25,10 @@ from paged_backend.tgi.launcher.flags import (
     ADDED_ENGINE_FIELDS,
     ENGINE_FIELDS_FROM_TGI,
     TGI_FLAG_OF_FIELD,
+    cuda_graph_sizes,
     ignored_flags,
     parse_flags,
+    usage_error,
 )
 from paged_backend.tgi.names import kv_cache_dtype
 from paged_backend.worker.default_model import served_name
@@ -35,10 +37,13 @@ logger = logging.getLogger("paged_backend.tgi")
 
 
 class LaunchError(SystemExit):
-    """A flag combination TGI's router would also refuse; exits with the reason."""
+    """A flag combination TGI's router would also refuse (`usage`: a usage error, exit 2, as argparse's), or a
+    failure after start (exit 1). `main` prints it as one line under its prog; raised past `main`, it still exits
+    with the reason."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, usage: bool = True) -> None:
         super().__init__(f"paged-backend launch: {message}")
+        self.message, self.usage = message, usage
 
 
 def engine_config(args: argparse.Namespace):
@@ -96,12 +101,9 @@ def cuda_graph_max(sizes: str | None) -> int | None:
     if sizes is None:
         return None
     try:
-        values = [int(size) for size in sizes.split(",") if size.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 0:
-        raise LaunchError(f"--cuda-graphs takes batch sizes like 1,2,4,8 (or 0 for none), got {sizes!r}")
-    return max(values)
+        return max(cuda_graph_sizes(sizes))
+    except ValueError as error:
+        raise LaunchError(f"--cuda-graphs takes {error}") from error
 
 
 def _quantization(args: argparse.Namespace) -> dict:
@@ -159,14 +161,24 @@ def build_backend(args: argparse.Namespace, shards=None):
     return GrpcBackend.from_flags(args, shards_ready=None if shards is None else shards.wait_ready)
 
 
+def _check_input_within_total(max_input: int, max_total: int) -> None:
+    if max_input >= max_total:
+        raise LaunchError(
+            f"`max_input_tokens` must be < `max_total_tokens`. Given: {max_input} and {max_total}; "
+            "lower --max-input-tokens or raise --max-total-tokens"
+        )
+
+
 def router_settings(args: argparse.Namespace, max_model_len: int) -> RouterSettings:
     """Limits with TGI's defaults and its startup checks."""
     max_total = args.max_total_tokens or max_model_len
     max_input = args.max_input_tokens if args.max_input_tokens is not None else max_total - 1
-    if max_input >= max_total:
-        raise LaunchError(f"`max_input_tokens` must be < `max_total_tokens`. Given: {max_input} and {max_total}")
+    _check_input_within_total(max_input, max_total)
     if max_total > max_model_len:
-        raise LaunchError(f"`max_total_tokens` ({max_total}) exceeds what the backend holds ({max_model_len})")
+        raise LaunchError(
+            f"`max_total_tokens` ({max_total}) exceeds what the backend holds ({max_model_len}); "
+            "lower --max-total-tokens"
+        )
     return RouterSettings(
         model_id=served_name(args.model_id),
         max_input_tokens=max_input,
@@ -180,18 +192,30 @@ def _exit_on_signal(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> None:
-    """Parse TGI flags, build the backend, serve until interrupted."""
+    """Parse TGI flags, build the backend, serve until interrupted. A refused flag exits 2 with one line."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_flags(sys.argv[1:] if argv is None else argv, prog)
+    try:
+        _launch(args)
+    except LaunchError as error:
+        if not error.usage:
+            raise SystemExit(f"{prog}: {error.message}") from None
+        sys.stderr.write(usage_error(prog, error.message) + "\n")
+        raise SystemExit(2) from None
+
+
+def _launch(args: argparse.Namespace) -> None:
     import uvicorn
 
     from paged_backend.observability.tracing import otlp_tracer
     from paged_backend.tgi.http.app import create_app
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = parse_flags(sys.argv[1:] if argv is None else argv, prog)
     ignored = ignored_flags(args)
     if ignored:
         logger.warning("ignoring %s: no meaning for --backend %s", ", ".join(ignored), args.backend)
     count = num_shards(args)
+    if args.max_input_tokens is not None and args.max_total_tokens is not None:  # refused before a model loads
+        _check_input_within_total(args.max_input_tokens, args.max_total_tokens)
     shards = None
     if args.backend == "grpc" and count is not None:  # TGI's layout: this launcher starts the shards itself
         from paged_backend.tgi.launcher.shard_processes import ShardProcesses
@@ -203,12 +227,13 @@ def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> N
         try:
             backend = build_backend(args, shards)
         except (PagedBackendError, ValidationError) as error:  # a model it cannot run, a value out of range
-            raise LaunchError(one_line(error, TGI_FLAG_OF_FIELD)) from error
+            speculate = {"speculative_config": "--speculate"} if args.speculate else {}  # TGI's flag set it
+            raise LaunchError(one_line(error, {**TGI_FLAG_OF_FIELD, **speculate})) from error
         settings = router_settings(args, backend.max_model_len)
         try:
             tracer = otlp_tracer(args.otlp_endpoint, args.otlp_service_name) if args.otlp_endpoint else None
         except RuntimeError as error:  # the [otel] extra is missing, or an unknown OTLP protocol
-            raise SystemExit(f"error: {error}") from error
+            raise LaunchError(f"--otlp-endpoint: {error}") from error
         app = create_app(backend, settings, drain_timeout=float(args.graceful_termination_timeout), tracer=tracer)
         logger.info("TGI API on %s:%d, backend %s, model %s", args.hostname, args.port, backend.name, settings.model_id)
         uvicorn.run(app, host=args.hostname, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
@@ -216,4 +241,4 @@ def main(argv: list[str] | None = None, prog: str = "paged-backend launch") -> N
         if shards is not None:
             shards.stop()
             if shards.failure:
-                raise LaunchError(shards.failure)
+                raise LaunchError(shards.failure, usage=False)
