@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from paged_backend import __version__
 from paged_backend.engine.async_engine import AsyncEngine, EngineThread
+from paged_backend.engine.unhandled import AnswerUnhandled
 from paged_backend.observability.metrics import ServerMetrics
 from paged_backend.observability.tracing import RequestTracer, TraceHeaders, otlp_tracer
 from paged_backend.server import (
@@ -33,6 +34,7 @@ from paged_backend.server import (
 )
 from paged_backend.server.batch_runner import BatchRunner
 from paged_backend.server.guard import RequestGuard
+from paged_backend.server.openai_errors import _unexpected_handler as answer_unexpected
 from paged_backend.server.openai_errors import install_error_handlers
 from paged_backend.server.openapi_document import install_openapi
 from paged_backend.server.schemas import strict_fields
@@ -88,6 +90,7 @@ def build_app(
         max_file_bytes=settings.max_file_bytes,
     )
     app.add_middleware(TraceHeaders)
+    app.add_middleware(AnswerUnhandled, answer=answer_unexpected)  # outermost: a bug's 500 keeps the connection
     return app
 
 

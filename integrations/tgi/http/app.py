@@ -18,6 +18,7 @@ from starlette.routing import Match
 
 from paged_backend import __version__
 from paged_backend.engine.disconnect import ClientDisconnected, cancel_on_disconnect
+from paged_backend.engine.unhandled import AnswerUnhandled, log_and_answer_500
 from paged_backend.errors import body_media_type_error
 from paged_backend.observability.tracing import RequestTracer, TraceHeaders
 from paged_backend.tgi.backends.base import Backend
@@ -220,8 +221,13 @@ def create_app(
         model = {"id": settings.model_id, "object": "model", "created": 0, "owned_by": settings.model_id}
         return JSONResponse({"object": "list", "data": [model]})
 
+    async def unexpected(request: Request, error: Exception) -> Response:
+        metrics.request_failure.inc(err="internal")
+        return await log_and_answer_500(request, error, {"error": "internal server error", "error_type": "internal"})
+
     app.openapi = lambda: app.openapi_schema or _cache_openapi(app, settings)
     app.add_middleware(TraceHeaders)
+    app.add_middleware(AnswerUnhandled, answer=unexpected)  # outermost: a bug's 500 keeps the connection
     return app
 
 
