@@ -68,6 +68,7 @@ VALIDATION_CASES = [
     ({"stop": ["a", "b", "c", "d", "e"]}, "`stop` supports up to 4 stop sequences. Given: 5"),
     ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
     ({"best_of": 3}, "`best_of` must be > 0 and <= 2. Given: 3"),
+    ({"best_of": -1}, "`best_of` must be > 0 and <= 2. Given: -1"),  # was a 500 that also dropped the connection
     ({"best_of": 2}, "you must use sampling when `best_of` is > 1"),
     ({"best_of": 2, "do_sample": True, "seed": 1}, "`seed` must not be set when `best_of` > 1"),
     ({"truncate": 300}, "`truncate` must be strictly positive and less than 255. Given: 300"),
@@ -98,6 +99,11 @@ def test_validation_errors_are_422_with_tgi_messages(client, parameters, message
     response = generate(client, **parameters)
     assert response.status_code == 422
     assert response.json() == {"error": f"Input validation error: {message}", "error_type": "validation"}
+
+
+def test_a_seed_past_u64_names_the_exact_bound(client):
+    response = generate(client, seed=2**64)
+    assert response.status_code == 422 and "between 0 and 18446744073709551615 (a u64)" in response.json()["error"]
 
 
 @pytest.mark.parametrize("route", ["/generate", "/generate_stream"])
@@ -287,9 +293,11 @@ def test_api_key_is_required_when_set():
         assert guarded.get("/health").status_code == 200
 
 
-def test_overload_is_429_and_a_disconnect_frees_blocks_at_once():
+def test_overload_is_429_and_a_disconnect_frees_blocks_at_once(monkeypatch):
     # the held stream asks for thousands of tokens (seconds of work), so it still holds the permit at the check:
-    # a short one could finish server-side, its bytes in the socket's buffers, before the second request came
+    # a short one could finish server-side, its bytes in the socket's buffers, before the second request came;
+    # past the tiny model's 2048 positions, which vLLM's switch allows
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     long, num_blocks = 4096, 4096 // 16 + 8
     engine = make_engine(num_blocks, max_model_len=long)  # an engine is stepped by one AsyncEngine only
     settings = RouterSettings(max_input_tokens=255, max_total_tokens=long, max_concurrent_requests=1)
@@ -309,8 +317,9 @@ def test_overload_is_429_and_a_disconnect_frees_blocks_at_once():
         assert engine.stats().generation_tokens < long - 64
 
 
-def test_a_client_that_hangs_up_on_generate_is_aborted_at_once():
+def test_a_client_that_hangs_up_on_generate_is_aborted_at_once(monkeypatch):
     """Not streamed, nothing is written until the end: the server watches the connection itself."""
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # 4096 tokens, past the tiny model's positions
     long, num_blocks = 4096, 4096 // 16 + 8
     engine = make_engine(num_blocks, max_model_len=long)
     settings = RouterSettings(max_input_tokens=255, max_total_tokens=long, max_concurrent_requests=1)

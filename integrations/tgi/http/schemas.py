@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 
 class _Body(BaseModel):
@@ -30,8 +31,13 @@ def I32():  # noqa: N802
     return Field(None, le=2**31 - 1)
 
 
-def U64():  # noqa: N802
-    return Field(None, ge=0, le=2**64 - 1)
+def _u64(value: int) -> int:
+    if not 0 <= value <= 2**64 - 1:  # written out: pydantic prints a bound this large rounded through a float
+        raise PydanticCustomError("u64", f"Input should be between 0 and {2**64 - 1} (a u64)")
+    return value
+
+
+U64 = Annotated[int, BeforeValidator(_whole_number), AfterValidator(_u64)]
 
 
 class Grammar(_Body):
@@ -55,7 +61,7 @@ class GenerateParameters(_Body):
     watermark: bool = False
     details: bool = False
     decoder_input_details: bool = False
-    seed: Int | None = U64()
+    seed: U64 | None = None
     top_n_tokens: Int | None = U32()
     grammar: Grammar | None = None
     adapter_id: str | None = None
@@ -120,7 +126,7 @@ class ChatRequest(_Body):
     presence_penalty: float | None = None
     stop: list[str] | str | None = None
     stream: bool = False
-    seed: Int | None = U64()
+    seed: U64 | None = None
     temperature: float | None = None
     top_p: float | None = None
     tools: list[dict[str, Any]] | None = None
@@ -137,7 +143,7 @@ class CompletionRequest(_Body):
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
-    seed: Int | None = U64()
+    seed: U64 | None = None
     suffix: str | None = None
     repetition_penalty: float | None = None
     frequency_penalty: float | None = None

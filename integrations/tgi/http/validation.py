@@ -83,7 +83,7 @@ def _open_unit_interval(name: str, value: float | None) -> float:
 def validate_parameters(params: GenerateParameters, settings: RouterSettings) -> ValidGrammar | None:
     """The checks that need no tokenizer, in the router's order; returns the normalized grammar."""
     if params.best_of is not None:
-        if params.best_of == 0 or params.best_of > settings.max_best_of:
+        if params.best_of < 1 or params.best_of > settings.max_best_of:
             raise ValidationError(f"`best_of` must be > 0 and <= {settings.max_best_of}. Given: {params.best_of}")
         if params.best_of > 1 and not params.is_sampling():
             raise ValidationError("you must use sampling when `best_of` is > 1")
