@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -157,6 +158,40 @@ def test_a_different_batch_on_a_filled_cache_is_refused():
     model(**prompts(padded=False, rows=2), past_key_values=cache)
     with pytest.raises(InvalidRequest, match="cache.reset"):
         model(**prompts(padded=False, rows=3), past_key_values=cache)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "paged_backend"])
+def test_a_multiple_of_the_rows_that_does_not_repeat_them_is_refused(attn):
+    """A cache filled by one prompt, then generate on two other prompts without reset(): forking row 0 for both
+    (as for beams) gave other tokens, silently."""
+    model = tiny_model("llama", attn)
+    cache = PagedCache(model, max_tokens=256)
+    one = prompts(padded=False, rows=1)
+    model.generate(**one, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    two = {name: torch.cat([value, value.flip(1)]) for name, value in prompts(padded=False, rows=1, width=12).items()}
+    with pytest.raises(InvalidRequest, match="does not repeat them.*cache.reset"):
+        model.generate(**two, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    cache.reset()
+    assert cache.stats().used_blocks == 0
+
+
+@pytest.mark.parametrize(
+    ("model_or_config", "device", "said"),
+    [
+        ("llama", None, "PagedCache takes the transformers model it caches for (or that model's config), got str"),
+        (llama_config(), "meta", "PagedCache: device 'meta' cannot hold the pool"),
+        (llama_config(), "tpu9", "PagedCache: device 'tpu9' cannot hold the pool"),
+    ],
+)
+def test_what_is_not_a_model_or_a_pool_device_is_named(model_or_config, device, said):
+    with pytest.raises(InvalidRequest, match=re.escape(said)):
+        PagedCache(model_or_config, max_tokens=64, device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_a_cuda_pool_without_cuda_is_named():
+    with pytest.raises(InvalidRequest, match="device 'cuda' cannot hold the pool: .* no CUDA device is available"):
+        PagedCache(llama_config(), max_tokens=64, device="cuda")
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ from paged_backend.core.kv_budget import GPU_MEMORY_UTILIZATION, kv_memory_bytes
 from paged_backend.core.kv_cache import KV_CACHE_DTYPES, PagedKVCache
 from paged_backend.core.kv_groups import KVCacheGroup, kv_cache_groups
 from paged_backend.errors import InvalidRequest
+from paged_backend.worker.models import resolve_device
 from paged_backend.worker.offload import input_device, layer_devices
 
 from .model_support import KVGeometry, kv_geometry, rank_geometry
@@ -35,6 +36,11 @@ class ModelFacts:
 
     @classmethod
     def of(cls, model_or_config) -> ModelFacts:
+        if not hasattr(model_or_config, "config" if isinstance(model_or_config, torch.nn.Module) else "get_text_config"):
+            raise InvalidRequest(
+                f"PagedCache takes the transformers model it caches for (or that model's config), got "
+                f"{type(model_or_config).__name__} {model_or_config!r:.60}"
+            )
         tp_size = getattr(model_or_config, "tp_size", None)
         if isinstance(model_or_config, torch.nn.Module):
             config = model_or_config.config.get_text_config(decoder=True)
@@ -83,7 +89,7 @@ def build_pool(
         )
     dtype = pool_dtype
     block_size = whole_number("block_size", block_size)  # before any math: 0 divided by zero in pool_blocks
-    pool_device = torch.device(device or facts.device)
+    pool_device = _pool_device(device or facts.device, "device" if device is not None else "the model's device")
     num_blocks = pool_blocks(
         geometry, groups, block_size, dtype, pool_device,
         max_tokens=max_tokens, num_blocks=num_blocks, memory_bytes=memory_bytes,
@@ -97,6 +103,14 @@ def build_pool(
         device=pool_device, groups=groups, layer_devices=None if device is not None else facts.layer_devices,
     )  # fmt: skip
     return CachePool(facts.config, geometry, groups, block_manager, kv_cache)
+
+
+def _pool_device(device: torch.device | str, given: str) -> torch.device:
+    """A CPU or CUDA device the pool's bytes can live on (not meta, which holds none, nor one this torch lacks)."""
+    try:
+        return resolve_device(str(device))
+    except InvalidRequest as error:
+        raise InvalidRequest(f"PagedCache: {given} {str(device)!r} cannot hold the pool: {error}") from None
 
 
 def pool_blocks(

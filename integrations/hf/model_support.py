@@ -72,6 +72,7 @@ def check_update_shapes(key, value, geometry: KVGeometry, layer_idx: int) -> Non
     if tuple(key.shape[1:2]) + tuple(key.shape[3:]) != expected or value.shape != key.shape:
         raise UnsupportedModel(
             f"layer {layer_idx} caches keys {tuple(key.shape)} and values {tuple(value.shape)}, but the pool holds "
-            f"{expected[0]} KV heads of width {expected[1]} for both; models with per-layer or K/V-specific "
-            f"head sizes are not supported"
+            f"{expected[0]} KV heads of width {expected[1]} for both: a cache built for another model? Build it "
+            f"from this one, PagedCache(model, ...); models with per-layer or K/V-specific head sizes are not "
+            f"supported"
         )

@@ -214,7 +214,7 @@ class PagedCache(Cache):
                 "before generating with a different attn_implementation"
             )
         if not fresh and batch != len(self.rows):
-            self._expand_to(batch)
+            self._expand_to(batch, key, value)
         columns = new_columns(attention_mask, self._columns, batch, q_len) if paged else torch.ones(batch, q_len).bool()
         if fresh:  # only now: a refused mask must leave the cache empty
             self._paged = paged
@@ -236,14 +236,19 @@ class PagedCache(Cache):
         self._peak_used_blocks = max(self._peak_used_blocks, used)
         self.kv_history.record(self.block_manager)
 
-    def _expand_to(self, batch: int) -> None:
-        """A filled cache meets generate's k-times expanded batch (beams / num_return_sequences): fork rows."""
-        if batch % len(self.rows):
+    def _expand_to(self, batch: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """A filled cache meets generate's k-times expanded batch (beams / num_return_sequences): fork rows. Such a
+        batch repeats each row k times, so its new K/V repeat too (up to rounding: a GEMM may round rows apart by
+        where they sit); a batch of other prompts does not, and forking would attend them to the old rows' past."""
+        rows = len(self.rows)
+        expanded = batch % rows == 0 and all(_repeats(states, batch // rows) for states in (key, value))
+        if not expanded:
             raise InvalidRequest(
-                f"the cache holds {len(self.rows)} rows but the model got a batch of {batch}; continue with the "
-                f"same rows (or a multiple, for beams / num_return_sequences), or call cache.reset()"
+                f"the cache holds {rows} row(s) but the model got a batch of {batch} that does not repeat them; "
+                f"continue with the same rows (or each repeated, for beams / num_return_sequences), or call "
+                f"cache.reset() before a new batch"
             )
-        self.batch_repeat_interleave(batch // len(self.rows))
+        self.batch_repeat_interleave(batch // rows)
 
     def _build_metadata(self) -> None:
         step = self._step
@@ -280,3 +285,11 @@ class PagedCache(Cache):
         """Past columns a layer attends over in sdpa/eager: all, or the last window - 1 for sliding layers."""
         window = self.geometry.sliding_windows[layer_idx]
         return past if window is None else min(past, window - 1)
+
+
+def _repeats(states: torch.Tensor, times: int) -> bool:
+    """Whether `states` [batch, ...] is each of its every `times`-th rows repeated `times` times, to a tolerance far
+    above rounding and far below what another token's K/V differs by."""
+    states = states.float()
+    repeated = states[::times].repeat_interleave(times, dim=0)
+    return torch.allclose(states, repeated, rtol=0.02, atol=0.02 * float(states.abs().amax()))
