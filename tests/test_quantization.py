@@ -218,12 +218,13 @@ def test_embedded_model_quantizes_in_place():
     assert len(llm.generate("Hi", greedy())[0].outputs[0].token_ids) == NEW_TOKENS
 
 
-def test_launch_and_shard_refuse_gpu_formats_with_a_sentence(checkpoints):
+def test_launch_and_shard_refuse_gpu_formats_with_a_sentence(checkpoints, capsys):
     from paged_backend.tgi.launcher.launch import main as launch
     from paged_backend.tgi.shard.cli import app as shard_app
 
-    with pytest.raises(SystemExit, match="'marlin' needs a CUDA GPU"):
+    with pytest.raises(SystemExit) as exited:
         launch(["--model-id", checkpoints["llama"], "--quantize", "marlin", "--device", "cpu"])
+    assert exited.value.code == 2 and "'marlin' needs a CUDA GPU" in capsys.readouterr().err  # a usage error
     result = CliRunner().invoke(shard_app, ["serve", checkpoints["llama"], "--quantize", "bitsandbytes-nf4",
                                             "--device", "cpu"], terminal_width=300)  # fmt: skip
     assert result.exit_code == 2 and "'bitsandbytes' needs a CUDA GPU" in result.output
