@@ -15,7 +15,8 @@ import schemathesis
 # Messages the server writes for failures of the body's declared types and ranges (openai_errors.py).
 SCHEMA_LEVEL_REJECTION = re.compile(
     r"^invalid value for '[^']*': (Input should|String should|List should|Dictionary should|Object should"
-    r"|Value should|it fits none of the accepted forms)|^'[^']*' is required$"
+    r"|Value should|it fits none of the accepted forms|it is an empty string|it must be a finite number"
+    r"|it must be a whole number|it must be an integer of at most 64 bits)|^'[^']*' is required$"
 )
 
 

@@ -91,9 +91,13 @@ class InputProcessor:
         prompt, prompt_token_ids = split_prompt(prompt, prompt_token_ids)
         prompt_token_ids = self._prompt_token_ids(prompt, prompt_token_ids, params)
         vocab = self.vocab_size
-        for name, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
+        named_ids = (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias),
+                     ("stop_token_ids", params.stop_token_ids))  # fmt: skip
+        for name, ids in named_ids:
             if ids is not None and not all(0 <= t < vocab for t in ids):
-                raise InvalidRequest(f"{name} must name token ids in [0, {vocab})")
+                outside = str(next(t for t in ids if not 0 <= t < vocab))
+                raise InvalidRequest(f"{name} must name token ids in [0, {vocab})"
+                                     + (f", got {outside}" if len(outside) <= 20 else ""))  # fmt: skip
         for name, count in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
             if count is not None and count > vocab:  # (a step would fail for every request in it)
                 raise InvalidRequest(f"{name}={count} asks for more alternatives than the vocabulary's {vocab} tokens")

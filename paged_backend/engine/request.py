@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -17,6 +18,9 @@ from paged_backend.lora.adapter import LoRAAdapter
 from paged_backend.structured.params import StructuredOutputsParams
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample as argmax (as vLLM does)
+# The float knobs: NaN passes no comparison and infinity overflows the logits, so each must be a finite number first
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                "typical_p")  # fmt: skip
 
 # Class of service: "batch" runs only on capacity interactive work leaves over and is preempted first.
 RequestClass = Literal["interactive", "batch"]
@@ -68,6 +72,11 @@ class SamplingParams:
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()} or None
         if isinstance(self.structured_outputs, dict):  # JSONL input and plain-dict callers
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        for name in FLOAT_FIELDS:
+            if not _finite(getattr(self, name)):
+                raise InvalidRequest(f"{name} must be a finite number, got {getattr(self, name)!r}")
+        if not all(map(_finite, (self.logit_bias or {}).values())):
+            raise InvalidRequest(f"logit_bias values must be finite numbers, got {self.logit_bias!r}")
         checks = [
             ("n", self.n >= 1, "must be at least 1"),
             ("best_of", self.best_of is None or self.best_of >= self.n, "must be at least n"),
@@ -114,6 +123,11 @@ class SamplingParams:
     @property
     def needs_cumulative_logprob(self) -> bool:
         return self.num_sequences > self.n or self.logprobs is not None
+
+
+def _finite(value) -> bool:
+    """False for NaN and infinities only: a value of another type meets the range checks' own message."""
+    return not isinstance(value, float) or math.isfinite(value)
 
 
 class SequenceStatus(enum.Enum):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,11 @@ def parse_line(raw: str, number: int, endpoint: str | None = None) -> BatchLine:
         record = json.loads(raw)
     except json.JSONDecodeError as error:
         return BatchLine(number, None, None, None, f"line {number} is not valid JSON: {error}")
+    except RecursionError:  # the parser's depth limit: the line's answer, not the whole batch's failure
+        return BatchLine(number, None, None, None, f"line {number} is nested too deeply to parse; send a flatter body")
+    except ValueError:  # Python's cap on an integer's digits
+        problem = f"line {number} holds a number of more than {sys.get_int_max_str_digits()} digits; send a smaller one"
+        return BatchLine(number, None, None, None, problem)
     if not isinstance(record, dict):
         return BatchLine(
             number, None, None, None, f"line {number} must be a JSON object with custom_id, method, url, body"

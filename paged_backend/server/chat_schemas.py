@@ -2,8 +2,9 @@
 
 Messages take the shapes vLLM accepts, one model per role so the OpenAPI document states them: system, developer,
 user, assistant (content may be null; it may carry `tool_calls`) and tool (answering a call by `tool_call_id`);
-content is a string or a list of text parts. Keys a message carries beyond these are passed to the chat template,
-as vLLM does (templates read e.g. `reasoning_content`).
+content is a string or a list of text parts (an assistant's may hold OpenAI's refusal parts too, read as their text).
+Keys a message carries beyond these are passed to the chat template, as vLLM does (templates read e.g.
+`reasoning_content`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,20 @@ class TextPart(_Lenient):
     text: str
 
 
+class RefusalPart(_Lenient):
+    """An assistant's refusal as OpenAI returns it; sent back in a conversation, its text is the turn's content."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
 Content = str | list[TextPart]
+# OpenAI's assistant content parts: text and refusal
+AssistantContent = str | list[Annotated[TextPart | RefusalPart, Field(discriminator="type")]]
+
+
+def _part_text(part: TextPart | RefusalPart) -> str:
+    return part.refusal if isinstance(part, RefusalPart) else part.text
 
 
 class FunctionCall(_Lenient):
@@ -44,11 +58,11 @@ class _Message(BaseModel):
     name: str | None = None
 
     def text(self) -> str:
-        """The content as one string; text parts are joined by newlines, as vLLM joins them."""
+        """The content as one string; parts are joined by newlines, as vLLM joins them (a refusal by its text)."""
         content = getattr(self, "content", None)
         if content is None:
             return ""
-        return content if isinstance(content, str) else "\n".join(part.text for part in content)
+        return content if isinstance(content, str) else "\n".join(map(_part_text, content))
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it: tool-call arguments as objects (templates `tojson` them)."""
@@ -75,7 +89,7 @@ class UserMessage(_Message):
 
 class AssistantMessage(_Message):
     role: Literal["assistant"]
-    content: Content | None = None  # null when the turn only calls tools
+    content: AssistantContent | None = None  # null when the turn only calls tools
     tool_calls: list[AssistantToolCall] | None = None
 
     def for_template(self) -> dict[str, Any]:
@@ -104,10 +118,11 @@ ChatMessage = Annotated[
 
 
 def _arguments(text: str) -> Any:
-    """Arguments as an object for the template; text that is not JSON reaches it as the string it is."""
+    """Arguments as an object for the template; text that is not JSON (or nested past the parser's depth) reaches it
+    as the string it is."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
 
 

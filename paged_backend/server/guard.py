@@ -45,7 +45,9 @@ class RequestGuard:
             message = "missing or wrong API key; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
             return await _reject(send, path, 401, message, "invalid_request_error", "invalid_api_key")
         limit = self.max_file_bytes if path in UPLOAD_PATHS else self.max_request_body_bytes
-        body = await self._read_body(receive, limit)
+        # A declared size past the limit is answered at once: waiting for a body that will be refused anyway would
+        # hold the request until the client sent it all (or the idle timeout, when it never does)
+        body = None if _declared_length(scope) > limit else await self._read_body(receive, limit)
         if body is None:
             message = f"request body is larger than {limit} bytes; send a smaller request"
             return await _reject(send, path, 413, message, "invalid_request_error", "request_too_large")
@@ -70,7 +72,7 @@ class RequestGuard:
         return any(matches)
 
     async def _read_body(self, receive: Receive, limit: int) -> bytes | None:
-        """The whole body, or None as soon as it passes the limit (declared or actual size)."""
+        """The whole body, or None as soon as it passes the limit (a chunked body has no declared size)."""
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -82,6 +84,14 @@ class RequestGuard:
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+def _declared_length(scope: Scope) -> int:
+    """The body's size as its Content-Length header states it (0 when absent; the HTTP server refuses a malformed one)."""
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.strip().isdigit():
+            return int(value)
+    return 0
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:

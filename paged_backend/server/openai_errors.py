@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,6 +26,7 @@ from paged_backend.errors import (
     PagedBackendError,
     PromptTooLong,
     body_media_type_error,
+    not_unicode,
 )
 from paged_backend.server.schemas import FIELDS_RULE_ERROR, UNKNOWN_FIELDS_ERROR
 
@@ -105,15 +108,18 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
     """A sentence naming the offending field, and that field's dotted path (OpenAI's `param`).
 
     A value that fits none of a union's forms yields one error per form, their locations sharing the field's
-    path and then naming the form; those are reported once, at the field. When the value has the outer type of
-    exactly one form (a list where a string or a list is accepted), that form's own error is the one reported.
+    path and then naming the form; those are reported once, at the field. When the value has the type of exactly
+    one form ("" where a non-empty string or a list is accepted: only a constraint fails), or entered exactly one
+    (a list where a string or a list is accepted), that form's own error is the one reported.
     """
     first = errors[0]
     kind = first.get("type", "")
     if kind in (UNKNOWN_FIELDS_ERROR, FIELDS_RULE_ERROR):  # the body's model names the field
         return first.get("msg", "unknown field"), first.get("ctx", {}).get("param")
     if kind == "json_invalid":
-        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+        where = _body_path(first)  # FastAPI puts the parser's character position there
+        at = f" at position {where[0]}" if where and isinstance(where[0], int) else ""
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}{at}", None
     location = _field_path(first)
     if _is_union_member(_body_path(first)):  # the body is one of several models (POST /tokenize) and fits none
         if all(error.get("type") == "missing" for error in errors):
@@ -125,18 +131,23 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
         return f"the request body is invalid: {first.get('msg')}", None
     siblings = [_field_path(error) for error in errors if _field_path(error)[:1] == location[:1]]
     common = _common_prefix(siblings)
-    forms_differ = len(siblings) > 1 and len(common) < len(location) and isinstance(location[len(common)], str)
-    if forms_differ:  # one value, several union forms (list indices are items, not forms)
+    forms_differ = len(siblings) > 1 and len(common) < len(location) and _is_form_name(location[len(common)])
+    if forms_differ:  # one value, several union forms (list indices are items, model fields are fields, not forms)
         depth = len(common)
         sized = [e for e in errors if e.get("type") in ("too_long", "too_short") and len(_field_path(e)) == depth + 1]
         if sized:  # a list of the right kind but the wrong length: its length is what to change
             return f"invalid value for '{_dotted(common)}': {sized[0].get('msg')}", _dotted(common)
-        entered = {path[depth] for path in siblings if len(path) > depth + 1}
-        if len(entered) == 1:
-            form = common + (entered.pop(),)
-            return describe_validation_error(
-                [_without_step(e, depth) for e in errors if _field_path(e)[: depth + 1] == form]
-            )
+        by_form: dict[Any, list[dict]] = {}
+        for error in errors:
+            if (path := _field_path(error))[:depth] == common and len(path) > depth:
+                by_form.setdefault(path[depth], []).append(error)
+        # The form to report: the one whose type the value has throughout, failing only a constraint ("" for a
+        # non-empty string); else the only one the value entered (a list's items checked)
+        clean = [form for form, group in by_form.items() if not any(map(_is_type_mismatch, group))]
+        entered = [form for form, group in by_form.items() if any(len(_field_path(e)) > depth + 1 for e in group)]
+        chosen = clean if len(clean) == 1 else entered if len(entered) == 1 else []
+        if chosen:
+            return describe_validation_error([_without_step(e, depth) for e in by_form[chosen[0]]])
         forms = ", ".join(dict.fromkeys(
             str(path[len(common)]).replace("constrained-", "") for path in siblings if len(path) > len(common)
         ))  # fmt: skip
@@ -146,7 +157,35 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
         return f"unknown field '{param}'; remove it (see GET /openapi.json for the accepted fields)", param
     if kind == "missing":
         return f"'{param}' is required", param
-    return f"invalid value for '{param}': {first.get('msg')}", param
+    return f"invalid value for '{param}': {_problem(first)}", param
+
+
+def _is_form_name(step: Any) -> bool:
+    """Whether a location step names a union's form as pydantic does (`str`, `list[int]`, `constrained-str`, a model's
+    class name) rather than a field (a lower-case identifier) or a list index."""
+    return isinstance(step, str) and (not step.isidentifier() or step in ("str", "int", "float", "bool", "none")
+                                      or step[:1].isupper())  # fmt: skip
+
+
+def _is_type_mismatch(error: dict) -> bool:
+    """Whether the value is not even of the form's type (a string where a list is accepted): pydantic's `*_type`."""
+    return str(error.get("type", "")).endswith("_type") or str(error.get("type", "")).startswith("union_tag_")
+
+
+def _problem(error: dict) -> str:
+    """What is wrong with one value, in words that say what to send instead where pydantic's do not."""
+    kind, value, limits = error.get("type"), error.get("input"), error.get("ctx") or {}
+    if kind == "string_unicode" and isinstance(value, str):  # the rule chat's rendering applies (errors.not_unicode)
+        return f"it is not valid Unicode ({not_unicode(value) or 'not UTF-8'}); send UTF-8 text"
+    if kind == "string_too_short" and limits.get("min_length") == 1:
+        return "it is an empty string; give at least one character"
+    if kind == "finite_number":
+        return f"it must be a finite number, got {value!r}"
+    if kind == "int_type" and isinstance(value, float):
+        if value.is_integer():  # only past 64 bits: smaller integral floats are taken as integers
+            return f"it must be an integer of at most 64 bits (-2**63 to 2**63-1), got {value!r}"
+        return f"it must be a whole number, got {value!r}"
+    return str(error.get("msg", "")).removeprefix("Value error, ")  # pydantic's wrapping of a validator's ValueError
 
 
 def _without_step(error: dict, depth: int) -> dict:
@@ -217,7 +256,23 @@ async def _http_handler(request: Request, exc: HTTPException) -> JSONResponse:
         headers["Allow"] = _allowed_methods(request, headers.get("Allow", ""))
         message = f"method {request.method} is not allowed on {request.url.path}"
         return _respond(request, 405, error_body(message, "invalid_request_error", None, "method_not_allowed"), headers)
-    return _respond(request, exc.status_code, error_body(str(exc.detail), "invalid_request_error"), headers)
+    message = _body_parse_problem(exc.__cause__) if exc.status_code == 400 else None
+    return _respond(request, exc.status_code, error_body(message or str(exc.detail), "invalid_request_error"), headers)
+
+
+def _body_parse_problem(cause: BaseException | None) -> str | None:
+    """Why the JSON parser gave up on a body, for the errors FastAPI reports only as "an error parsing the body"."""
+    if isinstance(cause, UnicodeDecodeError):
+        byte = cause.object[cause.start : cause.start + 1].hex()
+        return (f"the request body is not valid UTF-8: byte 0x{byte} at position {cause.start} ({cause.reason}); "
+                "send the JSON encoded as UTF-8")  # fmt: skip
+    if isinstance(cause, RecursionError):
+        return ("the request body's JSON is nested too deeply to parse (objects and arrays inside one another); "
+                "send a flatter body")  # fmt: skip
+    if isinstance(cause, ValueError) and "digits" in str(cause):  # Python's cap on the digits of an integer
+        return (f"the request body holds a number of more than {sys.get_int_max_str_digits()} digits, more than the "
+                "parser takes; send a smaller one")  # fmt: skip
+    return None
 
 
 def _allowed_methods(request: Request, first_route_allows: str) -> str:

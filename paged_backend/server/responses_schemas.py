@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from paged_backend.server.schemas import NonEmptyStr, _Lenient, _Request
+from paged_backend.server.schemas import NonEmptyStr, Seed, _Lenient, _Request
 from paged_backend.structured.params import checked_json_schema
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on `metadata`
@@ -173,7 +173,7 @@ class ResponsesRequest(_Request):
     truncation: Literal["auto", "disabled"] | None = None  # accepted; a prompt that does not fit is a 400
     include: list[str] | None = None  # accepted; there is nothing extra to include
     # vLLM's sampling extensions, beside OpenAI's fields
-    seed: int | None = None
+    seed: Seed | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(ge=0.01, le=100)] | None = None

@@ -9,7 +9,7 @@ import logging
 from contextvars import ContextVar
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from paged_backend.engine.request import SamplingParams
@@ -21,9 +21,12 @@ MAX_N = 16  # choices (or best_of candidates) per prompt; bounds the work one re
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_TOKEN_LIST = 4096  # allowed_token_ids, logit_bias and bad_words entries
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # vLLM bounds `seed` to torch.long; pydantic's ints from floats stop there
 GREEDY_BELOW = 1e-5  # vLLM's rule: a smaller temperature is greedy (dividing logits by it overflows)
 UNKNOWN_FIELDS_ERROR = "unknown_fields"
-FIELDS_RULE_ERROR = "fields_rule"  # a rule between fields: its message as written, `param` the field to change
+# a rule the schema does not state (between fields, or past JSON's exact numbers): its message as written, `param`
+# the field to change
+FIELDS_RULE_ERROR = "fields_rule"
 
 
 def fields_rule_error(message: str, param: str) -> PydanticCustomError:
@@ -40,6 +43,17 @@ SAMPLING_FIELDS = (
 strict_fields: ContextVar[bool] = ContextVar("strict_fields", default=False)
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+def _seed_fits(seed: int) -> int:
+    """vLLM's rule: a seed fits in 64 bits. Not the schema's bounds: past 2**53 a JSON number is a float to many
+    validators, which would count 2**63 + 191 as within them."""
+    if not INT64_MIN <= seed <= INT64_MAX:
+        raise fields_rule_error(f"seed must fit in 64 bits, from {INT64_MIN} to {INT64_MAX} (vLLM's rule)", "seed")
+    return seed
+
+
+Seed = Annotated[int, AfterValidator(_seed_fits)]
 TokenId = Annotated[int, Field(ge=0)]
 MAX_PROMPTS = 64  # prompts in one batch request
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -54,7 +68,8 @@ Prompt = (
 class _Lenient(BaseModel):
     """Known keys typed strictly; unknown keys kept aside (`model_extra`) so the request can name them."""
 
-    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+    # NaN and Infinity (JSON extensions Python's parser takes) are refused as numbers, not compared with the bounds
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Lenient):
@@ -97,8 +112,9 @@ def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
 
 
 def _integral_floats_as_ints(value: Any) -> Any:
-    """1.0 -> 1, in a value and the lists within it: JSON Schema counts 1.0 as an integer, strict pydantic not."""
-    if isinstance(value, float) and value.is_integer():
+    """1.0 -> 1, in a value and the lists within it: JSON Schema counts 1.0 as an integer, strict pydantic not.
+    Only within 64 bits, as pydantic's (and so vLLM's) ints from floats: 1e308 stays a float and is refused."""
+    if isinstance(value, float) and value.is_integer() and INT64_MIN <= value <= INT64_MAX:
         return int(value)
     if isinstance(value, list):
         return [_integral_floats_as_ints(item) for item in value]
@@ -142,7 +158,7 @@ class _SamplingRequest(_Request):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     logit_bias: (
@@ -190,7 +206,8 @@ class _SamplingRequest(_Request):
     def _keys_are_token_ids(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
         for key in logit_bias or {}:
             if not key.isascii() or not key.isdigit():
-                raise ValueError(f'keys must be token ids written as strings (like "42"), got {key!r}')
+                raise ValueError(f'keys must be token ids, non-negative integers written as strings (like "42"), '
+                                 f"got {key!r}")
         return logit_bias
 
     @property
@@ -221,6 +238,14 @@ class CompletionRequest(_SamplingRequest):
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False  # the prompt (and its logprobs) come back before the completion
     add_special_tokens: bool = True  # vLLM's: text prompts get the tokenizer's special tokens (BOS)
+    suffix: None = None  # OpenAI's text after the insertion: not supported, and refused as vLLM refuses it
+
+    @field_validator("suffix", mode="before")
+    @classmethod
+    def _no_suffix(cls, suffix: Any) -> None:
+        if suffix is not None:  # ignoring it would answer a different question than the one asked
+            raise fields_rule_error("suffix is not currently supported (as in vLLM); remove it", "suffix")
+        return suffix
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt of a batch: text, or token ids."""
