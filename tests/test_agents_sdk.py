@@ -4,7 +4,8 @@ The embedded model is random, so the loop is steered with the SDK's own controls
 judgement: `tool_choice="required"` makes every turn call a tool (the server enforces the call's schema), each
 tool is enabled only at its step of the plan (`is_enabled`), and `StopAtTools` ends the run on the second tool's
 result. The model still writes every call's arguments, the SDK runs the tools and sends their outputs back as
-function_call_output items, and the server renders them into the next turn's prompt.
+function_call_output items, and the server renders them into the next turn's prompt. An agent with an output_type
+on /v1/chat/completions also requires its tool calls (its format waits for a turn that answers in text).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
+import httpx
 import pytest
 from agents import (
     Agent,
     ModelSettings,
+    OpenAIChatCompletionsModel,
     OpenAIResponsesModel,
     RunContextWrapper,
     Runner,
@@ -25,6 +28,7 @@ from agents import (
     function_tool,
     set_tracing_disabled,
 )
+from pydantic import BaseModel
 
 from tests._server_helpers import MODEL, server_fixture
 
@@ -125,6 +129,33 @@ def test_a_streamed_run_gives_the_same_calls(server, plain_run):
     trip, result, kinds = asyncio.run(streamed())
     assert trip.calls == plain_trip.calls and result.final_output == plain.final_output
     assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
+
+
+class Verdict(BaseModel):
+    walk: Literal["yes", "no"]
+
+
+def test_a_chat_completions_agent_with_an_output_type_can_require_tool_calls(server):
+    """Agents on /v1/chat/completions send their output_type as response_format on every turn, tool_choice
+    "required" included: the forced call wins over the format (vLLM's rule) instead of a 400."""
+    sent: list[dict] = []
+
+    async def record(request: httpx.Request) -> None:
+        sent.append(json.loads(request.content))
+
+    client = server.async_client(http_client=httpx.AsyncClient(event_hooks={"request": [record]}))
+    model = OpenAIChatCompletionsModel(model=MODEL, openai_client=client)
+    agent = Agent(
+        name="walk planner", instructions="Check the weather first.", model=model, output_type=Verdict,
+        model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=64),
+        tools=[get_weather], tool_use_behavior=StopAtTools(stop_at_tool_names=["get_weather"]),
+    )  # fmt: skip
+    trip = Trip()
+    result = asyncio.run(Runner.run(agent, QUESTION, context=trip, max_turns=2))
+    [(name, city)] = trip.calls
+    assert name == "get_weather" and result.final_output == f"sunny in {city}"
+    [request] = sent
+    assert request["tool_choice"] == "required" and request["response_format"]["type"] == "json_schema"
 
 
 @pytest.fixture(autouse=True)

@@ -111,6 +111,30 @@ def test_forced_tool_choice_answers_with_a_valid_tool_use(client, tool_choice):
     assert streamed.stop_reason == "tool_use" and streamed_call.input == call.input
 
 
+@pytest.mark.parametrize(
+    "tool_choice", [{"type": "tool", "name": "get_weather"}, {"type": "any", "disable_parallel_tool_use": True}],
+    ids=["tool", "any"],
+)
+def test_a_tool_use_cut_off_by_max_tokens_is_the_same_block_streamed_or_not(client, tool_choice):
+    """The stream has opened a tool_use block before max_tokens cuts its input, so the whole answer holds that
+    block too, its input read as far as it was written (what the SDK builds from the streamed partial_json)."""
+    arguments = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Rome?"}], tools=TOOLS,
+                     tool_choice=tool_choice)  # fmt: skip
+    full = client.messages.create(**arguments, max_tokens=64, extra_body=GREEDY)
+    [full_call] = [block for block in full.content if block.type == "tool_use"]
+    assert full.stop_reason == "tool_use"
+    budget = full.usage.output_tokens * 3 // 4  # inside the input, past the tool's name
+    message = client.messages.create(**arguments, max_tokens=budget, extra_body=GREEDY)
+    with client.messages.stream(**arguments, max_tokens=budget, extra_body=GREEDY) as stream:
+        streamed = stream.get_final_message()
+    for answer in (message, streamed):
+        assert answer.stop_reason == "max_tokens"
+        [call] = answer.content
+        assert call.type == "tool_use" and call.name == full_call.name and call.input != full_call.input
+        assert call.input.items() <= full_call.input.items()
+    assert message.content[0].input == streamed.content[0].input
+
+
 def test_a_tool_result_round_trip_equals_chat(client, server):
     call_input = {"city": "Rome", "days": 2}
     turns = [

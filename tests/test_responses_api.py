@@ -154,6 +154,22 @@ def test_required_calls_stream_their_arguments(client):
     assert call.name in ("get_weather", "get_time") and isinstance(json.loads(call.arguments), dict)
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}],
+                         ids=["required", "named"])  # fmt: skip
+def test_a_call_cut_off_by_the_budget_is_an_incomplete_function_call_streamed_or_not(client, tool_choice):
+    fields = dict(input="Weather?", tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False)
+    whole = respond(client, max_output_tokens=64, **fields)
+    [full], budget = whole.output, whole.usage.output_tokens * 2 // 3  # cut inside the arguments
+    cut = respond(client, max_output_tokens=budget, **fields)
+    final = list(respond(client, max_output_tokens=budget, stream=True, **fields))[-1].response
+    for response in (cut, final):
+        assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+        [call] = response.output
+        assert call.type == "function_call" and call.status == "incomplete" and call.name == full.name
+        assert full.arguments.startswith(call.arguments) and call.arguments != full.arguments
+    assert final.output[0].arguments == cut.output[0].arguments
+
+
 class Verdict(BaseModel):
     answer: Literal["yes", "no"]
     confidence: int = Field(ge=0, le=9)
@@ -208,6 +224,40 @@ def test_a_background_response_runs_to_the_end_or_until_cancelled(client):
     assert cancelled.status == "cancelled" and client.responses.retrieve(endless.id).status == "cancelled"
 
 
+def test_a_background_response_streams_its_events_again_from_any_point(client):
+    """GET ?stream=true replays a background response's events (`starting_after` a sequence number) and follows
+    one still running; background with stream=true streams the same events from the start."""
+    arguments = dict(input="Count to three.", max_output_tokens=16)
+    foreground = respond(client, **arguments)
+    streamed = list(respond(client, stream=True, background=True, **arguments))
+    assert [event.sequence_number for event in streamed] == list(range(len(streamed)))
+    final = streamed[-1].response
+    assert final.background and final.output_text == foreground.output_text and final.status == foreground.status
+    replayed = list(client.responses.retrieve(final.id, stream=True))
+    assert [event.model_dump() for event in replayed] == [event.model_dump() for event in streamed]
+    later = list(client.responses.retrieve(final.id, stream=True, starting_after=3))
+    assert [event.model_dump() for event in later] == [event.model_dump() for event in streamed[4:]]
+    running = respond(client, background=True, input="Go on forever.", max_output_tokens=400,
+                      extra_body={"ignore_eos": True})  # fmt: skip
+    events = client.responses.retrieve(running.id, stream=True)
+    deltas = 0
+    for event in events:
+        deltas += event.type == "response.output_text.delta"
+        if deltas == 3:
+            client.responses.cancel(running.id)  # the stream ends with the run
+    assert deltas >= 3 and client.responses.retrieve(running.id).status == "cancelled"
+
+
+def test_only_a_background_response_streams_from_get(server, client):
+    stored = respond(client, input="Hello", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="only a background response") as caught:
+        list(client.responses.retrieve(stored.id, stream=True))
+    assert caught.value.body["param"] == "stream"
+    fetched = httpx.get(f"{server.url}/v1/responses/{stored.id}?starting_after=2", headers=AUTHORIZATION)
+    assert fetched.status_code == 400 and fetched.json()["error"]["param"] == "starting_after"
+    assert "stream=true" in fetched.json()["error"]["message"]
+
+
 def test_the_store_keeps_only_the_newest(client):
     ids = [respond(client, input="Hi", max_output_tokens=1).id for _ in range(MAX_STORED + 1)]
     with pytest.raises(openai.NotFoundError):
@@ -247,6 +297,8 @@ def test_another_header_with_the_same_key_reads_the_same_space(server, client):
         ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, None, "'nope'"),
         ({"input": "x", "previous_response_id": "resp_missing"}, "previous_response_id", "does not exist"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, None, 'needs "schema"'),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
+         None, "text.format.schema is not a valid JSON schema"),
         ({"input": "x", "background": True, "store": False}, "background", "needs store=true"),
         ({"input": "x", "max_output_tokens": 5000}, "prompt", "context"),
     ],

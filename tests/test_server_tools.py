@@ -161,9 +161,68 @@ BAD = {
         {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "get_stock"),
     "tool_choice without tools": ({"tool_choice": "required"}, "tools"),
     "unknown tool_choice": ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
-    "required and a response_format": (
-        {"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"json_object": True}}, "required"),
+    "required and a malformed response_format": (
+        {"tools": TOOLS, "tool_choice": "required",
+         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+        "response_format"),
 }  # fmt: skip
+
+
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": {
+    "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+    "additionalProperties": False}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_a_forced_call_wins_over_response_format(client, tool_choice):
+    """vLLM's rule, which agents rely on (they send their output type's format on every turn): the tool-call
+    constraint applies, the format waits for a turn that answers in text. Same seed, so the same call."""
+    plain = chat(client, tool_choice=tool_choice, seed=8).choices[0]
+    [choice] = chat(client, tool_choice=tool_choice, seed=8, response_format=ANSWER_FORMAT).choices
+    assert choice.finish_reason == plain.finish_reason and choice.message.content is None
+    calls = [(call.function.name, call.function.arguments) for call in choice.message.tool_calls]
+    assert calls == [(call.function.name, call.function.arguments) for call in plain.message.tool_calls]
+    for call in choice.message.tool_calls:
+        assert_valid_call(call.function.name, call.function.arguments, call.id)
+    content, streamed, finish = streamed_calls(
+        chat(client, tool_choice=tool_choice, seed=8, response_format=ANSWER_FORMAT, stream=True))
+    assert content == "" and [(c["name"], c["arguments"]) for c in streamed] == calls
+    assert finish == [choice.finish_reason]
+
+
+def cut_points(client, **kwargs) -> tuple[list[tuple[str, str]], list[int]]:
+    """The calls of the answer left to finish, and max_tokens values that cut it at a third, two thirds and one
+    token short of its end."""
+    whole = chat(client, **kwargs)
+    assert whole.choices[0].finish_reason in ("tool_calls", "stop")
+    calls = [(call.function.name, call.function.arguments) for call in whole.choices[0].message.tool_calls]
+    length = whole.usage.completion_tokens
+    return calls, [length // 3, 2 * length // 3, length - 1]
+
+
+TRUNCATED = {
+    "required": {"tool_choice": "required"},
+    "named": {"tool_choice": NAMED},
+    "auto (hermes)": {"tool_choice": "auto", "extra_body": {"structured_outputs": {"regex": HERMES_REGEX}}},
+}
+
+
+@pytest.mark.parametrize("fields", TRUNCATED.values(), ids=TRUNCATED.keys())
+def test_a_call_cut_off_by_max_tokens_finishes_with_length_streamed_or_not(client, fields):
+    """A call max_tokens cut short is reported as "length" (not "tool_calls"), and the whole answer says what the
+    stream said: the same content, and the same calls with their arguments as far as they were written."""
+    full_calls, cuts = cut_points(client, **fields)
+    cut_inside_arguments = 0
+    for max_tokens in cuts:
+        [choice] = chat(client, max_tokens=max_tokens, **fields).choices
+        whole = [(call.function.name, call.function.arguments) for call in choice.message.tool_calls or []]
+        content, calls, finish = streamed_calls(chat(client, max_tokens=max_tokens, stream=True, **fields))
+        assert choice.finish_reason == "length" and finish == ["length"]
+        assert (choice.message.content or "", whole) == (content, [(c["name"], c["arguments"]) for c in calls])
+        pairs = list(zip(whole, full_calls, strict=False))  # the cut may come before some calls began
+        assert all(name == full_name and full.startswith(arguments) for (name, arguments), (full_name, full) in pairs)
+        cut_inside_arguments += any(arguments != full for (_, arguments), (_, full) in pairs)
+    assert cut_inside_arguments, "some cut lands inside a call's arguments"
 
 
 @pytest.mark.parametrize("body, named", BAD.values(), ids=BAD.keys())

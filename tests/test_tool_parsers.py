@@ -36,7 +36,7 @@ EXPECTED_CALLS = [("get_weather", WEATHER), ("get_time", "{}")]
 
 def streamed(stream, text: str, piece: int) -> tuple[str, list[tuple[str, str, str]]]:
     """Feed `text` `piece` characters at a time; reassemble content and calls as an OpenAI client does."""
-    deltas = [stream.feed(text[i : i + piece]) for i in range(0, len(text), piece)] + [stream.finish()]
+    deltas = [stream.feed(text[i : i + piece]) for i in range(0, max(len(text), 1), piece)] + [stream.finish()]
     content, calls = "", {}
     for delta in deltas:
         content += delta.content
@@ -102,11 +102,47 @@ def test_text_that_is_not_well_formed_calls_is_content_whole_and_streamed(parser
         ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}'),  # array never closed
     ],
 )
-def test_a_call_broken_after_its_name_is_content_whole_but_already_streamed(parser_name, text):
-    """A stream cannot take back a call it has begun (neither can vLLM's); the whole answer is content."""
-    assert get_tool_parser(parser_name).extract(text).tool_calls == []
-    content, calls = streamed(ParsedToolCallStream(get_tool_parser(parser_name)), text, 2)
+def test_a_call_broken_after_its_name_is_a_call_whole_and_streamed_but_not_complete(parser_name, text):
+    """A stream cannot take back a call it has begun (neither can vLLM's), so the whole answer reports it too:
+    both agree that a call was made, and both say it is not complete (chat then keeps finish_reason "length")."""
+    assert get_tool_parser(parser_name).extract(text).tool_calls == []  # the parser alone reads only whole calls
+    whole = ParsedToolCallStream(get_tool_parser(parser_name)).extract(text)
+    assert [(call.name, call.arguments) for call in whole.tool_calls] == [("f", '{"x": 1}')]
+    assert whole.content is None and not whole.complete
+    stream = ParsedToolCallStream(get_tool_parser(parser_name))
+    content, calls = streamed(stream, text, 2)
     assert content == "" and [(name, arguments) for _, name, arguments in calls] == [("f", '{"x": 1}')]
+    assert stream.called and not stream.complete
+
+
+CUT_SCRIPTS = {
+    **{name: (text, lambda name=name: ParsedToolCallStream(get_tool_parser(name))) for name, (text, _) in
+       SCRIPTS.items()},
+    "required": (json.dumps([{"name": "get_weather", "arguments": {"city": "Rome", "days": [1, 2]}},
+                             {"name": "get_time", "arguments": {}}]), lambda: required_calls_stream(parallel=True)),
+    "required, one call": (json.dumps([{"name": "get_weather", "arguments": {"city": "Rome"}}]),
+                           lambda: required_calls_stream(parallel=False)),
+    "named": ('{"city": "Rome", "days": [1, 2]}', lambda: NamedToolCallStream("get_weather")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("piece", [1, 5])
+@pytest.mark.parametrize("script", CUT_SCRIPTS)
+def test_an_output_cut_anywhere_reads_the_same_whole_and_streamed(script, piece):
+    """max_tokens may cut an output at any character: the whole answer then says what the stream said (the same
+    content, the same calls with the same arguments so far), and both say whether the calls are complete."""
+    text, reader = CUT_SCRIPTS[script]
+    for end in range(len(text) + 1):
+        cut = text[:end]
+        whole = reader().extract(cut)
+        stream = reader()
+        content, calls = streamed(stream, cut, piece)
+        assert (whole.content or "", [(c.name, c.arguments) for c in whole.tool_calls]) == (
+            content, [(name, arguments) for _, name, arguments in calls]), cut
+        assert whole.complete == stream.complete, cut
+        if whole.complete:  # complete means whole calls only: their arguments are JSON
+            assert all(json.loads(call.arguments) is not None for call in whole.tool_calls), cut
+    assert whole.complete and whole.tool_calls
 
 
 def test_whitespace_before_a_call_is_not_content():

@@ -67,14 +67,13 @@ def tool_call_plan(server: ServerState, body: ChatCompletionRequest) -> ToolCall
 
 def chat_sampling_params(body: ChatCompletionRequest, plan: ToolCallPlan, max_tokens: int) -> SamplingParams:
     """The request's sampling fields, plus what its tool_choice needs: a forced call's schema, or the special
-    tokens its parser looks for."""
+    tokens its parser looks for.
+
+    A forced call's schema wins over response_format (and the structured-output fields), as in vLLM: the answer is
+    a call, not text, and agents send both on every turn (the OpenAI Agents SDK with an output_type and
+    tool_choice="required"). The other constraint is still checked, so a malformed one is a 400 either way."""
     params = body.sampling_params(max_tokens, body.requested_logprobs())
     if plan.structured_outputs is not None:
-        if params.structured_outputs is not None:
-            raise InvalidRequest(
-                f'tool_choice "{plan.mode}" already constrains the output to a tool call; drop response_format '
-                '(or the structured-output fields), or use tool_choice "auto" or "none"'
-            )
         params.structured_outputs = plan.structured_outputs
     if plan.keeps_special_tokens and body.skip_special_tokens is None:
         params.skip_special_tokens = False
@@ -130,7 +129,7 @@ class _ChatFormatter:
             message = {"role": self.role, "content": content}
             if extracted.tool_calls:
                 message["tool_calls"] = [call.as_openai() for call in extracted.tool_calls]
-            finish_reason = self.plan.finish_reason(delta.finish_reason, bool(extracted.tool_calls))
+            finish_reason = self.plan.finish_reason(delta.finish_reason, bool(extracted.tool_calls), extracted.complete)
         return {"index": delta.index, "message": message, "logprobs": self._logprobs(delta),
                 "finish_reason": finish_reason}  # fmt: skip
 
@@ -146,7 +145,7 @@ class _ChatFormatter:
             piece = reader.feed(delta.text)
             if delta.finish_reason is not None:
                 piece += reader.finish()
-                finish_reason = self.plan.finish_reason(delta.finish_reason, reader.called)
+                finish_reason = self.plan.finish_reason(delta.finish_reason, reader.called, reader.complete)
         message: dict = {"role": self.role} if delta.is_first else {}
         content = (self.echo if delta.is_first else "") + piece.content
         if content or (delta.is_first and not piece.tool_calls):

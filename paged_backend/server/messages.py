@@ -9,9 +9,9 @@ sum is what count_tokens says). Errors under /v1/messages come in Anthropic's sh
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 
+import pydantic_core
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -95,7 +95,7 @@ class _Message:
                     piece += reader.finish()
                 events = blocks.events(piece)
                 if delta.finish_reason is not None:
-                    called = reader is not None and reader.called
+                    called = reader is not None and reader.called and reader.complete
                     events += [
                         *blocks.close(),
                         self._message_delta(delta.finish_reason, called),
@@ -122,24 +122,26 @@ class _Message:
 
 
 def _content_blocks(text: str, plan: ToolCallPlan) -> tuple[list[dict], bool]:
-    """Text and tool_use blocks of a whole output, and whether it calls tools. A call whose arguments are not a
-    whole JSON object (cut off by max_tokens) leaves the output as text, as malformed calls stay content in chat."""
+    """Text and tool_use blocks of a whole output, and whether it made whole calls. A call cut off by max_tokens
+    is still a tool_use block, as the stream sends it; its input is what the SDK builds from the streamed
+    `partial_json` (the arguments read as partial JSON: an unfinished key or string left out)."""
     reader = plan.reader()
     extracted = None if reader is None else reader.extract(text)
-    inputs = [_json_object(call.arguments) for call in extracted.tool_calls] if extracted else []
-    if extracted is None or not inputs or None in inputs:
+    if extracted is None or not extracted.tool_calls:
         return ([{"type": "text", "text": text}] if text else []), False
     content = [{"type": "text", "text": extracted.content}] if extracted.content else []
     content += [
-        {"type": "tool_use", "id": new_tool_use_id(), "name": call.name, "input": arguments}
-        for call, arguments in zip(extracted.tool_calls, inputs, strict=True)
+        {"type": "tool_use", "id": new_tool_use_id(), "name": call.name, "input": _tool_input(call.arguments)}
+        for call in extracted.tool_calls
     ]
-    return content, True
+    return content, extracted.complete
 
 
-def _json_object(text: str) -> dict | None:
+def _tool_input(arguments: str) -> dict:
+    """The arguments as an object, read as far as they go (pydantic's partial JSON reader is jiter's, which the
+    anthropic SDK uses for streamed input); anything but an object is {}."""
     try:
-        value = json.loads(text)
+        value = pydantic_core.from_json(arguments, allow_partial=True)
     except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
+        return {}
+    return value if isinstance(value, dict) else {}

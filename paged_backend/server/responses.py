@@ -4,7 +4,9 @@ A request is read as the chat conversation it means (responses_conversation.py) 
 pieces (template rendering, tool-call plan, sampling), so its greedy text equals /v1/chat/completions' token for
 token. `previous_response_id` prepends the stored conversation (its input items, then its output items), so the
 earlier prompt is a prefix of the new one and the prefix cache serves it. `background: true` answers at once with
-an in_progress response that GET polls and cancel stops.
+an in_progress response that GET polls and cancel stops; its run keeps its stream events, which
+`GET ?stream=true&starting_after=N` replays and then follows live (as OpenAI and vLLM serve it), and which
+`background` with `stream: true` streams from the start.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ from paged_backend.server import sse
 from paged_backend.server.chat import chat_sampling_params, render_chat_prompt, tool_call_plan
 from paged_backend.server.generation import Generation, output_budget
 from paged_backend.server.openai_errors import AsciiJSONResponse, engine_error, error_body
-from paged_backend.server.openapi_document import ErrorResponse
+from paged_backend.server.openapi_document import EVENT_STREAM, ErrorResponse
 from paged_backend.server.responses_conversation import Item, chat_messages, chat_request
 from paged_backend.server.responses_events import OutputAssembler
 from paged_backend.server.responses_objects import ResponseRecord
 from paged_backend.server.responses_schemas import InputItem, MessageItem, ResponsesRequest
-from paged_backend.server.responses_store import ResponseStore, credential_owner
+from paged_backend.server.responses_store import EventLog, ResponseStore, credential_owner
 from paged_backend.server.state import ServerState, server_state
 from paged_backend.server.tool_parsers.base import StreamDelta, ToolCallDelta
 from paged_backend.server.tool_parsers.choice import ToolCallPlan
@@ -47,6 +49,7 @@ class StoredResponse:
     record: ResponseRecord
     conversation: list[Item]  # the input items it answered, those of previous responses first
     task: asyncio.Task | None = None  # a background response's run
+    log: EventLog | None = None  # a background response's stream events
 
 
 @router.post("/v1/responses")
@@ -54,9 +57,8 @@ async def create_response(
     body: ResponsesRequest, request: Request, server: ServerState = Depends(server_state)
 ) -> Response:
     lora_request = server.check_model(body.model)
-    if body.background and (body.stream or not body.store):
-        problem = "cannot be streamed here; drop stream" if body.stream else "needs store=true, so it can be fetched"
-        return _bad_request(f"a background response {problem}", "background")
+    if body.background and not body.store:
+        return _bad_request("a background response needs store=true, so it can be fetched", "background")
     store, owner = response_store(request), _owner(request, server)
     history: list[Item] = []
     if body.previous_response_id is not None:
@@ -78,7 +80,10 @@ async def create_response(
         store.put(owner, stored.record.id, stored)
     assembler = OutputAssembler(stored.record)
     if body.background:
-        stored.task = asyncio.create_task(_run_to_end(generation, assembler, plan))
+        stored.log = EventLog()
+        stored.task = asyncio.create_task(_run_in_background(_events(generation, assembler, plan), stored.log))
+        if body.stream:  # the client may leave; the run goes on, and GET ?stream=true picks it up again
+            return StreamingResponse(stored.log.follow(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
         return json_response(stored.record.as_dict())
     if body.stream:
         events = _events(generation, assembler, plan)
@@ -87,12 +92,33 @@ async def create_response(
     return json_response(stored.record.as_dict())
 
 
-@router.get("/v1/responses/{response_id}", responses=NOT_FOUND)
+@router.get(
+    "/v1/responses/{response_id}",
+    responses={
+        **NOT_FOUND,
+        200: {"description": "The response, or with `stream=true` its events", "content": EVENT_STREAM},
+    },
+)
 async def retrieve_response(
-    response_id: ResponseId, request: Request, server: ServerState = Depends(server_state)
+    response_id: ResponseId,
+    request: Request,
+    server: ServerState = Depends(server_state),
+    stream: bool = False,
+    starting_after: Annotated[int | None, Query(ge=0)] = None,
 ) -> Response:
+    """The stored response; with stream=true a background one's events after `starting_after` (a sequence
+    number), then the rest as they come."""
     stored = _find(request, server, response_id)
-    return json_response(stored.record.as_dict()) if isinstance(stored, StoredResponse) else stored
+    if not isinstance(stored, StoredResponse):
+        return stored
+    if not stream:
+        if starting_after is not None:
+            return _bad_request("starting_after picks where a stream resumes; add stream=true", "starting_after")
+        return json_response(stored.record.as_dict())
+    if stored.log is None:
+        return _bad_request(f"only a background response can be streamed again; {response_id!r} was not created with "
+                            "background=true (GET it without stream)", "stream")  # fmt: skip
+    return StreamingResponse(stored.log.follow(starting_after), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
 
 
 @router.delete("/v1/responses/{response_id}", responses=NOT_FOUND)
@@ -227,20 +253,25 @@ def _finish(assembler: OutputAssembler, generation: Generation, finish_reason: s
 
 
 async def _run_to_end(generation: Generation, assembler: OutputAssembler, plan: ToolCallPlan) -> None:
-    """Run a response that is not streamed; a cancelled one (client gone, or cancel) is marked so."""
+    """Run a response that is not streamed; a cancelled one (the client left) is marked so, and an error is the
+    request's to answer, as chat would (a 4xx or 5xx)."""
     try:
         piece, finish_reason = await _whole_piece(generation, plan)
     except asyncio.CancelledError:
         assembler.record.status = "cancelled"
         raise
-    except Exception as error:
-        if not assembler.record.body.background:
-            raise  # the request answers it as chat would (a 4xx or 5xx)
-        _, body = engine_error(error)
-        assembler.fail(body["error"]["code"] or "server_error", body["error"]["message"])
-        return
     assembler.feed(piece)
     _finish(assembler, generation, finish_reason)
+
+
+async def _run_in_background(events: AsyncIterator[bytes], log: EventLog) -> None:
+    """A background response's run: streamed into its log, whoever reads it (a cancel marks it cancelled, an
+    error fails it, and either way the log ends)."""
+    try:
+        async for event in events:
+            log.append(event)
+    finally:
+        log.close()
 
 
 async def _events(generation: Generation, assembler: OutputAssembler, plan: ToolCallPlan) -> AsyncIterator[bytes]:

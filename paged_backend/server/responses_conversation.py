@@ -21,6 +21,7 @@ from paged_backend.server.responses_schemas import (
     MessageItem,
     ResponsesRequest,
 )
+from paged_backend.server.structured_fields import checked_schema
 
 Item = MessageItem | FunctionCallItem | FunctionCallOutputItem
 
@@ -72,9 +73,11 @@ def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
     text_format = body.text.format if body.text is not None else None
     # A forced call is not text: OpenAI applies text.format to the turns that answer in text, so it waits.
     forced = body.tool_choice is not None and body.tool_choice not in ("auto", "none")
-    if text_format is not None and not forced:
-        if text_format.type == "json_schema" and text_format.json_schema is None:
+    if text_format is not None and text_format.type == "json_schema":
+        if text_format.json_schema is None:
             raise InvalidRequest('text.format {"type": "json_schema"} needs "schema": {...} (and a "name")')
+        checked_schema("text.format.schema", text_format.json_schema)  # named as sent, even on a turn it waits
+    if text_format is not None and not forced:
         fields["response_format"] = text_format.for_chat()
     try:
         return ChatCompletionRequest.model_validate(fields)

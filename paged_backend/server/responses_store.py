@@ -1,4 +1,5 @@
-"""Stored responses: bounded in count and age, and isolated per API key.
+"""Stored responses: bounded in count and age, and isolated per API key; a background response's events, kept
+for GET ?stream=true (`EventLog`).
 
 An entry belongs to the hash of the credential its request presented (`Authorization: Bearer` or `x-api-key`),
 and is found only under that owner, so one key can never read, continue, cancel or delete another's response.
@@ -13,10 +14,11 @@ and any entry older than the TTL is gone.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -63,3 +65,50 @@ class ResponseStore(Generic[T]):
         deadline = self.clock() - self.ttl
         while self._entries and next(iter(self._entries.values()))[0] <= deadline:
             self._entries.popitem(last=False)
+
+
+class EventLog:
+    """A background response's stream events as sent (encoded at once, so later changes to the response do not
+    rewrite them), event i being sequence number i. Any number of readers replay it from a sequence number and
+    follow the run live until it ends.
+
+    >>> async def demo():
+    ...     log = EventLog()
+    ...     log.append(b"0"); log.append(b"1")
+    ...     reader = log.follow(starting_after=0)
+    ...     first = await anext(reader)
+    ...     log.append(b"2"); log.close()
+    ...     return [first] + [event async for event in reader]
+    >>> asyncio.run(demo())
+    [b'1', b'2']
+    """
+
+    def __init__(self) -> None:
+        self.events: list[bytes] = []
+        self.closed = False
+        self._changed = asyncio.Event()
+
+    def append(self, event: bytes) -> None:
+        self.events.append(event)
+        self._wake()
+
+    def close(self) -> None:
+        """The run ended (finished, failed or cancelled): readers stop once they have read everything."""
+        self.closed = True
+        self._wake()
+
+    async def follow(self, starting_after: int | None = None) -> AsyncIterator[bytes]:
+        """The events after sequence number `starting_after` (all of them when None), then each new one."""
+        index = 0 if starting_after is None else starting_after + 1
+        while True:
+            while index < len(self.events):
+                yield self.events[index]
+                index += 1
+            if self.closed:
+                return
+            changed = self._changed  # taken before waiting: a wake between the check and the wait is not lost
+            await changed.wait()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()  # waiters hold the one just set; the next wait gets a fresh one

@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from paged_backend.errors import InvalidRequest
-from paged_backend.structured.params import StructuredOutputsParams, json_schema_error
+from paged_backend.structured.params import TOO_DEEP, StructuredOutputsParams, json_schema_error
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -63,20 +63,29 @@ def _from_structured_outputs(requested: Any) -> StructuredOutputsParams:
 
 def _params(field: str, **constraint: Any) -> StructuredOutputsParams:
     """StructuredOutputsParams with the field named in any error; a JSON schema is checked against its metaschema."""
-    schema = constraint.get("json")
+    if constraint.get("json") is not None:
+        constraint["json"] = checked_schema(field, constraint["json"])
+    try:
+        return StructuredOutputsParams(**constraint)
+    except InvalidRequest as error:
+        raise InvalidRequest(f"{field}: {error}") from None
+
+
+def checked_schema(field: str, schema: Any) -> dict[str, Any]:
+    """`schema` (an object or its JSON text) as an object checked against its metaschema; else InvalidRequest
+    naming `field`."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except ValueError as error:
             raise InvalidRequest(f"{field}: the JSON schema is not valid JSON ({error})") from None
-    if schema is not None:
-        if not isinstance(schema, dict):
-            raise InvalidRequest(f"{field}: a JSON schema must be an object, got {type(schema).__name__}")
-        problem = json_schema_error(schema)
-        if problem is not None:
-            raise InvalidRequest(f"{field} is not a valid JSON schema: {problem[0]}")
-        constraint["json"] = schema
-    try:
-        return StructuredOutputsParams(**constraint)
-    except InvalidRequest as error:
-        raise InvalidRequest(f"{field}: {error}") from None
+        except RecursionError:
+            raise InvalidRequest(f"{field}: {TOO_DEEP}") from None
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"{field}: a JSON schema must be an object, got {type(schema).__name__}")
+    problem = json_schema_error(schema)
+    if problem is not None and problem[0] == TOO_DEEP:
+        raise InvalidRequest(f"{field}: {TOO_DEEP}")
+    if problem is not None:
+        raise InvalidRequest(f"{field} is not a valid JSON schema: {problem[0]}")
+    return schema

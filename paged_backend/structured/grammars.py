@@ -17,7 +17,7 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from paged_backend.errors import InvalidRequest
-from paged_backend.structured.params import StructuredOutputsParams, json_schema_error
+from paged_backend.structured.params import TOO_DEEP, StructuredOutputsParams, json_schema_error
 
 # Whitespace a JSON gap may hold: one optional line break and indentation up to 20 columns. Bounded so a model
 # (random weights, or just unlucky sampling) cannot loop on whitespace forever; it still covers pretty-printing.
@@ -50,10 +50,15 @@ def llguidance_grammar(params: StructuredOutputsParams) -> str:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     except InvalidRequest:
         raise
+    except RecursionError as error:  # json.dumps of a schema deeper than the interpreter's stack
+        raise InvalidRequest(f"structured-output {label} cannot be used: {TOO_DEEP}") from error
     except BaseException as error:  # pyo3 panics derive from BaseException; a backend failure is still the input's
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise
-        raise InvalidRequest(f"structured-output {label} cannot be used: {_one_line(str(error))}") from error
+        reason = _one_line(str(error))
+        if "recursion limit exceeded" in reason:  # llguidance reads JSON 128 levels deep at most
+            reason = TOO_DEEP
+        raise InvalidRequest(f"structured-output {label} cannot be used: {reason}") from error
     if is_error:
         unsupported = re.match(r"Unimplemented keys: \[(.*)\]", messages[0])
         if unsupported:
@@ -70,6 +75,8 @@ def _schema(value: dict[str, Any] | str) -> dict[str, Any] | bool:
             value = json.loads(value)
         except json.JSONDecodeError as error:
             raise InvalidRequest(f"structured-output json schema is not valid JSON: {error}") from error
+        except RecursionError as error:
+            raise InvalidRequest(f"structured-output json schema cannot be used: {TOO_DEEP}") from error
     if not isinstance(value, (dict, bool)):
         raise InvalidRequest(f"structured-output json schema must be a JSON object, got {type(value).__name__}")
     problem = json_schema_error(value)

@@ -9,6 +9,10 @@ from typing import Any
 from paged_backend.errors import InvalidRequest
 
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+# What a schema too deep for the checker's (or the grammar compiler's) recursion is told; a request error, never a 500.
+TOO_DEEP = (
+    "the schema is nested too deeply to check; flatten it, or move nested parts into $defs and refer to them with $ref"
+)
 
 
 @dataclass
@@ -61,6 +65,10 @@ def json_schema_error(schema: Any) -> tuple[str, str] | None:
     'type'
     >>> json_schema_error({"$schema": []})
     ("'$schema' must be a URI string", 'the top level')
+    >>> deep = {}
+    >>> for _ in range(2000): deep = {"type": "array", "items": deep}
+    >>> json_schema_error(deep)[0] == TOO_DEEP
+    True
     """
     if isinstance(schema, dict) and not isinstance(schema.get("$schema", ""), str):  # jsonschema looks it up by text
         return "'$schema' must be a URI string", "the top level"
@@ -72,6 +80,8 @@ def json_schema_error(schema: Any) -> tuple[str, str] | None:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as error:
         return error.message, "/".join(map(str, error.absolute_path)) or "the top level"
+    except RecursionError:  # jsonschema descends a frame or more per level: a deep schema runs out of stack
+        return TOO_DEEP, "the top level"
     return None
 
 
@@ -80,5 +90,5 @@ def checked_json_schema(schema: Any) -> Any:
     request model's schema field validates with."""
     problem = None if schema is None else json_schema_error(schema)
     if problem is not None:
-        raise ValueError(f"not a valid JSON schema: {problem[0]}")
+        raise ValueError(problem[0] if problem[0] == TOO_DEEP else f"not a valid JSON schema: {problem[0]}")
     return schema

@@ -33,6 +33,7 @@ class ToolCall:
 class ExtractedToolCalls:
     content: str | None  # the text outside the calls
     tool_calls: list[ToolCall]
+    complete: bool = True  # False: the output ended inside a call (max_tokens), whose arguments are cut short
 
 
 @dataclass

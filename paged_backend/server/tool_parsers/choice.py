@@ -42,9 +42,11 @@ class ToolCallPlan:
         """Whether the parser's markers are special tokens the detokenizer must keep (Mistral's [TOOL_CALLS])."""
         return self.mode == "auto" and get_tool_parser(self.parser_name).keeps_special_tokens
 
-    def finish_reason(self, engine_reason: str | None, called: bool) -> str | None:
-        """ "tool_calls" once calls were made, except for a named choice, which vLLM ends as the engine did."""
-        if engine_reason is not None and called and self.mode in ("auto", "required"):
+    def finish_reason(self, engine_reason: str | None, called: bool, complete: bool = True) -> str | None:
+        """ "tool_calls" once whole calls were made and the model stopped by itself; a named choice ends as the
+        engine did (vLLM's rule), and so does an output cut off inside a call: "length" tells the client the
+        arguments are cut short (OpenAI's and vLLM's answer), streamed or not."""
+        if engine_reason == "stop" and called and complete and self.mode in ("auto", "required"):
             return "tool_calls"
         return engine_reason
 

@@ -14,7 +14,9 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 
 
 def get_tool_parser(name: str) -> ToolParser:
-    """>>> get_tool_parser("hermes").name
+    """The parser `--tool-call-parser NAME` names.
+
+    >>> get_tool_parser("hermes").name
     'hermes'
     """
     if name not in TOOL_PARSERS:
