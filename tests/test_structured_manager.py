@@ -167,6 +167,8 @@ def test_matchers_from_one_compiled_grammar_are_independent(manager):
         (dict(json={"type": "string", "minLength": 3, "maxLength": 1}), "Unsatisfiable"),
         (dict(regex="[a-"), "regex cannot be used: unclosed character class"),
         (dict(regex="(?=a)b"), "look-around"),
+        (dict(regex="ab\\"), "regex ends in a lone backslash"),  # llguidance read it as nothing: empty outputs
+        (dict(choice=["ok", "a\ud800"]), "choice 1 is not valid Unicode (surrogates not allowed)"),
         (dict(regex="[^\\s\\S]"), "regex matches no text"),
         (dict(grammar='root ::= "a" missing'), "grammar cannot be used: Rule 'missing' not found"),
         (dict(grammar="root ::= ( "), "grammar cannot be used: Expected ')'"),

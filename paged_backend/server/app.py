@@ -34,8 +34,7 @@ from paged_backend.server import (
 )
 from paged_backend.server.batch_runner import BatchRunner
 from paged_backend.server.guard import RequestGuard
-from paged_backend.server.openai_errors import _unexpected_handler as answer_unexpected
-from paged_backend.server.openai_errors import install_error_handlers
+from paged_backend.server.openai_errors import answer_unexpected, install_error_handlers
 from paged_backend.server.openapi_document import install_openapi
 from paged_backend.server.schemas import strict_fields
 from paged_backend.server.state import ServerSettings, ServerState

@@ -243,7 +243,7 @@ def _body_fields(body: bytes) -> tuple[str | None, str | None]:
     """The JSON body's `model` and `lora_name` (None where absent or not strings)."""
     try:
         document = json.loads(body) if body else None
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack
         return None, None  # the model's own app answers the malformed body with its usual 400
     if not isinstance(document, dict):
         return None, None

@@ -299,7 +299,7 @@ async def _disconnected_handler(request: Request, exc: ClientDisconnected) -> Re
     return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
 
 
-async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
+async def answer_unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return _respond(request, 500, error_body("internal server error", "internal_error"), retry_after_headers(exc))
 
@@ -311,4 +311,4 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(EngineStepFailed, _engine_handler)
     app.add_exception_handler(ModelNotFound, _model_not_found_handler)
     app.add_exception_handler(ClientDisconnected, _disconnected_handler)
-    app.add_exception_handler(Exception, _unexpected_handler)
+    app.add_exception_handler(Exception, answer_unexpected)

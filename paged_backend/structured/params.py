@@ -6,7 +6,7 @@ import json as json_module
 from dataclasses import dataclass
 from typing import Any
 
-from paged_backend.errors import InvalidRequest
+from paged_backend.errors import InvalidRequest, not_unicode
 
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 # What a schema too deep for the checker's (or the grammar compiler's) recursion is told; a request error, never a 500.
@@ -42,6 +42,13 @@ class StructuredOutputsParams:
             )
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise InvalidRequest("structured-output choice must be a non-empty list of strings")
+        for index, text in enumerate([self.regex] if isinstance(self.regex, str) else self.choice or []):
+            if reason := not_unicode(text):  # the grammar engine's own words were about hex escapes
+                where = "regex" if self.regex is not None else f"choice {index}"
+                raise InvalidRequest(f"structured-output {where} is not valid Unicode ({reason}); send UTF-8 text")
+        if isinstance(self.regex, str) and (len(self.regex) - len(self.regex.rstrip("\\"))) % 2:
+            # llguidance takes a trailing lone backslash as nothing and generated an empty string
+            raise InvalidRequest("structured-output regex ends in a lone backslash; escape it (\\\\) or remove it")
 
     @property
     def kind(self) -> str:
