@@ -134,6 +134,13 @@ def test_completions_batch_equals_the_online_answers(server, client):
         assert comparable(output["response"]["body"]) == comparable(online)
 
 
+def test_a_file_saved_with_a_byte_order_mark_runs_from_its_first_line(client):
+    lines = [completion_line(f"bom-{i}", "The cache holds", max_tokens=2) for i in range(2)]
+    uploaded = client.files.create(file=("windows.jsonl", b"\xef\xbb\xbf" + jsonl(lines)), purpose="batch")
+    batch = wait_until(client, create(client, uploaded, "/v1/completions").id)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 0), batch  # line 1 failed: "BOM"
+
+
 def test_malformed_lines_become_error_lines_and_the_others_still_run(server, client):
     good = chat_line("good", "Still answered?")
     rejected = chat_line("rejected", "Too many tokens", max_tokens=10_000)  # the route's own 400

@@ -108,6 +108,13 @@ def test_kv_map_command_draws_a_running_server(tmp_path):
         assert output.exists() and output.with_suffix(".html").exists()
         snapshot = httpx.get(f"{server.url}/debug/kv", headers={"Authorization": f"Bearer {API_KEY}"}).json()
         assert snapshot["history"] and {b["state"] for b in snapshot["blocks"]} <= {"owned", "shared", "cached", "free"}
+        assert httpx.get(f"{server.url}/debug/kv").status_code == 401  # it names every request: the key's alone
+        base_url = CliRunner().invoke(  # an OpenAI client's base URL names the same server
+            cli.app, ["kv-map", "--url", f"{server.url}/v1", "--output", str(output), "--api-key", API_KEY]
+        )
+        assert base_url.exit_code == 0, base_url.output
+        keyless = kv_map_command("--url", server.url, "--output", str(tmp_path / "keyless.png"))
+        assert keyless.exit_code == 2 and "answered 401; pass the server's key with --api-key" in keyless.output
 
 
 def kv_map_command(*args: str):

@@ -202,8 +202,9 @@ def test_requests_past_the_concurrency_limit_get_429(long_lived_server):
         thread.start()
     holding.wait()
     try:
-        error = assert_openai_error(server.post("/v1/completions", json={"prompt": "one more"}), 429)
-        assert error["code"] == "rate_limit_exceeded"
+        refused = server.post("/v1/completions", json={"prompt": "one more"})
+        error = assert_openai_error(refused, 429)
+        assert error["code"] == "rate_limit_exceeded" and refused.headers["retry-after"] == "1"  # the SDK's wait
         assert server.metrics()["paged_backend:num_requests_running"] == MAX_CONCURRENT  # the holders were running
     finally:
         release.set()

@@ -33,7 +33,8 @@ def kv_map(
         typer.echo(f"error: --output {error}", err=True)
         raise typer.Exit(2) from error
     try:
-        request = urllib.request.Request(url.rstrip("/") + "/debug/kv")
+        # the server's root; an OpenAI client's base URL (.../v1), which users copy, names the same server
+        request = urllib.request.Request(url.rstrip("/").removesuffix("/v1") + "/debug/kv")
     except ValueError as error:  # no scheme and no host: "/debug/kv"
         typer.echo(f"error: --url {url!r} is not a URL; give one like http://127.0.0.1:8000", err=True)
         raise typer.Exit(2) from error
@@ -43,7 +44,8 @@ def kv_map(
         with urllib.request.urlopen(request, timeout=30) as response:
             snapshot = json.load(response)
     except urllib.error.HTTPError as error:
-        hint = "; start the server with --enable-debug-routes" if error.code == 404 else ""
+        hints = {404: "; start the server with --enable-debug-routes", 401: "; pass the server's key with --api-key"}
+        hint = hints.get(error.code, "")
         typer.echo(f"error: GET {request.full_url} answered {error.code}{hint}", err=True)
         raise typer.Exit(2) from error
     except OSError as error:  # URLError (refused, unknown host, no http://), a timeout, a dropped connection

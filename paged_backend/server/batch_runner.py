@@ -110,7 +110,7 @@ class BatchRunner:
         """Run `record`'s unfinished lines (unless it is being cancelled or has expired), then write its output
         files."""
         try:
-            text = self.files.content(record.input_file_id).decode("utf-8", errors="replace")
+            text = self.files.content(record.input_file_id).decode("utf-8-sig", errors="replace")  # as batches.py reads it
         except FileNotFound:
             return self._fail(record, "file_not_found", f"the input file {record.input_file_id} was deleted")
         lines = parse_lines(text, record.endpoint)

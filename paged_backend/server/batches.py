@@ -45,7 +45,7 @@ async def create_batch(body: BatchCreateRequest, request: Request) -> JSONRespon
     files = file_store_of(request.app)
     try:
         input_file = files.get(body.input_file_id)
-        text = (await asyncio.to_thread(files.content, body.input_file_id)).decode("utf-8", errors="replace")
+        text = (await asyncio.to_thread(files.content, body.input_file_id)).decode("utf-8-sig", errors="replace")  # a BOM: saved on Windows
     except FileNotFound as error:
         return not_found(error, "input_file_id")
     if input_file.purpose != "batch":

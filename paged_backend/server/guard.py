@@ -15,7 +15,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from paged_backend.server.openai_errors import anthropic_error_body, error_bytes, is_anthropic_path
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
-OPERATOR_PATHS = ("/sleep", "/wake_up", "/is_sleeping")  # vLLM's sleep routes: outside /v1, yet the key's alone
+# vLLM's sleep routes and our debug routes (the pool map names every request): outside /v1, yet the key's alone
+OPERATOR_PATHS = ("/sleep", "/wake_up", "/is_sleeping", "/debug/kv")
 UPLOAD_PATHS = ("/v1/files",)  # bodies up to max_file_bytes instead of max_request_body_bytes
 
 
@@ -56,7 +57,7 @@ class RequestGuard:
             return await self.app(scope, replay, send)
         if self.in_flight >= self.max_concurrent_requests:
             message = f"the server is at its limit of {self.max_concurrent_requests} concurrent requests; retry later"
-            return await _reject(send, path, 429, message, "rate_limit_error", "rate_limit_exceeded")
+            return await _reject(send, path, 429, message, "rate_limit_error", "rate_limit_exceeded", retry_after=1)
         self.in_flight += 1
         try:
             await self.app(scope, replay, send)
@@ -108,11 +109,15 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-async def _reject(send: Send, path: str, status: int, message: str, type_: str, code: str) -> None:
+async def _reject(
+    send: Send, path: str, status: int, message: str, type_: str, code: str, retry_after: int | None = None
+) -> None:
     anthropic = is_anthropic_path(path)
     body = (
         json.dumps(anthropic_error_body(message, status)).encode() if anthropic else error_bytes(message, type_, code)
     )
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if retry_after is not None:  # a busy server: the OpenAI SDK waits this long before its retry
+        headers.append((b"retry-after", str(retry_after).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
