@@ -180,3 +180,19 @@ def test_serve_exports_over_otlp_grpc_by_default(monkeypatch):
     assert [span.name for span in collector.spans] == ["llm_request"]
     attributes = {a.key: a.value for a in collector.spans[0].attributes}
     assert attributes["gen_ai.usage.completion_tokens"].int_value == 2
+
+
+def test_a_server_whose_collector_is_gone_still_stops_within_its_drain(monkeypatch):
+    """With nothing at the OTLP endpoint, the exporter's retries held the exit ~10 s past the drain."""
+    import time
+
+    from tests._server_helpers import running_server, stop
+
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nobody listens
+    with running_server("--otlp-traces-endpoint", endpoint, "--drain-timeout", "1") as server:
+        server.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2)  # a span to export
+        started = time.monotonic()
+        stop(server)
+        assert time.monotonic() - started < 5, "the exit waited on the exporter"  # 8-10 s before, 1.5 s now

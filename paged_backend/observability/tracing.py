@@ -95,8 +95,15 @@ def otlp_tracer(endpoint: str, service_name: str) -> RequestTracer:
     else:
         raise RuntimeError(f"OTLP protocol {protocol!r} is not supported; use grpc or http/protobuf")
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    # The SDK retries an export for 10 s; at shutdown, with no collector, that held the exit well past the drain.
+    # Its own variables still win.
+    timeout = None if any(name in os.environ for name in TIMEOUT_VARIABLES) else EXPORT_TIMEOUT_S
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, timeout=timeout)))
     return RequestTracer(provider.get_tracer("paged_backend"), provider)
+
+
+EXPORT_TIMEOUT_S = 2.0
+TIMEOUT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
 
 
 class TraceHeaders:
