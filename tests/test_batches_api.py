@@ -320,6 +320,7 @@ def test_each_line_runs_on_the_model_its_body_names(tmp_path):
         after = server.metrics()
         for model, count in (("first", 2), ("second", 3)):  # each engine ran its own lines, in the batch class
             assert batch_requests(after, model) - batch_requests(before, model) == count
+        assert "another server runs the batches" not in server.output()  # one runner, no false warning
 
 
 def batch_requests(metrics: dict[str, float], model: str) -> float:

@@ -62,10 +62,13 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await async_engine.start()
-        batch_runner = BatchRunner(app)  # resumes the batches a stop interrupted
-        batch_runner.start()
+        # resumes the batches a stop interrupted; one per server (several models: the first model's app runs them)
+        batch_runner = BatchRunner(app) if getattr(app.state, "runs_batches", True) else None
+        if batch_runner is not None:
+            batch_runner.start()
         yield
-        await batch_runner.stop()
+        if batch_runner is not None:
+            await batch_runner.stop()
         await async_engine.shutdown(settings.drain_timeout)
         if tracer is not None:
             tracer.shutdown()

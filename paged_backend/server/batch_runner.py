@@ -55,9 +55,10 @@ def batch_store_of(app: FastAPI) -> BatchStore:
 
 def send_lines_through(front: ASGIApp, apps: Iterable[FastAPI]) -> None:
     """Send the batch lines of `apps` to `front`, the ASGI app online requests enter (a multi-model server's
-    router), so that each line runs on the model its body names, or gets the 404 an online request would."""
-    for app in apps:
-        app.state.batch_front = front
+    router), so that each line runs on the model its body names, or gets the 404 an online request would. The
+    first app alone runs them: the others' runners lost the directory's lock and warned of "another server"."""
+    for index, app in enumerate(apps):
+        app.state.batch_front, app.state.runs_batches = front, index == 0
 
 
 class BatchRunner:
