@@ -94,6 +94,20 @@ def test_level_2_drops_the_weights_reloads_them_and_gives_the_same_tokens(server
     assert greedy_tokens(client) == before
 
 
+def test_wake_up_tags_bring_back_the_weights_then_the_kv_cache_as_rlhf_does(server, client):
+    """vLLM's tags: the weights first (a trainer syncs them), then the KV cache; serving starts with the last."""
+    before = greedy_tokens(client)
+    assert sleep(server, 2).status_code == 200
+    assert server.post("/wake_up", params={"tags": "weights"}).json() == {"is_sleeping": True, "level": 1}
+    with pytest.raises(openai.APIStatusError) as refused:  # the KV cache is still asleep
+        greedy_tokens(client)
+    assert refused.value.status_code == 503
+    assert server.post("/wake_up", params={"tags": "kv_cache"}).json() == {"is_sleeping": False, "level": 0}
+    assert greedy_tokens(client) == before
+    bogus = server.post("/wake_up", params={"tags": "optimizer"})
+    assert bogus.status_code == 400 and "wake_up tags 'optimizer' do not exist" in bogus.json()["error"]["message"]
+
+
 def test_asleep_generation_gets_503_with_retry_after_health_says_sleeping_metrics_show_the_level(server, client):
     assert sleep_gauge(server) == {"awake": 1, "level_1": 0, "level_2": 0}
     assert sleep(server, 1).status_code == 200

@@ -186,10 +186,11 @@ class AsyncEngine:
         self._check_running()
         await self._call_on_engine_thread(lambda: self._sleep.sleep(level))
 
-    async def wake_up(self) -> None:
-        """Bring back what the sleep freed (level 2 reloads the weights from the engine config's model)."""
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what the sleep freed, or only `tags` ("weights": level 2 reloads them from the engine config's
+        model; "kv_cache": the pool)."""
         self._check_running()
-        await self._call_on_engine_thread(self._sleep.wake_up)
+        await self._call_on_engine_thread(lambda: self._sleep.wake_up(tags))
 
     def _check_running(self) -> None:
         if not self._accepting:  # a stopped loop would never run the command

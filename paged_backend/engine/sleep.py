@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LEVELS = (1, 2)
+TAGS = ("weights", "kv_cache")  # vLLM's wake_up tags: what to bring back (RLHF wakes the weights, syncs, then the KV)
 MAX_NAMED = 10  # request ids an EngineBusy message names
 
 
@@ -57,7 +58,11 @@ class EngineSleep:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.level = 0
+        self.asleep: set[str] = set()  # the TAGS now released
+
+    @property
+    def level(self) -> int:
+        return 2 if "weights" in self.asleep else 1 if self.asleep else 0
 
     def refusal(self, level: int) -> str | None:
         """Why this engine cannot sleep at `level`, or None."""
@@ -84,28 +89,38 @@ class EngineSleep:
         if self.engine.has_unfinished_requests():
             raise EngineBusy(sorted(self.engine.requests))
         started = time.perf_counter()
-        if self.level == 0:
+        if "kv_cache" not in self.asleep:
             self._release_pools()
+            self.asleep.add("kv_cache")
         if level == 2:
             self._drop_weights()
-        self.level = level
+            self.asleep.add("weights")
         _give_memory_back(self.engine.kv_cache.device)
         logger.info("engine asleep at level %d (%.2f s)", level, time.perf_counter() - started)
 
-    def wake_up(self) -> None:
-        """Bring back what the sleep dropped (a no-op when awake). A failed reload leaves the engine asleep."""
-        if self.level == 0:
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what the sleep dropped, or only the `tags` named (a no-op for what is awake). The engine
+        serves once nothing is left asleep. A failed reload leaves the engine asleep."""
+        unknown = sorted(set(tags or ()) - set(TAGS))
+        if unknown:
+            raise InvalidRequest(f"wake_up tags {', '.join(map(repr, unknown))} do not exist; use {' or '.join(TAGS)}")
+        waking = self.asleep & set(tags or TAGS)
+        if not waking:
             return
         started = time.perf_counter()
-        if self.level == 2:
+        if "weights" in waking:
             self._load_weights()
             _give_memory_back(self.engine.kv_cache.device)  # loading's transient copies (a GGUF's dequantization)
-        for pool in self._pools():
-            pool.allocate()
-        if self.engine.runner.decode_graphs is not None:  # over the new pool's addresses, before any step needs one
-            self.engine.runner.decode_graphs.capture_all()
-        self.level = 0
-        logger.info("engine awake (%.2f s)", time.perf_counter() - started)
+            self.asleep.discard("weights")
+        if "kv_cache" in waking:
+            for pool in self._pools():
+                pool.allocate()
+            self.asleep.discard("kv_cache")
+        graphs = None if self.engine.runner is None else self.engine.runner.decode_graphs
+        if not self.asleep and graphs is not None:  # over the new pool's addresses, before any step needs one
+            graphs.capture_all()
+        logger.info("woke %s (%.2f s)%s", " and ".join(sorted(waking)), time.perf_counter() - started,
+                    "" if self.asleep else "; engine awake")  # fmt: skip
 
     def _pools(self) -> list:
         """The engine's KV pool, and the draft model's when one speculates."""

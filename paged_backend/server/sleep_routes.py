@@ -16,6 +16,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
 from paged_backend.engine.sleep import EngineBusy
+from paged_backend.errors import InvalidRequest
 from paged_backend.server.openai_errors import error_response
 from paged_backend.server.openapi_document import ERROR_REF
 from paged_backend.server.state import ServerState, server_state
@@ -71,12 +72,21 @@ async def sleep(
 
 
 @router.post("/wake_up", responses={**ERRORS, 500: _error("Reloading failed; the engine is still asleep")})
-async def wake_up(request: Request, server: ServerState = Depends(server_state)) -> JSONResponse:
-    """Bring the KV cache (and at level 2 the weights, loaded again from --model) back; serve again."""
+async def wake_up(
+    request: Request,
+    tags: Annotated[
+        list[str] | None, Query(description='what to bring back, "weights" and/or "kv_cache" (vLLM\'s); default: all')
+    ] = None,
+    server: ServerState = Depends(server_state),
+) -> JSONResponse:
+    """Bring the KV cache (and at level 2 the weights, loaded again from --model) back; serve again once nothing is
+    left asleep."""
     if (refusal := _refusal(request, server)) is not None:
         return refusal
     try:
-        await server.async_engine.wake_up()
+        await server.async_engine.wake_up(tags)
+    except InvalidRequest:
+        raise  # an unknown tag: the usual 400
     except Exception as error:  # a reload that failed (the model file gone): still asleep, and saying why
         logger.exception("wake_up failed")
         level = server.async_engine.sleep_level
