@@ -12,12 +12,13 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pydantic
 import pytest
 
 from paged_backend.worker.models import byte_tokenizer, tiny_model
-from tests._server_helpers import MODEL, client_fixture, running_server
+from tests._server_helpers import API_KEY, MODEL, client_fixture, running_server
 
 ALIAS = "the-same-model"  # a second --served-model-name for the one model
 
@@ -239,3 +240,13 @@ def test_the_openai_client_sees_bad_chat_input_as_bad_request(client):
 
 def test_every_block_is_free_afterwards(server):
     server.wait_until_drained()
+
+
+def test_browsers_get_cors_as_from_vllm_and_a_preflight_needs_no_key(server):
+    preflight = httpx.options(f"{server.url}/v1/chat/completions", headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})  # fmt: skip
+    assert preflight.status_code == 200, preflight.text  # was 401: the key check ran first
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    listed = httpx.get(f"{server.url}/v1/models", headers={"Origin": "https://app.example", "Authorization": f"Bearer {API_KEY}"})
+    assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == "*"

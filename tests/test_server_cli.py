@@ -73,3 +73,12 @@ def test_chat_template_is_a_file_or_an_inline_template(tmp_path):
     assert server_chat_template(template) == template and server_chat_template(None) is None
     missing = serve_exit("--chat-template", str(tmp_path / "missing.jinja"))
     assert missing.exit_code == 2 and "--chat-template: no such file" in missing.output
+
+
+def test_cors_flags_take_vllms_json_lists_and_repeated_values():
+    from paged_backend.server.cli import cors_settings
+
+    assert cors_settings(['["https://a.example", "https://b.example"]'], None, ["x-a", "x-b"], True) == {
+        "allow_credentials": True, "allowed_origins": ["https://a.example", "https://b.example"],
+        "allowed_headers": ["x-a", "x-b"]}  # fmt: skip
+    assert cors_settings(None, None, None, False) == {"allow_credentials": False}  # ServerSettings keeps "*"

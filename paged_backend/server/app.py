@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from paged_backend import __version__
@@ -92,7 +93,8 @@ def build_app(
         max_file_bytes=settings.max_file_bytes,
     )
     app.add_middleware(TraceHeaders)
-    app.add_middleware(AnswerUnhandled, answer=answer_unexpected)  # outermost: a bug's 500 keeps the connection
+    app.add_middleware(AnswerUnhandled, answer=answer_unexpected)  # a bug's 500 keeps the connection
+    app.add_middleware(CORSMiddleware, **settings.cors_options)  # outermost: preflights need no key, 500s get CORS
     return app
 
 

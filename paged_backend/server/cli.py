@@ -5,6 +5,7 @@ and the model itself since it takes several (`--model a --model b`, or a `models
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Annotated
@@ -120,6 +121,12 @@ def serve(
         str | None,
         typer.Option(help="the chat template for every chat request, instead of the tokenizer's: a file, or inline"),
     ] = None,
+    allowed_origins: Annotated[
+        list[str] | None, typer.Option(help='CORS: origins browsers may call from (vLLM\'s flag; default "*")')
+    ] = None,
+    allowed_methods: Annotated[list[str] | None, typer.Option(help='CORS: methods allowed (default "*")')] = None,
+    allowed_headers: Annotated[list[str] | None, typer.Option(help='CORS: headers allowed (default "*")')] = None,
+    allow_credentials: Annotated[bool, typer.Option(help="CORS: let browsers send cookies and auth headers")] = False,
     trust_request_chat_template: Annotated[
         bool, typer.Option(help="render a request's own chat_template (a template is code run on this server)")
     ] = False,
@@ -172,6 +179,7 @@ def serve(
         files_dir=files_dir, max_file_bytes=max_file_bytes, enable_sleep_mode=enable_sleep_mode,
         batch_completion_window=batch_completion_window, chat_template=template,
         trust_request_chat_template=trust_request_chat_template,
+        **cors_settings(allowed_origins, allowed_methods, allowed_headers, allow_credentials),
     )  # fmt: skip
     try:
         if engines is None:
@@ -192,6 +200,27 @@ def serve(
             each.close()  # stops the worker ranks of a parallel engine
     if server.exit_code:
         raise typer.Exit(server.exit_code)
+
+
+def cors_settings(origins, methods, headers, credentials: bool) -> dict:
+    """The CORS fields of ServerSettings; a flag not given keeps vLLM's "*". vLLM takes each list as JSON text
+    (`--allowed-origins '["https://a.example"]'`): that form is read too, besides the flag repeated."""
+
+    def values(given: list[str] | None) -> list[str] | None:
+        if not given:
+            return None
+        if len(given) == 1 and given[0].lstrip().startswith("["):
+            try:
+                parsed = json.loads(given[0])
+            except json.JSONDecodeError:
+                parsed = None
+            if isinstance(parsed, list) and all(isinstance(item, str) for item in parsed):
+                return parsed
+        return given
+
+    chosen = {"allowed_origins": values(origins), "allowed_methods": values(methods),
+              "allowed_headers": values(headers)}  # fmt: skip
+    return {"allow_credentials": credentials, **{name: value for name, value in chosen.items() if value is not None}}
 
 
 def server_chat_template(given: str | None) -> str | None:

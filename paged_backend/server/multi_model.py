@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Receive, Scope, Send
 
 from paged_backend.config import EngineConfig
@@ -197,11 +198,12 @@ class ModelRouter:
         self.guard = RequestGuard(self._route, api_keys=settings.api_keys, max_concurrent_requests=None,
                                   max_request_body_bytes=settings.max_request_body_bytes,
                                   max_file_bytes=settings.max_file_bytes)  # fmt: skip
+        self.entry = CORSMiddleware(self.guard, **settings.cors_options)  # a preflight needs no key, as one app's
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             return await self.shared(scope, receive, send)
-        await self.guard(scope, receive, send)
+        await self.entry(scope, receive, send)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in SHARED_PATHS:

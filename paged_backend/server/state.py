@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from transformers import PreTrainedTokenizerBase
@@ -38,10 +38,21 @@ class ServerSettings:
     enable_sleep_mode: bool = False  # POST /sleep, /wake_up and GET /is_sleeping (vLLM's routes); off: 404
     chat_template: str | None = None  # replaces the tokenizer's template for every chat request (vLLM's flag)
     trust_request_chat_template: bool = False  # render a request's own chat_template (code run here)
+    # CORS for browser clients, vLLM's flags and defaults: any origin, method and header, no credentials
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
 
     @property
     def api_keys(self) -> list[str]:
         return [self.api_key] if isinstance(self.api_key, str) else list(self.api_key or [])
+
+    @property
+    def cors_options(self) -> dict:
+        """Starlette's CORSMiddleware arguments."""
+        return dict(allow_origins=self.allowed_origins, allow_methods=self.allowed_methods,
+                    allow_headers=self.allowed_headers, allow_credentials=self.allow_credentials)  # fmt: skip
 
     @property
     def served_names(self) -> list[str]:
