@@ -136,7 +136,10 @@ def run(
     from paged_backend.errors import PagedBackendError, one_line
 
     defaults = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
-    if output is not None and not output.parent.is_dir():  # said now, not after the whole run
+    if output is not None and output.is_dir():  # said now, not after the whole run, whose results it would lose
+        typer.echo(f"error: --output {output} is a folder; name a file in it, e.g. {output / 'results.jsonl'}", err=True)
+        raise typer.Exit(2)
+    if output is not None and not output.parent.is_dir():
         typer.echo(f"error: --output's folder {output.parent} does not exist; create it or write elsewhere", err=True)
         raise typer.Exit(2)
     try:

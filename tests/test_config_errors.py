@@ -3,6 +3,8 @@ never a traceback; and the forms vLLM accepts are accepted."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from typer.testing import CliRunner
 
@@ -119,3 +121,57 @@ def test_a_config_file_that_does_not_parse_is_one_line_with_where(tmp_path):
 def test_a_device_map_on_the_built_in_model_says_why(tmp_path):
     said = run_error(tmp_path, "--device-map", "auto")
     assert f"{TINY_MODEL} is built in memory: give --model a directory, hub id or .gguf file" in said
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({"logprobs": True}, "logprobs must be an integer or None, got True"),  # reached torch.topk mid-step
+        ({"max_tokens": 2.5}, "max_tokens must be an integer, got 2.5"),  # ran 3 tokens
+        ({"n": "2"}, "n must be an integer, got '2'"),
+        ({"temperature": None}, "temperature must be a number, got None"),
+        ({"ignore_eos": "no"}, "ignore_eos must be True or False, got 'no'"),  # counted as True
+        ({"seed": "abc"}, "seed must be an integer or None, got 'abc'"),
+        ({"stop": 5}, "stop must be a string or a list of strings, got 5"),
+        ({"stop_token_ids": [True]}, "stop_token_ids must be a list of token ids"),
+        ({"logit_bias": [1, 2]}, "logit_bias must be a dict of token id to bias"),
+        ({"structured_outputs": "json"}, "structured_outputs must be StructuredOutputsParams"),
+    ],
+)
+def test_sampling_params_of_the_wrong_type_are_named(fields, said):
+    from paged_backend.engine.request import SamplingParams
+
+    with pytest.raises(InvalidRequest, match=re.escape(said)):
+        SamplingParams(**fields)
+
+
+def test_run_refuses_a_folder_as_output_before_running(tmp_path):
+    said = run_error(tmp_path, "-o", str(tmp_path))  # it crashed after the whole run, losing the results
+    assert said == f"error: --output {tmp_path} is a folder; name a file in it, e.g. {tmp_path / 'results.jsonl'}"
+
+
+def test_generate_from_several_threads_takes_turns():
+    """Two generate() calls stepping one engine at once tore its block tables (KeyError in the block manager)."""
+    import threading
+
+    from paged_backend.engine.llm import LLM
+    from paged_backend.engine.request import SamplingParams
+
+    llm = LLM(TINY_MODEL, device="cpu", dtype="float32", num_blocks=64)
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    want = [output.outputs[0].token_ids for output in llm.generate(["Hello", "World"], greedy)]
+    results, errors = [], []
+
+    def generate():
+        try:
+            results.append([output.outputs[0].token_ids for output in llm.generate(["Hello", "World"], greedy)])
+        except Exception as error:  # noqa: BLE001 - the test reports any
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=generate) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert errors == [] and results == [want] * 4
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks - 1  # the null block

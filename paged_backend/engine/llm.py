@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -37,6 +38,9 @@ class LLM:
                                tokenizer=None if objects or tokenizer is None else tokenizer, **engine_kwargs)
         self.engine = Engine(config, model=model if objects else None, tokenizer=tokenizer if objects else None)
         self._ids = itertools.count()
+        # One generate() at a time: each steps the engine until its own requests finish, and two stepping it from
+        # two threads tore its block tables apart (KeyError in the block manager). AsyncEngine serves concurrency.
+        self._running = threading.Lock()
 
     def generate(
         self,
@@ -61,6 +65,10 @@ class LLM:
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise InvalidRequest(f"{len(loras)} lora requests for {len(prompts)} prompts; give one or one each")
+        with self._running:
+            return self._add_and_run(prompts, params, priority, loras, use_tqdm)
+
+    def _add_and_run(self, prompts, params, priority, loras, use_tqdm: bool) -> list[RequestOutput]:
         ids: list[str] = []
         try:
             for prompt, param, rank, lora in zip(prompts, params, priority, loras, strict=True):

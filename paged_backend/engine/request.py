@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -21,6 +22,10 @@ GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample as argmax (as vLLM d
 # The float knobs: NaN passes no comparison and infinity overflows the logits, so each must be a finite number first
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                 "typical_p")  # fmt: skip
+INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k")
+OPTIONAL_INT_FIELDS = ("seed", "logprobs", "prompt_logprobs", "best_of", "truncate_prompt_tokens")
+BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+               "watermark")  # fmt: skip
 
 # Class of service: "batch" runs only on capacity interactive work leaves over and is preempted first.
 RequestClass = Literal["interactive", "batch"]
@@ -67,6 +72,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()} or None
@@ -106,6 +112,32 @@ class SamplingParams:
             if not ok:
                 raise InvalidRequest(f"{name} {rule}, got {getattr(self, name)!r}")
 
+    def _check_types(self) -> None:
+        """Each field's type, so a wrong one is named here rather than failing deep in a step (logprobs=True
+        reached torch.topk mid-step) or running silently (max_tokens=2.5, ignore_eos="no")."""
+        wrong = [(name, "an integer") for name in INT_FIELDS if not _is_int(getattr(self, name))]
+        wrong += [(name, "an integer or None") for name in OPTIONAL_INT_FIELDS
+                  if getattr(self, name) is not None and not _is_int(getattr(self, name))]  # fmt: skip
+        wrong += [(name, "a number") for name in FLOAT_FIELDS
+                  if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), numbers.Real)]
+        wrong += [(name, "True or False") for name in BOOL_FIELDS if not isinstance(getattr(self, name), bool)]
+        if not (self.stop is None or isinstance(self.stop, str) or _list_of(self.stop, str)):
+            wrong.append(("stop", "a string or a list of strings"))
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if getattr(self, name) is not None and not _list_of(getattr(self, name), int):
+                wrong.append((name, "a list of token ids"))
+        if self.bad_words is not None and not _list_of(self.bad_words, str):
+            wrong.append(("bad_words", "a list of strings"))
+        bias = self.logit_bias
+        if bias is not None and not (isinstance(bias, dict) and all(
+                _is_int(key) or (isinstance(key, str) and key.isdigit()) for key in bias)):  # fmt: skip
+            wrong.append(("logit_bias", "a dict of token id to bias"))
+        if not isinstance(self.structured_outputs, StructuredOutputsParams | dict | None):
+            wrong.append(("structured_outputs", "StructuredOutputsParams (or a dict of its fields)"))
+        if wrong:
+            name, kind = wrong[0]
+            raise InvalidRequest(f"{name} must be {kind}, got {getattr(self, name)!r}")
+
     @property
     def greedy(self) -> bool:
         # Below this, dividing logits by the temperature overflows; the limit of sampling is argmax anyway.
@@ -123,6 +155,16 @@ class SamplingParams:
     @property
     def needs_cumulative_logprob(self) -> bool:
         return self.num_sequences > self.n or self.logprobs is not None
+
+
+def _list_of(values, kind: type) -> bool:
+    """A list or tuple of `kind` (ints: not bools)."""
+    check = _is_int if kind is int else (lambda value: isinstance(value, kind))
+    return isinstance(values, list | tuple) and all(map(check, values))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # True is no count (logprobs=True)
 
 
 def _finite(value) -> bool:
