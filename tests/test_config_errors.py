@@ -175,3 +175,12 @@ def test_generate_from_several_threads_takes_turns():
         thread.join(120)
     assert errors == [] and results == [want] * 4
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks - 1  # the null block
+
+
+def test_llm_options_take_the_flags_names_as_vllms_llm_does():
+    from paged_backend.engine.llm import engine_config
+
+    config = engine_config(kv_cache_dtype="fp8", scheduling_policy="priority", max_model_len=64)
+    assert (config.cache.cache_dtype, config.scheduler.policy, config.scheduler.max_model_len) == ("fp8", "priority", 64)
+    with pytest.raises(InvalidRequest, match="unknown engine option"):
+        engine_config(kv_cache_dtypes="fp8")

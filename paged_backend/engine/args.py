@@ -161,6 +161,19 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = tuple(
     )
     for name, field in EngineArgs.model_fields.items()
 )
+
+
+def option_fields() -> dict[str, str]:
+    """Every spelling of an engine option, underscored, -> the field it sets: the field's own name and each long
+    flag's (`kv_cache_dtype` sets `cache_dtype`, `scheduling_policy` sets `policy`), as vLLM's `LLM(**kwargs)` and
+    config files spell them."""
+    fields = {}
+    for flag in ENGINE_FLAGS:
+        for spelling in (flag.field, *(name[2:] for name in flag.names if name.startswith("--"))):
+            fields[spelling.replace("-", "_")] = flag.field
+    return fields
+
+
 CONFIG_HELP = "vLLM's config file (YAML, or TOML): keys are flag names (- or _); flags on the command line win"
 
 

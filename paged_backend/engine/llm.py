@@ -161,8 +161,10 @@ def engine_config(**kwargs) -> EngineConfig:
     >>> engine_config(scheduling_policy="priority").scheduler.policy  # vLLM's keyword for the policy
     'priority'
     """
-    if "scheduling_policy" in kwargs:
-        kwargs["policy"] = kwargs.pop("scheduling_policy")
+    from paged_backend.engine.args import option_fields
+
+    spellings = option_fields()
+    kwargs = {spellings.get(key, key): value for key, value in kwargs.items()}  # vLLM's spellings: kv_cache_dtype
     groups = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
     nested = {name: cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in cls.model_fields})
               for name, cls in groups.items()}

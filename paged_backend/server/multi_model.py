@@ -81,13 +81,9 @@ LORA_FORMS = "name=path, {name: NAME, path: PATH}, a list of those, or a table {
 def _entry_keys() -> dict[str, str]:
     """Every key an entry may use, underscored, -> the field it sets: the field's name and each long flag's name
     (`kv_cache_dtype` sets `cache_dtype`, `scheduling_policy` sets `policy`)."""
-    from paged_backend.engine.args import ENGINE_FLAGS
+    from paged_backend.engine.args import option_fields
 
-    keys = {key: key for key in ENTRY_KEYS}
-    for flag in ENGINE_FLAGS:
-        for spelling in (flag.field, *(name[2:] for name in flag.names if name.startswith("--"))):
-            keys[spelling.replace("-", "_")] = flag.field
-    return keys
+    return {**{key: key for key in ENTRY_KEYS}, **option_fields()}
 
 
 def _positive_share(value: Any, where: str) -> float:
