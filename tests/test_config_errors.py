@@ -184,3 +184,16 @@ def test_llm_options_take_the_flags_names_as_vllms_llm_does():
     assert (config.cache.cache_dtype, config.scheduler.policy, config.scheduler.max_model_len) == ("fp8", "priority", 64)
     with pytest.raises(InvalidRequest, match="unknown engine option"):
         engine_config(kv_cache_dtypes="fp8")
+
+
+def test_chat_content_parts_are_read_as_their_text_as_vllm_reads_them():
+    from paged_backend.engine.llm import LLM
+    from paged_backend.engine.request import SamplingParams
+
+    llm = LLM(TINY_MODEL, device="cpu", dtype="float32", num_blocks=64)
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
+    plain = [{"role": "user", "content": "hi\nthere"}]  # the template printed the parts' Python repr
+    assert llm.chat(parts, greedy)[0].prompt_token_ids == llm.chat(plain, greedy)[0].prompt_token_ids
+    with pytest.raises(InvalidRequest, match="content part must be"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy)

@@ -101,7 +101,7 @@ class LLM:
         tokenizer = self.engine.tokenizer
         prompts = [
             {"prompt_token_ids": render_chat(
-                tokenizer, conversation, tools=tools, chat_template=chat_template,
+                tokenizer, [_text_content(message) for message in conversation], tools=tools, chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs,
             )}
@@ -145,6 +145,22 @@ class LLM:
             if progress is not None:
                 progress.close()
         return [finished[request_id] for request_id in ids]
+
+
+def _text_content(message: dict) -> dict:
+    """A message whose content is OpenAI's list of parts, as one string: text parts joined by newlines, as vLLM
+    does for string templates (the template printed the list's Python repr)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", "refusal") or not isinstance(part.get(kind), str):
+            raise InvalidRequest(f"a {message.get('role', 'message')} content part must be {{'type': 'text', "
+                                 f"'text': ...}}, got {part!r:.80}; this engine reads text only")  # fmt: skip
+        texts.append(part[kind])
+    return {**message, "content": "\n".join(texts)}
 
 
 def _progress(total: int):
