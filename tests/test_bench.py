@@ -142,3 +142,17 @@ def test_bench_serve_rejects_an_unknown_slo():
     assert parse_goodput(["ttft:200", "tpot:50"]) == {"ttft": 0.2, "tpot": 0.05}
     with pytest.raises(SystemExit, match="--goodput takes KEY:MILLISECONDS"):
         parse_goodput(["latency:5"])
+
+
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [
+        (["throughput", "--quick", "--num-requests", "-5"], "--num-requests: must be a whole number of at least 1"),
+        (["throughput", "--quick", "--threads", "1,0"], "--threads: must be a whole number of at least 1, got '0'"),
+        (["throughput", "--quick", "--output-json", "/no/such/folder/x.json"], "the folder of '/no/such/folder"),
+        (["latency", "--quick", "--batch-size", "0"], "--batch-size: must be a whole number of at least 1"),
+    ],
+)
+def test_bench_flags_out_of_range_are_usage_errors_before_the_run(command, said):
+    result = CliRunner().invoke(app, ["bench", *command])
+    assert result.exit_code == 2 and said in result.output and "Traceback" not in result.output, result.output

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from paged_backend.bench.arg_types import count, count_or_zero, writable_file
 from paged_backend.bench.report import distribution_ms, markdown_table, write_json, write_plot
 from paged_backend.bench.throughput import benchmarked_model, engine_options
 from paged_backend.engine import LLM, SamplingParams
@@ -31,17 +32,17 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         prog="paged-backend bench latency", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="the small model and 3 iterations")
-    parser.add_argument("--input-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--num-iters-warmup", type=int, default=1)
-    parser.add_argument("--num-iters", type=int, default=None, help="default 10 (3 with --quick)")
+    parser.add_argument("--input-len", type=count, default=32)
+    parser.add_argument("--output-len", type=count, default=128)
+    parser.add_argument("--batch-size", type=count, default=1)
+    parser.add_argument("--num-iters-warmup", type=count_or_zero, default=1)
+    parser.add_argument("--num-iters", type=count, default=None, help="default 10 (3 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is stable on a shared box)")
-    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--threads", type=count, default=1, help="torch threads (1 is stable on a shared box)")
+    parser.add_argument("--vocab-size", type=count, default=32000)
     parser.add_argument("--skip", default="", help="comma list of systems to skip: engine,hf")
-    parser.add_argument("--output-json", default="bench-latency.json")
-    parser.add_argument("--plot", default="bench-latency.png", help="PNG of the latencies ('' for none)")
+    parser.add_argument("--output-json", type=writable_file, default="bench-latency.json")
+    parser.add_argument("--plot", type=writable_file, default="bench-latency.png", help="PNG of the latencies ('' for none)")
     add_engine_arguments(parser, skip=OWN_ENGINE_FLAGS)
     return parser
 

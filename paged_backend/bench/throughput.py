@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_backend.bench.arg_types import count, counts, writable_file
 from paged_backend.bench.chat_workload import CHAT_DATASET, chat_workload
 from paged_backend.bench.flops import matmul_peak, model_flops
 from paged_backend.bench.hf_baselines import check_exact_lengths, run_hf_cb, run_static
@@ -49,29 +50,29 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         prog="paged-backend bench throughput", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="32 requests on a small model")
-    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--num-requests", type=count, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", default="1",
+    parser.add_argument("--threads", type=counts, default="1",
                         help="comma list of torch thread counts, each a full comparison; 'default' = the machine's")  # fmt: skip
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weights and activations of every system (bfloat16 uses the CPU's bf16 matmul units)")  # fmt: skip
-    parser.add_argument("--vocab-size", type=int, default=32000)
-    parser.add_argument("--static-batch-sizes", default=None, help="comma list; default 4,8,16,32")
+    parser.add_argument("--vocab-size", type=count, default=32000)
+    parser.add_argument("--static-batch-sizes", type=counts, default=None, help="comma list; default 4,8,16,32")
     parser.add_argument("--cb-max-batch-tokens", default="64,128,256,default", help="comma list for HF CB")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="paged-backend token budget")
+    parser.add_argument("--max-num-batched-tokens", type=count, default=512, help="paged-backend token budget")
     parser.add_argument("--skip", default="",
                         help="comma list of systems to skip: engine,engine-dense,static,hf-cb")  # fmt: skip
     parser.add_argument("--dataset", default=None,
                         help=f'"{CHAT_DATASET}" (built-in chat questions through the chat template), or a JSONL '
                              'workload: {"prompt": text or token ids, "max_tokens": n} per line')  # fmt: skip
-    parser.add_argument("--max-tokens", type=int, default=256, help=f"each request's cap with --dataset {CHAT_DATASET}")
+    parser.add_argument("--max-tokens", type=count, default=256, help=f"each request's cap with --dataset {CHAT_DATASET}")
     parser.add_argument("--eos", choices=["natural", "ignore"], default=None,
                         help=f"natural: requests end at EOS or their cap; ignore: at their cap exactly "
                              f"(default: natural with --dataset {CHAT_DATASET}, else ignore)")  # fmt: skip
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+    parser.add_argument("--tensor-parallel-size", type=count, default=1,
                         help="also run the engine at TP=1 and TP=N and report the share of time in collectives")  # fmt: skip
-    parser.add_argument("--output-json", default="bench-throughput.json")
-    parser.add_argument("--plot", default="bench-throughput.png", help="PNG of the throughputs ('' for none)")
+    parser.add_argument("--output-json", type=writable_file, default="bench-throughput.json")
+    parser.add_argument("--plot", type=writable_file, default="bench-throughput.png", help="PNG of the throughputs ('' for none)")
     parser.add_argument(
         "--profile",
         action="store_true",
