@@ -154,3 +154,14 @@ def test_serve_says_a_wrong_models_file_in_one_line_and_exits_2(tmp_path):
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert result.stderr.strip().splitlines() == [
         f"error: {path}: models[1]: `share` must be a positive number (its part of the KV budget), got 'abc'"]
+
+
+def test_the_kv_map_of_each_model_is_asked_by_its_name(tmp_path):
+    """A GET has no body to route by: /debug/kv?model=b is b's pool (it was always the first model's)."""
+    specs = specs_of(tmp_path, f"models:\n  - {{model: {TINY_MODEL}, served_model_name: a, num_blocks: 16}}\n"
+                               f"  - {{model: {TINY_MODEL}, served_model_name: b, num_blocks: 24}}\n")  # fmt: skip
+    router = build_multi_model_app(build_engines(BASE, specs), ServerSettings(enable_debug_routes=True))
+    with TestClient(router) as client:
+        sizes = {name: len(client.get("/debug/kv", params={"model": name}).json()["blocks"]) for name in "ab"}
+        assert sizes["b"] > sizes["a"], sizes
+        assert client.get("/debug/kv", params={"model": "c"}).status_code == 404

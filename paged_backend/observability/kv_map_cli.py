@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Annotated
@@ -22,6 +23,7 @@ def kv_map(
         Path, typer.Option(help="PNG (or .svg, .pdf, ...) to write; the HTML page goes beside it")
     ] = Path("kv_map.png"),
     api_key: Annotated[str | None, typer.Option(envvar="PAGED_BACKEND_API_KEY", help="bearer token, if any")] = None,
+    model: Annotated[str | None, typer.Option(help="on a server of several models, whose pool (default: the first)")] = None,
 ) -> None:
     """Draw a running server's KV pool: one cell per block by owner request, sharing, cache and fill, plus history."""
     from paged_backend.core.kv_map import draw_kv_map, output_paths
@@ -34,7 +36,8 @@ def kv_map(
         raise typer.Exit(2) from error
     try:
         # the server's root; an OpenAI client's base URL (.../v1), which users copy, names the same server
-        request = urllib.request.Request(url.rstrip("/").removesuffix("/v1") + "/debug/kv")
+        query = "?" + urllib.parse.urlencode({"model": model}) if model else ""
+        request = urllib.request.Request(url.rstrip("/").removesuffix("/v1") + "/debug/kv" + query)
     except ValueError as error:  # no scheme and no host: "/debug/kv"
         typer.echo(f"error: --url {url!r} is not a URL; give one like http://127.0.0.1:8000", err=True)
         raise typer.Exit(2) from error

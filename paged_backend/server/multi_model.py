@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -207,6 +208,8 @@ class ModelRouter:
         message = await receive()  # the guard hands over the whole body in one message
         body = message.get("body", b"")
         model, lora_name = _body_fields(body)
+        if model is None:  # a GET names its model in the query: /debug/kv?model=b (the default app's pool otherwise)
+            model = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model", [None])[0]
         if model is None and lora_name is not None and self._app_for(lora_name) is not None:
             model = lora_name  # /v1/unload_lora_adapter without `model`: the model that holds the adapter
         name = model or self.default
