@@ -112,6 +112,8 @@ def test_served_aliases_route_to_their_model_and_are_listed(tmp_path):
         assert answer.status_code == 200 and answer.json()["model"] == "a", answer.text
         missing = client.post("/v1/completions", json={"model": "c", "prompt": "hi", "max_tokens": 1})
         assert missing.status_code == 404 and "'a', 'a2', 'b'" in missing.text
+        empty = client.post("/v1/completions", json={"model": "", "prompt": "hi", "max_tokens": 1})
+        assert empty.status_code == 404 and "'a', 'a2', 'b'" in empty.text  # the first model's app named only its own
         deep = client.post("/v1/completions", content=b"[" * 100_000 + b"]" * 100_000,
                            headers={"Content-Type": "application/json"})  # fmt: skip
         assert deep.status_code == 400 and "nested too deeply" in deep.text  # the router read it as a 500

@@ -212,7 +212,7 @@ class ModelRouter:
             model = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model", [None])[0]
         if model is None and lora_name is not None and self._app_for(lora_name) is not None:
             model = lora_name  # /v1/unload_lora_adapter without `model`: the model that holds the adapter
-        name = model or self.default
+        name = self.default if model is None else model  # "" is a name no model has, as on one model
         app = self._app_for(name)
         if app is None:
             served = ", ".join(f"'{n}'" for n in self._served_names())
