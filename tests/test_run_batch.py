@@ -107,3 +107,14 @@ def test_an_output_folder_that_does_not_exist_is_refused_before_the_run(tmp_path
     finished = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert finished.returncode == 2 and "Traceback" not in finished.stderr
     assert "--output-file's folder" in finished.stderr and "does not exist" in finished.stderr
+
+
+def test_an_input_file_that_is_not_utf8_is_one_error(tmp_path):
+    """It was one "not valid JSON" error per line, and exit 0."""
+    requests = tmp_path / "requests.jsonl"
+    requests.write_bytes(b"\xff\xfe\x00binary\n" * 5)
+    command = [str(Path(sys.executable).with_name("paged-backend")), "run-batch", "-i", str(requests),
+               "-o", str(tmp_path / "out.jsonl"), "--model", MODEL, "--device", "cpu"]  # fmt: skip
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert finished.returncode == 2 and finished.stderr.strip().splitlines() == [
+        "error: --input-file is not UTF-8 text (invalid start byte at byte 0)"]  # fmt: skip

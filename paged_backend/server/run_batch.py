@@ -55,7 +55,11 @@ def run_batch(
         typer.echo(f"error: --output-file's folder {output_file.parent} does not exist; create it or write elsewhere",
                    err=True)  # fmt: skip
         raise typer.Exit(2)
-    lines = parse_lines(input_file.read_text(encoding="utf-8-sig", errors="replace"))  # a BOM: saved on Windows
+    try:  # a BOM: saved on Windows; not UTF-8 at all: one error, not one per line
+        lines = parse_lines(input_file.read_text(encoding="utf-8-sig"))
+    except UnicodeDecodeError as error:
+        typer.echo(f"error: --input-file is not UTF-8 text ({error.reason} at byte {error.start})", err=True)
+        raise typer.Exit(2) from error
     engine_thread = EngineThread()  # built where it will step, as serve does
     try:
         built = engine_thread.submit(lambda: Engine(engine.to_engine_config())).result()
