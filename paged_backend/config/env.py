@@ -11,15 +11,19 @@ TRUE = frozenset({"1", "true", "yes", "on"})
 FALSE = frozenset({"0", "false", "no", "off"})
 
 
+def switch_value(text: str) -> bool | None:
+    """A switch's text as a boolean, or None when it spells neither (the caller says whose value it was)."""
+    word = text.strip().lower()
+    return True if word in TRUE else False if word in FALSE else None
+
+
 def env_flag(name: str, default: bool) -> bool:
     """`name` as a boolean; unset or empty is `default`."""
-    raw = os.environ.get(name, "").strip().lower()
-    if not raw:
+    raw = os.environ.get(name, "")
+    if not raw.strip():
         return default
-    if raw in TRUE:
-        return True
-    if raw in FALSE:
-        return False
+    if (value := switch_value(raw)) is not None:
+        return value
     raise InvalidRequest(f"{name}={os.environ[name]!r} is not a boolean: set it to 1 or 0 (true/false, yes/no, on/off), "
                          f"or unset it")  # fmt: skip
 

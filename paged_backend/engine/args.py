@@ -19,6 +19,7 @@ import sys
 import typing
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = tuple(
 )
 
 
+@cache  # the flags are fixed at import; LLM() and every models-file entry ask
 def option_fields() -> dict[str, str]:
     """Every spelling of an engine option, underscored, -> the field it sets: the field's own name and each long
     flag's (`kv_cache_dtype` sets `cache_dtype`, `scheduling_policy` sets `policy`), as vLLM's `LLM(**kwargs)` and

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from paged_backend.config.env import FALSE, TRUE
+from paged_backend.config.env import switch_value
 from paged_backend.engine.args import ENGINE_FLAGS, add_engine_arguments, parse_with_config
 from paged_backend.tgi.http.settings import ROUTER_FLAG_FIELDS
 
@@ -84,10 +84,9 @@ def _boolean(text: str) -> str:
 
 def _switch(text: str) -> bool:
     """A switch's env value (TRUST_REMOTE_CODE=true), spelled as every environment switch here is."""
-    word = text.strip().lower()
-    if word not in TRUE | FALSE:
+    if (value := switch_value(text)) is None:
         raise argparse.ArgumentTypeError(f"must be 1 or 0 (true/false, yes/no, on/off), got {text!r}")
-    return word in TRUE
+    return value
 
 
 def cuda_graph_sizes(text: str) -> list[int]:
