@@ -158,6 +158,13 @@ def test_every_panel_answers_and_counters_match_traffic(faces, tmp_path):
         for expression, expected in zip(SERVE_COUNTERS + TGI_COUNTERS, expected_counts(sent), strict=True):
             assert prometheus.counter(expression) - counters_before[expression] == expected, expression
 
+        for expression in SERVE_COUNTERS:  # the same counts under vLLM's names, as its dashboards select them
+            vllm = expression.replace("paged_backend:", "vllm:").replace("{", f'{{model_name="{SERVE_NAME}",')
+            assert prometheus.counter(vllm) == prometheus.counter(expression), vllm
+        for expression in VLLM_PANELS:
+            [series] = prometheus.query(promql(expression, WINDOW))
+            assert math.isfinite(float(series["value"][1])), (expression, series)
+        assert prometheus.value(f'vllm:num_requests_running{{model_name="{SERVE_NAME}"}}') == 0
         for face in DASHBOARDS:
             for title, legend, expression in panel_queries(dashboard(face)):
                 result = prometheus.query(promql(expression, WINDOW))
@@ -183,6 +190,16 @@ SERVE_COUNTERS = [
     f"paged_backend:generation_tokens_total{SERVE}",
     f"paged_backend:e2e_request_latency_seconds_count{SERVE}",
     f"paged_backend:time_to_first_token_seconds_count{SERVE}",
+]
+_MODEL = f'model_name="{SERVE_NAME}"'
+VLLM_PANELS = [  # written as vLLM's own Grafana dashboard writes its panels, against vLLM's names
+    f"histogram_quantile(0.99, sum by(le) (rate(vllm:time_to_first_token_seconds_bucket{{{_MODEL}}}[$__rate_interval])))",
+    f"histogram_quantile(0.5, sum by(le) (rate(vllm:inter_token_latency_seconds_bucket{{{_MODEL}}}[$__rate_interval])))",
+    f"rate(vllm:e2e_request_latency_seconds_sum{{{_MODEL}}}[$__rate_interval]) / "
+    f"rate(vllm:e2e_request_latency_seconds_count{{{_MODEL}}}[$__rate_interval])",
+    f"sum(rate(vllm:request_prompt_tokens_sum{{{_MODEL}}}[$__rate_interval]))",
+    f"sum(increase(vllm:iteration_tokens_total_count{{{_MODEL}}}[$__range]))",
+    f"sum(vllm:kv_cache_usage_perc{{{_MODEL}}})",
 ]
 TGI_COUNTERS = [
     "tgi_request_count",

@@ -3,6 +3,7 @@ exports (vLLM's names where vLLM has them)."""
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 
@@ -38,10 +39,17 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # Tokens per step (vLLM's iteration_tokens_total): steps counted per ITERATION_TOKEN_BUCKETS bound and past the
+    # last one (not cumulative), and the tokens of all steps.
+    iteration_tokens: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class EngineCounters:
@@ -52,14 +60,18 @@ class EngineCounters:
         self.prompt_tokens = self.generation_tokens = self.num_steps = self.num_cut_steps = 0
         self.step_time = self.forward_time = 0.0  # seconds
         self.peak_kv_usage = 0.0
+        self.iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self.iteration_tokens_sum = 0
         self.kv_history = KVHistory()  # usage and waste of recent steps, for the KV map
 
     def kv_usage(self) -> float:
         manager = self.block_manager
         return 1 - manager.num_free_blocks / (manager.num_blocks - 1)
 
-    def end_step(self, started: float) -> None:
-        """Count a step that began at `started` (time.perf_counter) and record the pool as it ends."""
+    def end_step(self, started: float, num_tokens: int) -> None:
+        """Count a step of `num_tokens` tokens that began at `started` (time.perf_counter); record the pool."""
+        self.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1
+        self.iteration_tokens_sum += num_tokens
         self.peak_kv_usage = max(self.peak_kv_usage, self.kv_usage())
         self.kv_history.record(self.block_manager)
         self.num_steps += 1
@@ -87,6 +99,8 @@ class EngineCounters:
             step_time=self.step_time,
             forward_time=self.forward_time,
             num_cut_steps=self.num_cut_steps,
+            iteration_tokens=tuple(self.iteration_tokens),
+            iteration_tokens_sum=self.iteration_tokens_sum,
             **({} if lora is None else lora.adapters_in(scheduler)),
             **_spec_decode_stats(speculator),
         )

@@ -1,8 +1,9 @@
-"""Prometheus metrics named like vLLM's (`vllm:` -> `paged_backend:`), in a registry owned by one app.
+"""Prometheus metrics named like vLLM's (`vllm:` -> `paged_backend:`), in a registry owned by one app; the exposition
+also carries them under vLLM's own names (`vllm_names.py`), so tools written for vLLM read them unchanged.
 
 Engine gauges and counters are read from the engine's stats at scrape time; latency histograms are
 observed by the server as it streams each request's tokens, and the per-request breakdown (queue, prefill,
-decode) and success counts when a request finishes. A tracer, when set, gets one span per finished request.
+decode), sizes and success counts when a request finishes. A tracer, when set, gets one span per finished request.
 """
 
 from __future__ import annotations
@@ -11,17 +12,32 @@ import time
 from collections.abc import AsyncIterator, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from paged_backend.engine.async_engine import AsyncEngine
 from paged_backend.engine.request import RequestOutput, SamplingParams
+from paged_backend.engine.stats import ITERATION_TOKEN_BUCKETS
 from paged_backend.observability.lora_metrics import lora_requests_info
 from paged_backend.observability.tracing import RequestTiming, RequestTracer
+from paged_backend.observability.vllm_names import WithVllmNames
 
 PREFIX = "paged_backend:"
 SLEEP_STATES = ("awake", "level_1", "level_2")  # by sleep level
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def one_two_five(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit`: buckets for token counts, which span orders of magnitude."""
+    buckets, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > limit:
+                return tuple(buckets)
+            buckets.append(step * scale)
+        scale *= 10
 
 
 class EngineStatsCollector(Collector):
@@ -76,6 +92,19 @@ class EngineStatsCollector(Collector):
         for position, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
             per_position.add_metric([str(position)], value)
         yield per_position
+        yield _iteration_tokens(stats)
+
+
+def _iteration_tokens(stats) -> HistogramMetricFamily:
+    """Tokens per step, from the engine's per-bucket step counts (vLLM's iteration_tokens_total)."""
+    counts = stats.iteration_tokens or (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
+    bounds = [*map(str, ITERATION_TOKEN_BUCKETS), "+Inf"]
+    cumulative, total = [], 0
+    for bound, count in zip(bounds, counts, strict=True):
+        total += count
+        cumulative.append((bound, total))
+    return HistogramMetricFamily(f"{PREFIX}iteration_tokens_total", "Tokens per engine step (prompt and generated).",
+                                 buckets=cumulative, sum_value=stats.iteration_tokens_sum)  # fmt: skip
 
 
 class ServerMetrics:
@@ -86,8 +115,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(async_engine))
 
-        def histogram(name: str, documentation: str) -> Histogram:
-            return Histogram(f"{PREFIX}{name}", documentation, buckets=LATENCY_BUCKETS, registry=self.registry)
+        def histogram(name: str, documentation: str, buckets=LATENCY_BUCKETS) -> Histogram:
+            return Histogram(f"{PREFIX}{name}", documentation, buckets=buckets, registry=self.registry)
 
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to the first output token.")
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between successive outputs.")
@@ -95,6 +124,23 @@ class ServerMetrics:
         self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.")
         self.request_prefill_time = histogram("request_prefill_time_seconds", "First scheduling to first token.")
         self.request_decode_time = histogram("request_decode_time_seconds", "First token to finish.")
+        self.request_inference_time = histogram("request_inference_time_seconds", "First scheduling to finish.")
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds", "A request's decode time over its output tokens after the first.",
+            TOKEN_GAP_BUCKETS,
+        )  # fmt: skip
+        sizes = one_two_five(async_engine.engine.max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of a finished request.", sizes)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Tokens a finished request generated (n > 1: all its completions).", sizes
+        )
+        self.request_max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "Tokens of a finished request's longest completion.", sizes
+        )
+        self.request_params_n = histogram("request_params_n", "The n of finished requests.", N_BUCKETS)
+        self.request_params_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens of finished requests.", sizes
+        )
         self.request_success = Counter(
             f"{PREFIX}request_success",
             "Completions finished, by reason (n > 1 counts each).",
@@ -109,7 +155,7 @@ class ServerMetrics:
         )
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(WithVllmNames(self.registry, self.model_name))
 
     async def track(
         self, outputs: AsyncIterator[RequestOutput], params: SamplingParams | None = None
@@ -139,13 +185,23 @@ class ServerMetrics:
         self.request_queue_time.observe(scheduled - times.arrival_time)
         self.request_prefill_time.observe(first_token - scheduled)
         self.request_decode_time.observe(now - first_token)
+        self.request_inference_time.observe(now - scheduled)
+        generated = [len(completion.token_ids) for completion in output.outputs]
+        if max(generated, default=0) > 1:  # n > 1 decodes its completions side by side: the longest sets the pace
+            self.request_time_per_output_token.observe((now - first_token) / (max(generated) - 1))
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.observe(sum(generated))
+        self.request_max_num_generation_tokens.observe(max(generated, default=0))
+        if params is not None:
+            self.request_params_n.observe(params.n)
+            self.request_params_max_tokens.observe(params.max_tokens)
         reasons = [completion.finish_reason or "abort" for completion in output.outputs]
         for reason in reasons:
             self.request_success.labels(finished_reason=reason).inc()
         if self.tracer is None:
             return
         timing = RequestTiming(times.arrival_time, scheduled, first_token, now, len(output.prompt_token_ids),
-                               sum(len(c.token_ids) for c in output.outputs), reasons)  # fmt: skip
+                               sum(generated), reasons)  # fmt: skip
         options = {} if params is None else dict(
             max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
             n=params.n,
