@@ -11,6 +11,7 @@ _HOMES = {
     "LLM": "llm",
     "engine_config": "llm",
     "CompletionOutput": "request",
+    "Logprob": "request",
     "RequestMetrics": "request",
     "RequestOutput": "request",
     "SamplingParams": "request",

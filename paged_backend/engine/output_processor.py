@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from paged_backend.engine.request import Request, RequestOutput, Sequence, SequenceStatus
+from paged_backend.engine.request import Logprob, Request, RequestOutput, Sequence, SequenceStatus
 from paged_backend.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -19,10 +19,10 @@ class OutputProcessor:
     def __init__(self, tokenizer, scheduler: Scheduler) -> None:
         self.tokenizer, self.scheduler = tokenizer, scheduler
 
-    def append_token(self, seq: Sequence, token: int, logprob: dict[int, float] | None) -> None:
+    def append_token(self, seq: Sequence, token: int, logprob: dict[int, Logprob] | None) -> None:
         seq.token_ids.append(token)
         if logprob is not None:
-            seq.logprobs.append(logprob)
+            seq.logprobs.append(decode_logprobs(logprob, self.tokenizer))
         if seq.grammar is not None and not seq.grammar.accept(token) and (error := seq.grammar.error()):
             # the grammar engine gave up (a limit of its own): the sequence stops here, said in the log, not silently
             log.warning("request %s: its structured-output constraint failed at output token %d, which ends it: %s",
@@ -57,6 +57,13 @@ class OutputProcessor:
                 request.metrics.finished_time = now
             outputs.append(request.output())
         return outputs
+
+
+def decode_logprobs(entry: dict[int, Logprob], tokenizer) -> dict[int, Logprob]:
+    """Each entry's `decoded_token`, vLLM's text of that token alone; `entry`, filled in place."""
+    for logprob, text in zip(entry.values(), tokenizer.batch_decode([[token] for token in entry]), strict=True):
+        logprob.decoded_token = text
+    return entry
 
 
 def top_logprobs(entry: dict[int, float], count: int) -> list[tuple[int, float]]:

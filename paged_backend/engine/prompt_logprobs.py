@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_backend.engine.request import Request
+from paged_backend.engine.output_processor import decode_logprobs
+from paged_backend.engine.request import Logprob, Request
 from paged_backend.engine.scheduler import ScheduledSequence
 
 ROWS_PER_CHUNK = 256  # bounds the log_softmax temporaries for long prompts
@@ -43,8 +44,9 @@ def prompt_logprob_rows(scheduled: list[ScheduledSequence]) -> tuple[list[int], 
     return rows, segments
 
 
-def record_prompt_logprobs(logits: torch.Tensor, segments: list[PromptSegment]) -> None:
-    """Append `{next prompt token: logprob, top-k...}` per kept row to each segment's request, in order."""
+def record_prompt_logprobs(logits: torch.Tensor, segments: list[PromptSegment], tokenizer) -> None:
+    """Append `{next prompt token: logprob, top-k...}` per kept row to each segment's request, in order, each a
+    `Logprob` with its rank and text."""
     offset = 0
     for segment in segments:
         request, count = segment.request, segment.end - segment.first
@@ -53,13 +55,16 @@ def record_prompt_logprobs(logits: torch.Tensor, segments: list[PromptSegment]) 
         for chunk in range(0, count, ROWS_PER_CHUNK):
             rows = torch.log_softmax(logits[offset + chunk : offset + min(count, chunk + ROWS_PER_CHUNK)], dim=-1)
             ids = torch.tensor(targets[chunk : chunk + rows.shape[0]], dtype=torch.long, device=rows.device)
-            chosen = rows.gather(1, ids[:, None])[:, 0].tolist()
+            chosen = rows.gather(1, ids[:, None])
+            ranks = ((rows > chosen).sum(dim=-1) + 1).tolist()
+            chosen = chosen[:, 0].tolist()
             if top:
                 values, alternatives = rows.topk(top, dim=-1)
                 values, alternatives = values.tolist(), alternatives.tolist()
             for i, token in enumerate(ids.tolist()):
-                entry = {token: chosen[i]}
-                if top:
-                    entry.update(zip(alternatives[i], values[i], strict=True))  # the prompt token stays first
-                request.prompt_logprobs.append(entry)
+                entry = {token: Logprob(chosen[i], ranks[i])}
+                if top:  # the prompt token stays first
+                    entry.update({alternative: Logprob(value, rank) for rank, (alternative, value)
+                                  in enumerate(zip(alternatives[i], values[i], strict=True), 1)})  # fmt: skip
+                request.prompt_logprobs.append(decode_logprobs(entry, tokenizer))
         offset += count

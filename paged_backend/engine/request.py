@@ -206,6 +206,25 @@ class RequestMetrics:
         self.last_token_time = now
 
 
+class Logprob(float):
+    """A token's logprob: a float, which also carries vLLM's `Logprob` fields, so code written against vLLM's outputs
+    (`entry[token].logprob`, `.rank`, `.decoded_token`) and code that reads plain floats both run unchanged."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank, self.decoded_token = rank, decoded_token  # rank 1: the most likely token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
 @dataclass
 class CompletionOutput:
     """One sampled completion; text and token ids are cumulative (a server computes deltas)."""
@@ -213,7 +232,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, Logprob]] | None  # per token: the sampled one first, then the top-k
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     cumulative_logprob: float | None = None  # set when logprobs are asked for or best_of > n
@@ -228,7 +247,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     # vLLM's shape: None for the first prompt token, then {token id: logprob} with the prompt token and its top-k.
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (vLLM's field)
 
 
@@ -247,7 +266,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the pool
         self.last_scheduled_step = -1  # the scheduler's step count when it last computed this sequence
         self.status = SequenceStatus.WAITING
-        self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if request.params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.generator: torch.Generator | None = None  # made by the sampler for seeded requests

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from paged_backend.engine.request import SamplingParams, Sequence
+from paged_backend.engine.request import Logprob, SamplingParams, Sequence
 from paged_backend.engine.watermark import apply_watermark
 from paged_backend.ops.argmax_cpu import argmax_rows
 
@@ -41,7 +41,7 @@ class Sampler:
             seq.generator = torch.Generator(self.device).manual_seed(hash((seed, seq.index)) & (2**63 - 1))
         return seq.generator
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
         params = [seq.request.params for seq in seqs]
         wants_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = None
@@ -52,7 +52,7 @@ class Sampler:
             tokens = argmax_rows(logits).tolist()
         else:
             tokens = self._sample(logits, seqs)
-        logprobs: list[dict[int, float] | None] = []
+        logprobs: list[dict[int, Logprob] | None] = []
         for i, (seq, token, p) in enumerate(zip(seqs, tokens, params, strict=True)):
             if p.needs_cumulative_logprob:
                 seq.cumulative_logprob += float(raw_logprobs[i, token])
@@ -161,11 +161,14 @@ class Sampler:
         return probs
 
     @staticmethod
-    def _logprobs(row: torch.Tensor, token: int, top: int) -> dict[int, float]:
-        result = {token: float(row[token])}
+    def _logprobs(row: torch.Tensor, token: int, top: int) -> dict[int, Logprob]:
+        """The sampled token's logprob and rank, then the top `top` (ranks 1..top); their text comes later."""
+        chosen = row[token]
+        result = {token: Logprob(float(chosen), int((row > chosen).sum()) + 1)}
         if top:
             values, ids = row.topk(top)
-            result.update(zip(ids.tolist(), values.tolist(), strict=True))
+            pairs = zip(ids.tolist(), values.tolist(), strict=True)
+            result.update({i: Logprob(v, rank) for rank, (i, v) in enumerate(pairs, 1)})
         return result
 
 
