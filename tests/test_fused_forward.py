@@ -246,6 +246,17 @@ def test_rotary_rows_are_the_rotary_modules_bits(dtype, rope, make_llm):
         assert fused._rotary_tables[None][0].shape[0] >= 12001
 
 
+def test_the_native_loop_refuses_a_slot_past_the_pool(make_llm):
+    """The C++ loop's rotary + cache write checks each slot against the pool it was told of, as a direct call does:
+    told of a one-block pool, the step's slots past block 0 are refused instead of written past it."""
+    llm = make_llm(model=tiny_model("llama", seed=7))
+    fused = llm.engine.runner.fused
+    assert run(llm, [[5] * 40])[0]  # the native loop runs and writes its slots
+    fused.kv_cache.num_blocks = 1  # what the struct says, not the pool: slots of block 1 on are now "past" it
+    with pytest.raises(RuntimeError, match="decoder layer loop failed: .*a slot in slot_mapping lies past"):
+        llm.generate([[6] * 40], GREEDY)
+
+
 def test_a_bad_head_dim_is_refused_with_the_kernels_words():
     """The loop checks its shapes before any kernel runs (a zero head_dim would divide by zero)."""
     loop = DecoderLayers.__new__(DecoderLayers)

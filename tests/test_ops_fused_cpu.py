@@ -156,6 +156,15 @@ def test_rotary_cache_norms_heads_the_gemma_way(dtype):
     close(key_cache, ref_keys, dtype)
 
 
+def test_a_slot_past_the_pool_is_refused_before_any_write():
+    q, k, v, cos, sin, slots, (key_cache, value_cache, *_) = rotary_case(8, torch.float32, num_blocks=4)
+    slots[:] = torch.arange(8) * 8  # 0..56, inside the 64 slots
+    slots[5] = 4 * 16  # the first slot past the pool
+    with pytest.raises(RuntimeError, match="rotary_cache failed: cache write: a slot in slot_mapping lies past"):
+        RotaryCache(cos, sin, slots, 16)(q, k, v, key_cache, value_cache)
+    assert not key_cache.any() and not value_cache.any()  # refused before the rows before it were written
+
+
 def test_a_head_too_wide_for_the_norm_buffer_is_refused():
     q, k, v, cos, sin, slots, (key_cache, value_cache, *_) = rotary_case(2, torch.float32, 2, 1, 1024, 16, 4)
     with pytest.raises(RuntimeError, match="head_dim <= 512 with q/k norms"):

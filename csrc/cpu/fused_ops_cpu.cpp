@@ -246,6 +246,8 @@ int pb_cpu_rotary_cache(const RotaryCacheArgs* args, int32_t dtype) {
   if (args->head_dim <= 0 || args->head_dim % 2 != 0 || args->block_size <= 0) return -2;
   if (args->rotary_dim < 0 || args->rotary_dim % 2 != 0 || args->rotary_dim > args->head_dim) return -2;
   if ((args->q_norm != nullptr || args->k_norm != nullptr) && args->head_dim > kMaxNormedHeadDim) return -2;
+  for (int32_t t = 0; t < args->num_tokens; ++t)  // before any write: a bad slot would land outside the pool
+    if (args->slot_mapping[t] >= args->num_slots) return -4;
   switch (dtype) {
     case F32: rotary_cache<float>(*args); return 0;
     case F16: rotary_cache<_Float16>(*args); return 0;
@@ -281,6 +283,7 @@ const char* pb_cpu_fused_error_string(int code) {
     case 0: return "ok";
     case -1: return "unsupported dtype code (f32, f16 or bf16)";
     case -3: return "unknown activation code (0 silu, 1 gelu_tanh)";
+    case -4: return "cache write: a slot in slot_mapping lies past the pool's last block";
     case -2:
       return "bad shape (rows >= 0, hidden/width > 0, even head_dim, even rotary_dim <= head_dim, block_size > 0, "
              "head_dim <= 512 with q/k norms)";

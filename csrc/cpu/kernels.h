@@ -51,6 +51,7 @@ struct RotaryCacheArgs {
   int32_t skip_rotary;  // 1: a NoPE layer (SmolLM3): q and k pass unrotated (after any norm)
   int32_t rotary_dim;   // the leading dims of each head that rotate, the rest pass (Phi-4-mini); 0: all of head_dim
   int32_t unit_offset;  // the q/k norms are Gemma's: (1 + weight) in fp32, one rounding
+  int64_t num_slots;    // the pool's blocks times block_size: a slot at or past it is refused, nothing written
 };
 
 // reshape_and_cache of the cpu backend: rows `key/value [T, Hkv, D]` (unit stride along D, the pool's dtype) copied

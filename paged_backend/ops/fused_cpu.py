@@ -32,7 +32,7 @@ class RotaryCacheArgs(ctypes.Structure):
         ("num_tokens", I32), ("num_q_heads", I32), ("num_kv_heads", I32), ("head_dim", I32),
         ("block_size", I32), ("num_threads", I32),
         ("q_norm", PTR), ("k_norm", PTR), ("q_norm_eps", ctypes.c_float), ("k_norm_eps", ctypes.c_float),
-        ("skip_rotary", I32), ("rotary_dim", I32), ("unit_offset", I32),
+        ("skip_rotary", I32), ("rotary_dim", I32), ("unit_offset", I32), ("num_slots", I64),
     ]  # fmt: skip
 
 
@@ -128,12 +128,14 @@ class RotaryCache:
     rotate (R = `head_dim` unless the model's rotary is partial, as Phi-4-mini's), the rest pass."""
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
-                 head_dim: int | None = None) -> None:  # fmt: skip
+                 head_dim: int | None = None, num_slots: int = 0) -> None:  # fmt: skip
+        """`num_slots`: the pool's blocks times `block_size`, for the C++ layer loop, which takes the struct as is
+        (a call here reads it from the pools); the kernel refuses any slot at or past it, so 0 refuses every write."""
         self._keep = (cos, sin, slot_mapping)  # the struct points into them
         self.args = RotaryCacheArgs(
             cos=cos.data_ptr(), sin=sin.data_ptr(), slot_mapping=slot_mapping.data_ptr(),
             num_tokens=cos.shape[0], head_dim=head_dim or cos.shape[1], block_size=block_size,
-            num_threads=torch.get_num_threads(), rotary_dim=cos.shape[1],
+            num_threads=torch.get_num_threads(), rotary_dim=cos.shape[1], num_slots=num_slots,
         )  # fmt: skip
         self.dtype = QUERY_DTYPES[cos.dtype]
 
@@ -151,6 +153,7 @@ class RotaryCache:
         args.k_stride_block, args.k_stride_slot, args.k_stride_head = key_cache.stride()[:3]
         args.v_stride_block, args.v_stride_slot, args.v_stride_head = value_cache.stride()[:3]
         args.num_q_heads, args.num_kv_heads = out.shape[1], key.shape[1] // head_dim
+        args.num_slots = key_cache.shape[0] * key_cache.shape[1]
         _check(_fused().pb_cpu_rotary_cache(ctypes.byref(args), self.dtype), "rotary_cache")
         return out
 

@@ -246,7 +246,8 @@ class FusedForward:
             key = id(group), kind
             if key not in index_of:
                 index_of[key] = len(rotaries)
-                rotaries.append(RotaryCache(*rotary[kind], group.slot_mapping, block_size, head_dim))
+                rotaries.append(RotaryCache(*rotary[kind], group.slot_mapping, block_size, head_dim,
+                                             self.kv_cache.num_blocks * block_size))  # fmt: skip
                 plans.append(AttentionPlan(
                     group.block_tables, group.seq_lens, group.query_start_loc, num_q_heads=q_width // head_dim,
                     num_kv_heads=kv_width // head_dim, head_dim=head_dim, block_size=block_size, dtype=dtype,
