@@ -151,6 +151,10 @@ def test_bench_serve_rejects_an_unknown_slo():
         (["throughput", "--quick", "--threads", "1,0"], "--threads: must be a whole number of at least 1, got '0'"),
         (["throughput", "--quick", "--output-json", "/no/such/folder/x.json"], "the folder of '/no/such/folder"),
         (["latency", "--quick", "--batch-size", "0"], "--batch-size: must be a whole number of at least 1"),
+        # the synthetic model's byte tokenizer needs 256 ids (it failed in torch: padding_idx outside the embedding)
+        (["throughput", "--quick", "--vocab-size", "1"], "--vocab-size: must be a whole number of at least 256, got '1'"),
+        (["latency", "--quick", "--vocab-size", "255"], "--vocab-size: must be a whole number of at least 256"),
+        (["quantization", "--vocab-size", "0"], "bench quantization: error: argument --vocab-size: must be a whole"),
     ],
 )
 def test_bench_flags_out_of_range_are_usage_errors_before_the_run(command, said):

@@ -7,15 +7,23 @@ import argparse
 from pathlib import Path
 
 
-def count(text: str) -> int:
-    """A whole number of at least 1."""
+def count(text: str, minimum: int = 1) -> int:
+    """A whole number of at least `minimum`."""
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+        value = minimum - 1
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least {minimum}, got {text!r}")
     return value
+
+
+def vocabulary(text: str) -> int:
+    """The synthetic model's vocabulary: at least the byte tokenizer's ids, up to its special tokens (253-255; the
+    pad id is an embedding row)."""
+    from paged_backend.worker.models import SPECIAL_TOKENS  # here: the flags parse without loading transformers
+
+    return count(text, max(SPECIAL_TOKENS.values()) + 1)
 
 
 def count_or_zero(text: str) -> int:

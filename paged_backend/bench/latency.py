@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from paged_backend.bench.arg_types import count, count_or_zero, writable_file
+from paged_backend.bench.arg_types import count, count_or_zero, vocabulary, writable_file
 from paged_backend.bench.report import distribution_ms, markdown_table, write_json, write_plot
 from paged_backend.bench.throughput import benchmarked_model, engine_options
 from paged_backend.engine import LLM, SamplingParams
@@ -39,7 +39,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--num-iters", type=count, default=None, help="default 10 (3 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=count, default=1, help="torch threads (1 is stable on a shared box)")
-    parser.add_argument("--vocab-size", type=count, default=32000)
+    parser.add_argument("--vocab-size", type=vocabulary, default=32000)
     parser.add_argument("--skip", default="", help="comma list of systems to skip: engine,hf")
     parser.add_argument("--output-json", type=writable_file, default="bench-latency.json")
     parser.add_argument("--plot", type=writable_file, default="bench-latency.png", help="PNG of the latencies ('' for none)")

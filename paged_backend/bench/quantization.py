@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from paged_backend.bench.arg_types import vocabulary
 from paged_backend.bench.throughput import make_engine
 from paged_backend.bench.workload import synthetic_workload
 from paged_backend.engine import SamplingParams
@@ -45,11 +46,12 @@ KV_POOLS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="paged-backend bench quantization", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=24, help="throughput workload size")
     parser.add_argument("--num-prompts", type=int, default=16, help="fixed prompt set for agreement and KL")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt in that set")
-    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--vocab-size", type=vocabulary, default=8000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2, help="throughput runs per row; the fastest is reported")

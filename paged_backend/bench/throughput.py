@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_backend.bench.arg_types import count, counts, writable_file
+from paged_backend.bench.arg_types import count, counts, vocabulary, writable_file
 from paged_backend.bench.chat_workload import CHAT_DATASET, chat_workload
 from paged_backend.bench.flops import matmul_peak, model_flops
 from paged_backend.bench.hf_baselines import check_exact_lengths, run_hf_cb, run_static
@@ -56,7 +56,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="comma list of torch thread counts, each a full comparison; 'default' = the machine's")  # fmt: skip
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weights and activations of every system (bfloat16 uses the CPU's bf16 matmul units)")  # fmt: skip
-    parser.add_argument("--vocab-size", type=count, default=32000)
+    parser.add_argument("--vocab-size", type=vocabulary, default=32000)
     parser.add_argument("--static-batch-sizes", type=counts, default=None, help="comma list; default 4,8,16,32")
     parser.add_argument("--cb-max-batch-tokens", default="64,128,256,default", help="comma list for HF CB")
     parser.add_argument("--max-num-batched-tokens", type=count, default=512, help="paged-backend token budget")
