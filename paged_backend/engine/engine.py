@@ -78,6 +78,15 @@ class Engine:
     def vocab_size(self) -> int:
         return self.model.config.get_text_config().vocab_size
 
+    def set_tokenizer(self, tokenizer) -> None:
+        """Tokenize, detokenize and read EOS ids with `tokenizer` from the next request on (vLLM's
+        `set_tokenizer`); its ids must be the model's, since nothing is re-embedded."""
+        self.tokenizer = self.input_processor.tokenizer = self.output_processor.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids(tokenizer, getattr(self.model, "generation_config", None))
+        self.input_processor.eos_token_ids = self.eos_token_ids
+        self.sampler.eos_token_ids = sorted(self.eos_token_ids)
+        self.sampler.structured = None  # its grammars index the old vocabulary; rebuilt on the next constrained request
+
     def close(self) -> None:
         """Stop the worker ranks of a parallel engine (a no-op for one process); idempotent."""
         if self.parallel is not None:

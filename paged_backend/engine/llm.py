@@ -13,8 +13,14 @@ from paged_backend.engine.chat_template import render_chat
 from paged_backend.engine.engine import Engine
 from paged_backend.engine.input_processor import prompt_list
 from paged_backend.engine.request import RequestOutput, SamplingParams
+from paged_backend.engine.sleep import EngineSleep
 from paged_backend.errors import InvalidRequest
 from paged_backend.lora import LoRARequest
+
+# The generation_config fields vLLM reads as default sampling params (`ModelConfig.get_diff_sampling_param`), with
+# the name each has in SamplingParams.
+GENERATION_DEFAULTS = {"repetition_penalty": "repetition_penalty", "temperature": "temperature", "top_k": "top_k",
+                       "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}  # fmt: skip
 
 
 class LLM:
@@ -31,8 +37,10 @@ class LLM:
         model: str | PreTrainedModel | None = None,
         *,
         tokenizer: str | PreTrainedTokenizerBase | None = None,
+        enable_sleep_mode: bool = False,  # vLLM's scripts pass it to call sleep(); nothing here needs setting up
         **engine_kwargs,
     ) -> None:
+        del enable_sleep_mode
         objects = not (model is None or isinstance(model, str))
         config = engine_config(model=None if objects else model,
                                tokenizer=None if objects or tokenizer is None else tokenizer, **engine_kwargs)
@@ -41,6 +49,43 @@ class LLM:
         # One generate() at a time: each steps the engine until its own requests finish, and two stepping it from
         # two threads tore its block tables apart (KeyError in the block manager). AsyncEngine serves concurrency.
         self._running = threading.Lock()
+        self._sleep = EngineSleep(self.engine)
+
+    @property
+    def llm_engine(self) -> Engine:
+        """vLLM's name for the engine underneath."""
+        return self.engine
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer prompts are tokenized and outputs detokenized with (vLLM's call)."""
+        return self.engine.tokenizer
+
+    def set_tokenizer(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        """Tokenize prompts, detokenize outputs and read the EOS ids with `tokenizer` from the next generate on
+        (vLLM's call). Its ids must be the model's: nothing is re-embedded."""
+        with self._running:
+            self.engine.set_tokenizer(tokenizer)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's defaults: the sampling fields the model's generation_config sets (temperature, top_p, top_k, min_p,
+        repetition_penalty, and max_new_tokens as max_tokens) over SamplingParams(); what generate and chat use when
+        given no sampling params."""
+        config = getattr(self.engine.model, "generation_config", None)
+        given = {} if config is None else config.to_diff_dict()  # only what differs from transformers' defaults
+        return SamplingParams(**{ours: given[theirs] for theirs, ours in GENERATION_DEFAULTS.items()
+                                 if given.get(theirs) is not None})  # fmt: skip
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (`engine.sleep`): level 1 frees the KV pool, level 2 the weights too, until `wake_up`.
+        Every cached prefix is forgotten."""
+        with self._running:
+            self._sleep.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what `sleep` freed, or only `tags` ("weights", "kv_cache"); level 2 reloads the weights from
+        the model the LLM was built with."""
+        with self._running:
+            self._sleep.wake_up(tags)
 
     def generate(
         self,
@@ -58,6 +103,8 @@ class LLM:
         scheduling policy. `lora_request`: one adapter for all prompts, or one (or None for the base model) per prompt.
         """
         prompts = prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequest(f"{len(params)} sampling params for {len(prompts)} prompts; give one or one each")
@@ -66,6 +113,8 @@ class LLM:
         if len(loras) != len(prompts):
             raise InvalidRequest(f"{len(loras)} lora requests for {len(prompts)} prompts; give one or one each")
         with self._running:
+            if self._sleep.level:  # a step would run on a released pool (or a model with no weights)
+                raise InvalidRequest(f"the engine is asleep (level {self._sleep.level}); call wake_up() first")
             return self._add_and_run(prompts, params, priority, loras, use_tqdm)
 
     def _add_and_run(self, prompts, params, priority, loras, use_tqdm: bool) -> list[RequestOutput]:

@@ -7,6 +7,7 @@ tokenizer built with the `tokenizers` library, for fast tests and synthetic-weig
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -237,6 +238,8 @@ def load_model(
     source = str(gguf_source.converted(gguf)) if gguf is not None else os.path.expanduser(model)
     if gguf is None and _is_path(model) and not os.path.isdir(source):
         raise InvalidRequest(f"model path or id '{model}' not found: no such directory")
+    if gguf is None and os.path.isdir(source):
+        _refuse_lora_adapter(model, Path(source).resolve())
     try:
         config = AutoConfig.from_pretrained(source)
         torch_dtype = resolve_dtype(dtype, target, getattr(config, "dtype", None))
@@ -268,6 +271,25 @@ def load_model(
             f"--cpu-offload-gb, and give --offload-folder for checkpoints that are not safetensors"
         ) from exc
     return (loaded if dispatched else loaded.to(target)).eval(), tok
+
+
+def _refuse_lora_adapter(model: str, folder: Path) -> None:
+    """A peft adapter folder given as the model (transformers only says its config.json lacks `model_type`): say
+    what it is, its base model, and how to serve the adapter on it."""
+    if (folder / "config.json").exists() or not (folder / "adapter_config.json").exists():
+        return
+    try:
+        base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object: the base stays unnamed
+        base = None
+    named = f"'{base}'" if base else "not named (its adapter_config.json has no base_model_name_or_path)"
+    base = base or "BASE_MODEL"
+    raise InvalidRequest(
+        f"'{model}' is a LoRA adapter, not a model; its base model is {named}. Give the base model as the model and "
+        f"the adapter with --lora-modules: --model {base} --enable-lora --lora-modules {folder.name}={model} (in "
+        f"Python: LLM('{base}', enable_lora=True) and generate(..., lora_request=LoRARequest('{folder.name}', 1, "
+        f"'{model}')))"
+    )
 
 
 def load_configured(config: EngineConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
