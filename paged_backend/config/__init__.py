@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paged_backend.config.env import env_flag
+from paged_backend.config.generation import parse_override
 from paged_backend.config.placement import parse_device_map, parse_max_memory
 from paged_backend.config.speculative import SpeculativeConfig, parse_speculative_config
 from paged_backend.core.kv_budget import GPU_MEMORY_UTILIZATION
@@ -116,6 +117,18 @@ class EngineConfig(_Config):
     speculative_config: SpeculativeConfig | None = Field(
         None, description='vLLM\'s: {"method": "ngram", "num_speculative_tokens": k} or {"model": PATH, ...}'
     )
+    generation_config: str = Field(
+        "auto", min_length=1, description="sampling defaults for the fields a request leaves out (vLLM's flag): "
+        "auto, from the model's generation_config.json; vllm, none; or a folder holding a generation_config.json",
+    )  # fmt: skip
+    override_generation_config: dict | None = Field(
+        None, description='sampling defaults over generation_config\'s (vLLM\'s flag), e.g. {"temperature": 0.5}'
+    )
+
+    @field_validator("override_generation_config", mode="before")
+    @classmethod
+    def _parse_override_generation_config(cls, value):
+        return parse_override(value)
 
     @field_validator("speculative_config", mode="before")
     @classmethod

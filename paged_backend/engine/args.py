@@ -75,6 +75,13 @@ class EngineArgs(BaseModel):
     speculative_config: str | None = _option(
         'JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3} or {"model": PATH, "num_speculative_tokens": 3}'
     )
+    generation_config: str | None = _option(
+        "auto | vllm | FOLDER: sampling defaults for the fields a request leaves out, from the model's "
+        "generation_config.json (auto, the default), none (vllm), or a folder's"
+    )
+    override_generation_config: str | None = _option(
+        'JSON sampling defaults over those, e.g. \'{"temperature": 0.5, "max_new_tokens": 256}\''
+    )
     # CacheConfig
     block_size: int | None = _option("tokens per KV block (power of two, 1..256)")
     num_blocks: int | None = _option("KV pool size in blocks; overrides the memory budget")

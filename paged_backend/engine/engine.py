@@ -16,6 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from paged_backend.config import EngineConfig
 from paged_backend.engine.assembly import assemble
 from paged_backend.engine.detokenizer import eos_token_ids
+from paged_backend.engine.generation_defaults import read_sampling_defaults
 from paged_backend.engine.input_processor import InputProcessor
 from paged_backend.engine.output_processor import OutputProcessor
 from paged_backend.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
@@ -62,6 +63,7 @@ class Engine:
         )
         self.eos_token_ids = eos_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=parts.device)
+        self.sampling_defaults = read_sampling_defaults(config, self.model)  # for the fields a request leaves out
         self.requests: dict[str, Request] = {}
         self.input_processor = InputProcessor(
             config, self.tokenizer, vocab_size=self.vocab_size, max_model_len=self.max_model_len,

@@ -17,11 +17,6 @@ from paged_backend.engine.sleep import EngineSleep
 from paged_backend.errors import InvalidRequest
 from paged_backend.lora import LoRARequest
 
-# The generation_config fields vLLM reads as default sampling params (`ModelConfig.get_diff_sampling_param`), with
-# the name each has in SamplingParams.
-GENERATION_DEFAULTS = {"repetition_penalty": "repetition_penalty", "temperature": "temperature", "top_k": "top_k",
-                       "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}  # fmt: skip
-
 
 class LLM:
     """Offline batch generation on top of `Engine`.
@@ -67,13 +62,10 @@ class LLM:
             self.engine.set_tokenizer(tokenizer)
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """vLLM's defaults: the sampling fields the model's generation_config sets (temperature, top_p, top_k, min_p,
-        repetition_penalty, and max_new_tokens as max_tokens) over SamplingParams(); what generate and chat use when
-        given no sampling params."""
-        config = getattr(self.engine.model, "generation_config", None)
-        given = {} if config is None else config.to_diff_dict()  # only what differs from transformers' defaults
-        return SamplingParams(**{ours: given[theirs] for theirs, ours in GENERATION_DEFAULTS.items()
-                                 if given.get(theirs) is not None})  # fmt: skip
+        """vLLM's defaults: SamplingParams() with the sampling fields the generation config sets (temperature, top_p,
+        top_k, min_p, repetition_penalty, and max_new_tokens as max_tokens; `generation_config` /
+        `override_generation_config` choose it); what generate and chat use when given no sampling params."""
+        return SamplingParams(**self.engine.sampling_defaults)
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode (`engine.sleep`): level 1 frees the KV pool, level 2 the weights too, until `wake_up`.

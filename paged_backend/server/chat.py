@@ -36,8 +36,8 @@ async def create_chat_completion(
     if body.truncate_prompt_tokens is not None:
         prompt = prompt[-body.truncate_prompt_tokens :]
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = output_budget(requested, [len(prompt)], server.max_model_len, default=None)
-    params = chat_sampling_params(body, plan, max_tokens)
+    max_tokens = output_budget(requested, [len(prompt)], server.max_model_len, server.sampling_defaults.get("max_tokens"))
+    params = chat_sampling_params(body, plan, max_tokens, server.sampling_defaults)
     check_streamable(params, body.stream, body.best_of)
     generation = Generation(server.async_engine, server.metrics, "chatcmpl", body.request_id)
     await cancel_on_disconnect(request, generation.start([prompt], params, body.priority, lora_request))
@@ -65,14 +65,16 @@ def tool_call_plan(server: ServerState, body: ChatCompletionRequest) -> ToolCall
     )  # fmt: skip
 
 
-def chat_sampling_params(body: ChatCompletionRequest, plan: ToolCallPlan, max_tokens: int) -> SamplingParams:
-    """The request's sampling fields, plus what its tool_choice needs: a forced call's schema, or the special
-    tokens its parser looks for.
+def chat_sampling_params(
+    body: ChatCompletionRequest, plan: ToolCallPlan, max_tokens: int, defaults: dict
+) -> SamplingParams:
+    """The request's sampling fields (`defaults` for those left out), plus what its tool_choice needs: a forced
+    call's schema, or the special tokens its parser looks for.
 
     A forced call's schema wins over response_format (and the structured-output fields), as in vLLM: the answer is
     a call, not text, and agents send both on every turn (the OpenAI Agents SDK with an output_type and
     tool_choice="required"). The other constraint is still checked, so a malformed one is a 400 either way."""
-    params = body.sampling_params(max_tokens, body.requested_logprobs())
+    params = body.sampling_params(max_tokens, body.requested_logprobs(), defaults)
     if plan.structured_outputs is not None:
         params.structured_outputs = plan.structured_outputs
     if plan.keeps_special_tokens and body.skip_special_tokens is None:

@@ -41,9 +41,10 @@ async def create_completion(
         raise InvalidRequest("max_tokens may be 0 only with echo or prompt_logprobs; ask for at least 1 token")
     lengths = [len(p) for p in prompts]
     max_tokens = (
-        0 if body.max_tokens == 0 else output_budget(body.max_tokens, lengths, server.max_model_len, DEFAULT_MAX_TOKENS)
-    )
-    params = completion_sampling_params(body, max_tokens)
+        0 if body.max_tokens == 0 else output_budget(body.max_tokens, lengths, server.max_model_len,
+                                                     server.sampling_defaults.get("max_tokens", DEFAULT_MAX_TOKENS))
+    )  # fmt: skip
+    params = completion_sampling_params(body, max_tokens, server.sampling_defaults)
     check_streamable(params, body.stream, body.best_of)
     generation = Generation(server.async_engine, server.metrics, "cmpl", body.request_id)
     await cancel_on_disconnect(request, generation.start(prompts, params, body.priority, lora_request))
@@ -56,12 +57,13 @@ async def create_completion(
     return JSONResponse(formatter.envelope(generation.id, [formatter.choice(c) for c in choices], generation))
 
 
-def completion_sampling_params(body: CompletionRequest, max_tokens: int) -> SamplingParams:
-    """The shared sampling fields, plus the prompt logprobs that echo with logprobs (or max_tokens 0) needs."""
+def completion_sampling_params(body: CompletionRequest, max_tokens: int, defaults: dict) -> SamplingParams:
+    """The shared sampling fields (`defaults` for those left out), plus the prompt logprobs that echo with logprobs
+    (or max_tokens 0) needs."""
     prompt_logprobs = body.prompt_logprobs
     if body.echo and (body.logprobs is not None or max_tokens == 0):
         prompt_logprobs = max(prompt_logprobs or 0, body.logprobs or 0)
-    return body.sampling_params(max_tokens, body.logprobs, prompt_logprobs=prompt_logprobs)
+    return body.sampling_params(max_tokens, body.logprobs, defaults, prompt_logprobs=prompt_logprobs)
 
 
 class _ChoiceFormatter:

@@ -37,9 +37,9 @@ async def create_message(
     chat = chat_request(body)
     plan = tool_call_plan(server, chat)
     prompt = await render_chat_prompt(server, chat)
-    max_tokens = output_budget(body.max_tokens, [len(prompt)], server.max_model_len, default=None)
+    max_tokens = output_budget(body.max_tokens, [len(prompt)], server.max_model_len, default=None)  # required here
     generation = Generation(server.async_engine, server.metrics, "msg")
-    params = chat_sampling_params(chat, plan, max_tokens)
+    params = chat_sampling_params(chat, plan, max_tokens, server.sampling_defaults)
     await cancel_on_disconnect(request, generation.start([prompt], params, chat.priority, lora_request))
     message = _Message(body, plan, generation)
     if body.stream:

@@ -71,8 +71,9 @@ async def create_response(
     chat_body = chat_request(body, chat_messages(conversation, body.instructions, first_new=len(history)))
     plan = tool_call_plan(server, chat_body)
     prompt = await render_chat_prompt(server, chat_body)
-    max_tokens = output_budget(body.max_output_tokens, [len(prompt)], server.max_model_len, default=None)
-    params = chat_sampling_params(chat_body, plan, max_tokens)
+    max_tokens = output_budget(body.max_output_tokens, [len(prompt)], server.max_model_len,
+                               server.sampling_defaults.get("max_tokens"))  # fmt: skip
+    params = chat_sampling_params(chat_body, plan, max_tokens, server.sampling_defaults)
     generation = Generation(server.async_engine, server.metrics, "resp")
     await cancel_on_disconnect(request, generation.start([prompt], params, body.priority, lora_request))
     stored = StoredResponse(ResponseRecord(body, server.answered_as(body.model)), conversation)

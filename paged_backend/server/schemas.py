@@ -219,9 +219,13 @@ class _SamplingRequest(_Request):
         """vLLM's continuous_usage_stats: every chunk carries the usage so far (it needs include_usage too)."""
         return self.wants_usage_in_stream and self.stream_options.continuous_usage_stats
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, **overrides: Any) -> SamplingParams:
-        """Engine parameters; fields left out or null keep SamplingParams' own defaults; `overrides` win."""
-        given = {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, defaults: dict | None = None, **overrides: Any
+    ) -> SamplingParams:
+        """Engine parameters; fields left out or null take `defaults` (the engine's, from the generation config),
+        else SamplingParams' own; `overrides` win."""
+        given = {name: value for name, value in (defaults or {}).items() if name != "max_tokens"}  # budgeted apart
+        given.update({name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None})
         given.update(overrides)
         if given.get("temperature", 1.0) < GREEDY_BELOW:
             given["temperature"] = 0.0

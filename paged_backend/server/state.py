@@ -80,6 +80,11 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.async_engine.engine.max_model_len
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """SamplingParams fields -> the value a request that leaves them out gets (the engine's generation config)."""
+        return self.async_engine.engine.sampling_defaults
+
     def check_model(self, requested: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model, also when omitted). OpenAI answers 404
         model_not_found for a model it does not serve."""
