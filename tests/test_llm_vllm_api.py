@@ -133,3 +133,9 @@ def test_a_lora_adapter_given_as_the_model_names_its_base_and_how_to_serve_it(tm
     (adapter_dir / "adapter_config.json").write_text(json.dumps(settings))
     with pytest.raises(InvalidRequest, match=r"its base model is not named .*--model BASE_MODEL --enable-lora"):
         LLM(str(adapter_dir), device="cpu", num_blocks=64)
+
+
+def test_chat_outputs_carry_the_prompt_the_template_wrote(llm):
+    [answer] = llm.chat([{"role": "user", "content": "Hello there"}], GREEDY)
+    assert "Hello there" in answer.prompt and answer.prompt != "Hello there"  # the template's frame around it
+    assert llm.get_tokenizer().decode(answer.prompt_token_ids) == answer.prompt

@@ -148,7 +148,10 @@ class LLM:
             )}
             for conversation in conversations
         ]  # fmt: skip
-        return self.generate(prompts, sampling_params, priority=priority, use_tqdm=use_tqdm, lora_request=lora_request)
+        outputs = self.generate(prompts, sampling_params, priority=priority, use_tqdm=use_tqdm, lora_request=lora_request)
+        for output in outputs:  # vLLM's chat outputs carry the prompt the template wrote
+            output.prompt = tokenizer.decode(output.prompt_token_ids)
+        return outputs
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt block (vLLM's call), e.g. after the model's weights changed: cached blocks hold
