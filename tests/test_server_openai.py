@@ -24,6 +24,8 @@ def sampled(client, **kwargs):
 def test_models_lists_the_served_model(client):
     models = client.models.list()
     assert [model.id for model in models.data] == [MODEL]
+    card = models.data[0].model_dump()  # vLLM's card: the model as loaded, no parent, its context
+    assert card["root"] == MODEL and card["parent"] is None and card["max_model_len"] > 0
 
 
 def test_completion_counts_tokens_and_stops_at_max_tokens(client):

@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from paged_backend.engine.async_engine import SLEEP_RETRY_AFTER
 from paged_backend.server.lora_routes import adapter_cards
 from paged_backend.server.state import ServerState, server_state
+from paged_backend.worker.default_model import default_model
 
 router = APIRouter()
 STARTED = int(time.time())
@@ -39,6 +40,7 @@ async def metrics(server: ServerState = Depends(server_state)) -> Response:
 
 @router.get("/v1/models")
 async def list_models(server: ServerState = Depends(server_state)) -> JSONResponse:
-    models = [{"id": name, "object": "model", "created": STARTED, "owned_by": "paged-backend",
-               "max_model_len": server.max_model_len} for name in server.model_names]  # fmt: skip
+    root = server.async_engine.engine.config.model or default_model()  # vLLM's `root`: the model as loaded
+    models = [{"id": name, "object": "model", "created": STARTED, "owned_by": "paged-backend", "root": root,
+               "parent": None, "max_model_len": server.max_model_len} for name in server.model_names]  # fmt: skip
     return JSONResponse({"object": "list", "data": [*models, *adapter_cards(server, STARTED)]})
