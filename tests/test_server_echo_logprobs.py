@@ -62,13 +62,16 @@ def test_token_id_prompts_echo_their_logprobs_like_an_hf_forward(client, referen
         logprobs = choice.logprobs
         assert len(logprobs.tokens) == len(prompt) + max_tokens
         assert_matches_reference(prompt, logprobs.token_logprobs[: len(prompt)], reference)
-        # top-1 alternative: the argmax of the distribution that scored the token
+        # the prompt token first, then the top-1 alternative: the argmax of the distribution that scored it
         expected = reference(prompt)
         for position in range(1, len(prompt)):
-            [(token, value)] = logprobs.top_logprobs[position].items()
-            best = expected[position - 1].max().item()
-            assert abs(value - best) < TOLERANCE
-            assert token == reference.tokenizer.decode([int(expected[position - 1].argmax())])
+            top = logprobs.top_logprobs[position]
+            first, *rest = top.items()
+            assert first == (logprobs.tokens[position], logprobs.token_logprobs[position])
+            best_id = int(expected[position - 1].argmax())
+            best = reference.tokenizer.decode([best_id])
+            assert len(top) == (1 if best_id == prompt[position] else 2), top
+            assert abs(top[best] - expected[position - 1].max().item()) < TOLERANCE
         assert logprobs.top_logprobs[0] is None
         assert choice.finish_reason == "length"
         assert choice.text.startswith(reference.tokenizer.decode(prompt))

@@ -105,11 +105,17 @@ def test_token_id_prompt_equals_text_prompt(client):
 
 
 def test_completion_logprobs_cover_every_token(client):
-    completion = sampled(client, max_tokens=6, logprobs=2)
+    # as token ids: two byte tokens that are half a character each decode to the same "\ufffd" key
+    completion = sampled(client, max_tokens=6, logprobs=2, extra_body={"ignore_eos": True,
+                                                                      "return_tokens_as_token_ids": True})
     logprobs = completion.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
     assert all(value <= 0 for value in logprobs.token_logprobs)
-    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs)
+    # OpenAI's legacy shape (and vLLM's): the sampled token first, then the 2 most likely: up to 3 items
+    assert all(len(top) in (2, 3) and next(iter(top.items())) == (token, value)
+               for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs,
+                                            strict=True))  # fmt: skip
+    assert any(len(top) == 3 for top in logprobs.top_logprobs)  # at temperature 1 a token outside the top 2
     assert logprobs.text_offset[0] == 0
 
 

@@ -30,7 +30,9 @@ def completion_logprobs(
 ) -> dict:
     """The legacy completions shape: parallel lists of tokens, their logprobs, top alternatives, offsets.
 
-    An entry of None (the first prompt token under echo, which nothing predicts) gives null logprob and top.
+    A token's `top_logprobs` holds the token itself first, then the `num_top` most likely (up to num_top + 1 items,
+    as OpenAI's legacy API and vLLM give them: the engine's entry is in that order). An entry of None (the first
+    prompt token under echo, which nothing predicts) gives null logprob and top.
     """
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for token_id, entry in zip(token_ids, logprobs, strict=False):
@@ -39,7 +41,8 @@ def completion_logprobs(
         token_logprobs.append(None if entry is None else entry.get(token_id))
         top_logprobs.append(
             None if entry is None
-            else {token_text(tokenizer, alt, as_token_ids): value for alt, value in _top(entry, num_top)}
+            else {token_text(tokenizer, alt, as_token_ids): value
+                  for rank, (alt, value) in enumerate(entry.items()) if rank <= num_top}
         )  # fmt: skip
         offsets.append(text_offset)
         text_offset += len(token)
