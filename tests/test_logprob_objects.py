@@ -1,5 +1,6 @@
 """Logprobs as vLLM's `Logprob` objects (`.logprob`, `.rank`, `.decoded_token`), which are still floats: the ranks
-agree with the whole distribution, the texts with the tokenizer, and code written either way runs."""
+agree with the whole distribution, the texts with the tokenizer, and code written either way runs; a prompt that
+fills the context may still be scored."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pickle
 import pytest
 
 from paged_backend.engine import LLM, Logprob, SamplingParams
+from paged_backend.errors import PromptTooLong
 from paged_backend.worker.default_model import TINY_MODEL
 
 PROMPT = [72, 101, 108, 108, 111, 32, 116, 104, 101, 114, 101]
@@ -63,3 +65,17 @@ def test_a_logprob_survives_pickling_and_prints_like_vllms():
     value = pickle.loads(pickle.dumps(Logprob(-0.25, 3, "a")))
     assert (value, value.rank, value.decoded_token) == (-0.25, 3, "a")
     assert repr(value) == "Logprob(logprob=-0.25, rank=3, decoded_token='a')"
+
+
+def test_a_prompt_of_max_model_len_tokens_may_be_scored_but_not_continued():
+    """max_tokens=0 with prompt logprobs scores the prompt alone, so it may fill the context (vLLM refuses only
+    prompts longer than max_model_len); one token more, or a token to generate, is refused."""
+    llm = LLM(TINY_MODEL, device="cpu", num_blocks=64, dtype="float32", max_model_len=64)
+    prompt = [(7 * i) % 200 + 3 for i in range(64)]
+    [scored] = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=0))
+    assert len(scored.prompt_logprobs) == 64 and scored.outputs[0].token_ids == []
+    for too_long, params in ((prompt + [5], SamplingParams(max_tokens=0, prompt_logprobs=0)),
+                             (prompt, SamplingParams(max_tokens=1))):  # fmt: skip
+        with pytest.raises(PromptTooLong, match="max_model_len is 64"):
+            llm.generate([too_long], params)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks - 1

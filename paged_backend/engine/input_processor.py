@@ -103,7 +103,8 @@ class InputProcessor:
                 raise InvalidRequest(f"{name}={count} asks for more alternatives than the vocabulary's {vocab} tokens")
         # Compiling the constraint here refuses a bad one before anything is queued.
         grammar = self.grammar_matcher(params)
-        if len(prompt_token_ids) >= self.max_model_len:
+        scoring_only = params.max_tokens == 0  # prompt logprobs alone: nothing follows the prompt, which may fill it
+        if len(prompt_token_ids) >= self.max_model_len + scoring_only:
             raise PromptTooLong(
                 f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.max_model_len} "
                 f"(prompt plus at least one generated token): shorten the prompt or raise max_model_len, the KV "
