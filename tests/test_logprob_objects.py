@@ -9,7 +9,7 @@ import pickle
 import pytest
 
 from paged_backend.engine import LLM, Logprob, SamplingParams
-from paged_backend.errors import PromptTooLong
+from paged_backend.errors import InvalidRequest, PromptTooLong
 from paged_backend.worker.default_model import TINY_MODEL
 
 PROMPT = [72, 101, 108, 108, 111, 32, 116, 104, 101, 114, 101]
@@ -79,3 +79,14 @@ def test_a_prompt_of_max_model_len_tokens_may_be_scored_but_not_continued():
         with pytest.raises(PromptTooLong, match="max_model_len is 64"):
             llm.generate([too_long], params)
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks - 1
+
+
+def test_detokenize_false_gives_the_same_tokens_and_no_text(llm):
+    """vLLM's `detokenize=False` (RL rollouts read token ids only): the same tokens and logprobs, no text, no
+    decoded tokens; stop strings, which match text, need it."""
+    texts = sampled(llm, logprobs=2).outputs[0]
+    ids = sampled(llm, logprobs=2, detokenize=False).outputs[0]
+    assert ids.token_ids == texts.token_ids and ids.text == "" and texts.text
+    assert ids.logprobs == texts.logprobs and all(lp.decoded_token is None for e in ids.logprobs for lp in e.values())
+    with pytest.raises(InvalidRequest, match="stop needs detokenize=True"):
+        SamplingParams(stop=["."], detokenize=False)

@@ -21,13 +21,14 @@ class OutputProcessor:
 
     def append_token(self, seq: Sequence, token: int, logprob: dict[int, Logprob] | None) -> None:
         seq.token_ids.append(token)
+        texts = seq.request.params.detokenize  # False: token ids only (nothing matches text: no stop strings)
         if logprob is not None:
-            seq.logprobs.append(decode_logprobs(logprob, self.tokenizer))
+            seq.logprobs.append(decode_logprobs(logprob, self.tokenizer) if texts else logprob)
         if seq.grammar is not None and not seq.grammar.accept(token) and (error := seq.grammar.error()):
             # the grammar engine gave up (a limit of its own): the sequence stops here, said in the log, not silently
             log.warning("request %s: its structured-output constraint failed at output token %d, which ends it: %s",
                         seq.request.request_id, seq.num_output_tokens, error.splitlines()[0])  # fmt: skip
-        new_text = self.detokenize(seq)
+        new_text = self.detokenize(seq) if texts else ""
         stop = seq.request.stop_rules.check(
             token, seq.text, new_text, seq.num_output_tokens, seq.num_tokens, seq.grammar
         )

@@ -25,7 +25,7 @@ FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence
 INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k")
 OPTIONAL_INT_FIELDS = ("seed", "logprobs", "prompt_logprobs", "best_of", "truncate_prompt_tokens")
 BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-               "watermark")  # fmt: skip
+               "watermark", "detokenize")  # fmt: skip
 
 # Class of service: "batch" runs only on capacity interactive work leaves over and is preempted first.
 RequestClass = Literal["interactive", "batch"]
@@ -70,6 +70,7 @@ class SamplingParams:
     watermark: bool = False  # TGI's green-list watermark (gamma 0.5, delta 2.0)
     truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
     structured_outputs: StructuredOutputsParams | None = None
+    detokenize: bool = True  # False: token ids only, no text (vLLM's; RL rollouts skip its cost)
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -106,6 +107,7 @@ class SamplingParams:
              "must be a non-empty list of token ids"),
             ("bad_words", all(isinstance(w, str) and w for w in self.bad_words or []), "must be non-empty strings"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("stop", self.detokenize or not self.stop, "needs detokenize=True (stop strings match the text)"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "must be token ids"),
         ]
         for name, ok, rule in checks:
