@@ -185,7 +185,8 @@ class Engine:
             self._in_flight = None
             self.counters.forward_time += time.perf_counter() - forward_start
         if prompt_rows:
-            record_prompt_logprobs(logits[len(logits) - len(prompt_rows) :], prompt_segments, self.tokenizer)
+            record_prompt_logprobs(logits[len(logits) - len(prompt_rows) :], prompt_segments,
+                                   self.output_processor.token_texts)  # fmt: skip
 
         sampling: list[Sequence] = []
         first_rows: list[int] = []  # each sampling sequence's first logits row (drafts add rows)

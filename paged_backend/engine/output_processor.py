@@ -17,13 +17,22 @@ log = logging.getLogger(__name__)
 
 class OutputProcessor:
     def __init__(self, tokenizer, scheduler: Scheduler) -> None:
-        self.tokenizer, self.scheduler = tokenizer, scheduler
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+
+    @property
+    def tokenizer(self):
+        return self.token_texts.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:  # a new tokenizer (Engine.set_tokenizer) starts a new text cache
+        self.token_texts = TokenTexts(tokenizer)
 
     def append_token(self, seq: Sequence, token: int, logprob: dict[int, Logprob] | None) -> None:
         seq.token_ids.append(token)
         texts = seq.request.params.detokenize  # False: token ids only (nothing matches text: no stop strings)
         if logprob is not None:
-            seq.logprobs.append(decode_logprobs(logprob, self.tokenizer) if texts else logprob)
+            seq.logprobs.append(self.token_texts.fill(logprob) if texts else logprob)
         if seq.grammar is not None and not seq.grammar.accept(token) and (error := seq.grammar.error()):
             # the grammar engine gave up (a limit of its own): the sequence stops here, said in the log, not silently
             log.warning("request %s: its structured-output constraint failed at output token %d, which ends it: %s",
@@ -60,11 +69,21 @@ class OutputProcessor:
         return outputs
 
 
-def decode_logprobs(entry: dict[int, Logprob], tokenizer) -> dict[int, Logprob]:
-    """Each entry's `decoded_token`, vLLM's text of that token alone; `entry`, filled in place."""
-    for logprob, text in zip(entry.values(), tokenizer.batch_decode([[token] for token in entry]), strict=True):
-        logprob.decoded_token = text
-    return entry
+class TokenTexts:
+    """vLLM's `decoded_token`: each token's text alone, decoded once per tokenizer and kept (a vocabulary's worth
+    at most), since logprobs ask for the same few thousand tokens step after step."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.texts = tokenizer, {}
+
+    def fill(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
+        """`entry`'s Logprobs with their `decoded_token` set, in place."""
+        missing = [token for token in entry if token not in self.texts]
+        if missing:
+            self.texts.update(zip(missing, self.tokenizer.batch_decode([[token] for token in missing]), strict=True))
+        for token, logprob in entry.items():
+            logprob.decoded_token = self.texts[token]
+        return entry
 
 
 def top_logprobs(entry: dict[int, float], count: int) -> list[tuple[int, float]]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_backend.engine.output_processor import decode_logprobs
+from paged_backend.engine.output_processor import TokenTexts
 from paged_backend.engine.request import Logprob, Request
 from paged_backend.engine.scheduler import ScheduledSequence
 
@@ -44,7 +44,7 @@ def prompt_logprob_rows(scheduled: list[ScheduledSequence]) -> tuple[list[int], 
     return rows, segments
 
 
-def record_prompt_logprobs(logits: torch.Tensor, segments: list[PromptSegment], tokenizer) -> None:
+def record_prompt_logprobs(logits: torch.Tensor, segments: list[PromptSegment], texts: TokenTexts) -> None:
     """Append `{next prompt token: logprob, top-k...}` per kept row to each segment's request, in order, each a
     `Logprob` with its rank and text."""
     offset = 0
@@ -66,5 +66,5 @@ def record_prompt_logprobs(logits: torch.Tensor, segments: list[PromptSegment], 
                 if top:  # the prompt token stays first
                     entry.update({alternative: Logprob(value, rank) for rank, (alternative, value)
                                   in enumerate(zip(alternatives[i], values[i], strict=True), 1)})  # fmt: skip
-                request.prompt_logprobs.append(decode_logprobs(entry, tokenizer))
+                request.prompt_logprobs.append(texts.fill(entry) if request.params.detokenize else entry)
         offset += count

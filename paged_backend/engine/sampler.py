@@ -52,12 +52,10 @@ class Sampler:
             tokens = argmax_rows(logits).tolist()
         else:
             tokens = self._sample(logits, seqs)
-        logprobs: list[dict[int, Logprob] | None] = []
         for i, (seq, token, p) in enumerate(zip(seqs, tokens, params, strict=True)):
             if p.needs_cumulative_logprob:
                 seq.cumulative_logprob += float(raw_logprobs[i, token])
-            logprobs.append(self._logprobs(raw_logprobs[i], token, p.logprobs) if wants_logprobs[i] else None)
-        return tokens, logprobs
+        return tokens, logprob_entries(raw_logprobs, tokens, [p.logprobs for p in params])
 
     def ending_ids(self, params: SamplingParams) -> list[int]:
         """The tokens that end a sequence of `params` (EOS unless ignored, stop_token_ids): what min_tokens blocks."""
@@ -160,16 +158,28 @@ class Sampler:
             probs[masked] = _masked_probabilities(logits[masked], [params[i] for i in masked])
         return probs
 
-    @staticmethod
-    def _logprobs(row: torch.Tensor, token: int, top: int) -> dict[int, Logprob]:
-        """The sampled token's logprob and rank, then the top `top` (ranks 1..top); their text comes later."""
-        chosen = row[token]
-        result = {token: Logprob(float(chosen), int((row > chosen).sum()) + 1)}
-        if top:
-            values, ids = row.topk(top)
-            pairs = zip(ids.tolist(), values.tolist(), strict=True)
-            result.update({i: Logprob(v, rank) for rank, (i, v) in enumerate(pairs, 1)})
-        return result
+
+def logprob_entries(raw: torch.Tensor | None, tokens: list[int], tops: list[int | None]) -> list[dict | None]:
+    """Per row of `raw` (log-softmaxed logits) whose `tops` entry is not None: {chosen token: its Logprob and rank,
+    then the `top` most likely, ranks 1..top}; None for the others. Ranks and top-k are computed for all such rows
+    at once (one compare, one topk per distinct k: a row's top-k never depends on another row's k); texts come
+    later (`output_processor.TokenTexts`)."""
+    entries: list[dict | None] = [None] * len(tokens)
+    rows = [i for i, top in enumerate(tops) if top is not None]
+    if not rows:
+        return entries
+    scored = raw[torch.tensor(rows, device=raw.device)]
+    chosen = scored.gather(1, torch.tensor([tokens[i] for i in rows], device=raw.device)[:, None])
+    ranks = ((scored > chosen).sum(dim=1) + 1).tolist()
+    for j, (i, value) in enumerate(zip(rows, chosen[:, 0].tolist(), strict=True)):
+        entries[i] = {tokens[i]: Logprob(value, ranks[j])}
+    for top in {tops[i] for i in rows} - {0}:
+        same = [j for j, i in enumerate(rows) if tops[i] == top]
+        values, ids = scored[torch.tensor(same, device=raw.device)].topk(top, dim=-1)
+        for j, row_ids, row_values in zip(same, ids.tolist(), values.tolist(), strict=True):
+            entries[rows[j]].update({t: Logprob(v, rank) for rank, (t, v) in enumerate(zip(row_ids, row_values,
+                                                                                              strict=True), 1)})
+    return entries
 
 
 def _keep_allowed(row: torch.Tensor, params: SamplingParams) -> None:

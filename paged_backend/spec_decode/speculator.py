@@ -9,7 +9,7 @@ import torch
 from paged_backend.config.speculative import SpeculativeConfig
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.engine.request import Sequence
-from paged_backend.engine.sampler import Sampler, processes_logits
+from paged_backend.engine.sampler import Sampler, logprob_entries, processes_logits
 from paged_backend.engine.scheduler import ScheduledSequence
 from paged_backend.errors import InvalidRequest
 from paged_backend.spec_decode.draft_model import DraftModelProposer
@@ -120,11 +120,10 @@ class Speculator:
         logprobs: list[dict[int, float] | None] = [None] * len(tokens)
         if params.logprobs is not None or params.needs_cumulative_logprob:
             raw = torch.log_softmax(logits[: len(tokens)], dim=-1)
-            for i, token in enumerate(tokens):
-                if params.needs_cumulative_logprob:
+            if params.needs_cumulative_logprob:
+                for i, token in enumerate(tokens):  # one at a time, as the plain sampler adds them
                     seq.cumulative_logprob += float(raw[i, token])
-                if params.logprobs is not None:
-                    logprobs[i] = sampler._logprobs(raw[i], token, params.logprobs)
+            logprobs = logprob_entries(raw, tokens, [params.logprobs] * len(tokens))
         return tokens, logprobs
 
     def retain(self, seq_ids: set[int]) -> None:
