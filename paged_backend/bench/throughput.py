@@ -169,7 +169,8 @@ def benchmarked_model(args: argparse.Namespace, dtype: str = "float32"):
         model, description = bench_model(args.quick, args.vocab_size, args.seed, dtype)
         return model.to(resolve_device(args.device or "auto")), byte_tokenizer(), description
     name = None if args.model == DEFAULT_MODEL else args.model
-    model, tokenizer = load_model(name, tokenizer=args.tokenizer, dtype=dtype, device=args.device or "auto")
+    model, tokenizer = load_model(name, tokenizer=args.tokenizer, dtype=dtype, device=args.device or "auto",
+                                  trust_remote_code=bool(args.trust_remote_code))  # fmt: skip
     params = sum(p.numel() for p in model.parameters())
     return model, tokenizer, f"{served_name(name)} = {params / 1e6:.0f}M params, {model.dtype}"
 

@@ -15,6 +15,30 @@ from paged_backend.core.kv_budget import GPU_MEMORY_UTILIZATION
 BATCH_INVARIANT_ENV = "PAGED_BACKEND_BATCH_INVARIANT"  # =1 turns batch_invariant on where no flag says otherwise
 
 
+TOKENIZER_MODES = ("auto", "hf")  # both load the model's fast Hugging Face tokenizer
+_REFUSED_TOKENIZER_MODES = {
+    "slow": "transformers 5 loads only fast tokenizers (AutoTokenizer ignores use_fast=False), so there is no slow "
+    "one to load",
+    "mistral": "mistral_common's tokenizer is not run by this engine",
+    "custom": "this engine has no registry of custom tokenizers",
+}
+
+
+def check_tokenizer_mode(mode: str) -> str:
+    """vLLM's --tokenizer-mode: auto and hf run (the model's fast Hugging Face tokenizer); slow, mistral and custom
+    are vLLM's other modes, refused with the reason; anything else is not a mode.
+
+    >>> check_tokenizer_mode("hf")
+    'hf'
+    """
+    if mode in TOKENIZER_MODES:
+        return mode
+    supported = "use auto or hf (the model's Hugging Face tokenizer)"
+    if mode in _REFUSED_TOKENIZER_MODES:
+        raise ValueError(f"tokenizer mode {mode!r} is not supported: {_REFUSED_TOKENIZER_MODES[mode]}; {supported}")
+    raise ValueError(f"unknown tokenizer mode {mode!r}: vLLM's modes are auto, hf, slow, mistral and custom; {supported}")
+
+
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -70,6 +94,14 @@ class EngineConfig(_Config):
         None, description="local directory, hub id or .gguf file; None = the default model (SmolLM2-135M-Instruct)"
     )
     tokenizer: str | None = None
+    tokenizer_mode: str = Field(
+        "auto", description="vLLM's flag: auto | hf (both: the model's Hugging Face tokenizer); slow, mistral and "
+        "custom are refused, naming why",
+    )  # fmt: skip
+    trust_remote_code: bool = Field(
+        False, description="run the Python code a model's repository ships (its auto_map classes) when loading its "
+        "config, model and tokenizer (transformers' and vLLM's trust_remote_code)",
+    )  # fmt: skip
     dtype: str = Field("auto", description="auto | float32 | float16 | bfloat16")
     quantization: str | None = Field(
         None,
@@ -124,6 +156,11 @@ class EngineConfig(_Config):
     override_generation_config: dict | None = Field(
         None, description='sampling defaults over generation_config\'s (vLLM\'s flag), e.g. {"temperature": 0.5}'
     )
+
+    @field_validator("tokenizer_mode")
+    @classmethod
+    def _check_tokenizer_mode(cls, mode: str) -> str:
+        return check_tokenizer_mode(mode)
 
     @field_validator("override_generation_config", mode="before")
     @classmethod

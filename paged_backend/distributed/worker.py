@@ -137,6 +137,7 @@ def worker_main(
     device = rank_device(resolve_device(config.device), local_rank)
     ctx = init_rank(rank, topology, init_method, device, config.parallel.distributed_timeout_seconds)
     if model is None:
-        model, _ = load_model(config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=str(device))
+        model, _ = load_model(config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=str(device),
+                              trust_remote_code=config.trust_remote_code)  # fmt: skip
     serve_steps(RankWorker(ctx, config, model.to(device)))
     ctx.close()

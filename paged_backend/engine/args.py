@@ -44,6 +44,12 @@ class EngineArgs(BaseModel):
                                 "MODEL); omit for the default model, SmolLM2-135M-Instruct; "
                                 "paged-backend/embedded-tiny is the seeded tiny model")  # fmt: skip
     tokenizer: str | None = _option("tokenizer directory or id; default: the model's")
+    tokenizer_mode: str | None = _option(
+        "auto | hf: the model's Hugging Face tokenizer (vLLM's slow, mistral and custom are refused)"
+    )
+    trust_remote_code: bool | None = _option(
+        "run the Python code a model's repository ships (its auto_map config, model and tokenizer classes)"
+    )
     dtype: str | None = _option("auto | float32 | float16 | bfloat16")
     device: str | None = _option("auto | cpu | cuda | cuda:N")
     seed: int | None = _option("engine seed for unseeded sampling")

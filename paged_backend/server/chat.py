@@ -29,6 +29,7 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, server: ServerState = Depends(server_state)
 ) -> Response:
     lora_request = server.check_model(body.model)
+    body.apply_server_defaults(server.settings.return_tokens_as_token_ids, server.settings.enable_force_include_usage)
     if body.stream and body.prompt_logprobs is not None:
         raise InvalidRequest("prompt_logprobs cannot be streamed on chat (as in vLLM); drop stream or prompt_logprobs")
     plan = tool_call_plan(server, body)
@@ -106,7 +107,9 @@ class _ChatFormatter:
     ) -> None:
         self.tokenizer, self.body, self.id = server.tokenizer, body, completion_id
         self.model_name = server.answered_as(body.model)
-        self.plan, self.role = plan, body.response_role()
+        # vLLM's rule: a generation prompt is answered in --response-role; a continued message keeps its own role
+        self.plan = plan
+        self.role = server.settings.response_role if body.add_generation_prompt else body.response_role()
         self.created = int(time.time())
         last = body.messages[-1]
         # vLLM's echo: the answer starts with the message it continues (one in the answer's own role).

@@ -6,7 +6,10 @@ and the model itself since it takes several (`--model a --model b`, or a `models
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -18,12 +21,20 @@ from paged_backend.engine.args_typer import FlagCommand, ModelArgument, add_engi
 from paged_backend.errors import InvalidRequest, PagedBackendError, one_line
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # paged_backend.server.tool_parsers.TOOL_PARSERS' names
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's (and vLLM's choices)
+LOG_STATS_INTERVAL_ENV = "VLLM_LOG_STATS_INTERVAL"  # vLLM's: seconds between stats lines (default 10)
 
 
 def _known_tool_call_parser(name: str | None) -> str | None:
     if name is not None and name not in TOOL_CALL_PARSERS:
         raise typer.BadParameter(f"unknown tool-call parser {name!r}; choose one of {', '.join(TOOL_CALL_PARSERS)}")
     return name
+
+
+def _uvicorn_log_level(level: str) -> str:
+    if level.lower() not in UVICORN_LOG_LEVELS:
+        raise typer.BadParameter(f"unknown log level {level!r}; choose one of {', '.join(UVICORN_LOG_LEVELS)}")
+    return level.lower()
 
 
 class ServeCommand(FlagCommand):
@@ -70,7 +81,50 @@ def serve(
     served_model_name: Annotated[
         list[str] | None, typer.Option(help="model name in the API, one per --model; default: --model")
     ] = None,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
+    log_level: Annotated[
+        str,
+        typer.Option(
+            "--uvicorn-log-level", "--log-level", callback=_uvicorn_log_level,
+            help=f"uvicorn's log level: {' | '.join(UVICORN_LOG_LEVELS)} (the server's own lines stay at INFO)",
+        ),
+    ] = "info",
+    disable_uvicorn_access_log: Annotated[bool, typer.Option(help="no uvicorn access line per request")] = False,
+    root_path: Annotated[
+        str | None,
+        typer.Option(help="the path prefix a path-routing proxy serves this server under (e.g. /api); requests may "
+                     "come with or without it"),
+    ] = None,
+    enable_log_requests: Annotated[
+        bool, typer.Option(help="log each request received at INFO: its id, prompt, sampling params (vLLM's flag)")
+    ] = False,
+    disable_log_requests: Annotated[
+        bool, typer.Option(help="vLLM's older flag: do not log requests (the default; wins over --enable-log-requests)")
+    ] = False,
+    max_log_len: Annotated[
+        int | None,
+        typer.Option(min=0, help="prompt characters and token ids a request's log line shows (default: all)"),
+    ] = None,
+    disable_log_stats: Annotated[
+        bool,
+        typer.Option(help=f"no periodic stats line (throughput, requests, KV cache use, prefix hits; every "
+                     f"${LOG_STATS_INTERVAL_ENV} s, 10 by default, while busy)"),
+    ] = False,
+    response_role: Annotated[
+        str, typer.Option(help="the role of chat completion answers to a generation prompt")
+    ] = "assistant",
+    return_tokens_as_token_ids: Annotated[
+        bool, typer.Option(help='logprob tokens as "token_id:N" unless a request sets return_tokens_as_token_ids')
+    ] = False,
+    enable_prompt_tokens_details: Annotated[
+        bool,
+        typer.Option(help="chat and completions usage carries prompt_tokens_details.cached_tokens (prefix-cache hits)"),
+    ] = False,
+    enable_force_include_usage: Annotated[
+        bool, typer.Option(help="streamed chat and completions end with usage even without stream_options")
+    ] = False,
+    enable_tokenizer_info_endpoint: Annotated[
+        bool, typer.Option(help="serve GET /tokenizer_info: the tokenizer's config, class and chat template")
+    ] = False,
     strict_fields: Annotated[
         bool, typer.Option(help="answer 400 to request fields this server does not know, instead of a logged warning")
     ] = False,
@@ -137,7 +191,7 @@ def serve(
 
     from paged_backend.engine import Engine
     from paged_backend.engine.async_engine import EngineThread
-    from paged_backend.server.app import build_app
+    from paged_backend.server.app import RootPath, build_app
     from paged_backend.server.draining_server import DrainingServer
     from paged_backend.server.multi_model import build_engines, build_multi_model_app, model_specs
     from paged_backend.server.state import ServerSettings
@@ -145,6 +199,12 @@ def serve(
     if enable_auto_tool_choice and tool_call_parser is None:
         typer.echo("error: --enable-auto-tool-choice needs --tool-call-parser NAME (the format to parse)", err=True)
         raise typer.Exit(2)
+    try:
+        stats_interval = log_stats_interval()
+    except InvalidRequest as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from error
+    configure_logging()
     try:
         template = server_chat_template(chat_template)
     except InvalidRequest as error:
@@ -179,6 +239,12 @@ def serve(
         files_dir=files_dir, max_file_bytes=max_file_bytes, enable_sleep_mode=enable_sleep_mode,
         batch_completion_window=batch_completion_window, chat_template=template,
         trust_request_chat_template=trust_request_chat_template,
+        response_role=response_role, return_tokens_as_token_ids=return_tokens_as_token_ids,
+        enable_prompt_tokens_details=enable_prompt_tokens_details,
+        enable_force_include_usage=enable_force_include_usage,
+        enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint, root_path=root_path,
+        enable_log_requests=enable_log_requests and not disable_log_requests, max_log_len=max_log_len,
+        disable_log_stats=disable_log_stats, log_stats_interval=stats_interval,
         **cors_settings(allowed_origins, allowed_methods, allowed_headers, allow_credentials),
     )  # fmt: skip
     try:
@@ -187,11 +253,14 @@ def serve(
             draining = app.state.server.async_engine
         else:
             app = draining = build_multi_model_app(engines, settings, aliases)
+            if root_path:  # the router and its shared routes see the route's path too
+                app = RootPath(app, root_path=root_path)
     except RuntimeError as error:  # tracing asked for without the SDK, or an unknown OTLP protocol
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from error
     # The engine drains first; uvicorn's own timeout is only a backstop for connections that still hang.
-    server_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                                   access_log=not disable_uvicorn_access_log)  # fmt: skip
     server = DrainingServer(server_config, draining, drain_timeout)
     try:
         server.run()
@@ -200,6 +269,32 @@ def serve(
             each.close()  # stops the worker ranks of a parallel engine
     if server.exit_code:
         raise typer.Exit(server.exit_code)
+
+
+def log_stats_interval() -> float:
+    """Seconds between stats lines: $VLLM_LOG_STATS_INTERVAL (vLLM's variable), else 10."""
+    raw = os.environ.get(LOG_STATS_INTERVAL_ENV, "").strip()
+    if not raw:
+        return 10.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidRequest(f"{LOG_STATS_INTERVAL_ENV}={raw!r} is not a positive number of seconds")
+    return value
+
+
+def configure_logging() -> None:
+    """The server's own log lines (request lines, stats, warnings) on stderr at INFO, as vLLM's logger prints them,
+    whatever uvicorn's level; once, and only where nothing configured the package's logger already."""
+    package = logging.getLogger("paged_backend")
+    if package.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"))
+    package.addHandler(handler)
+    package.setLevel(logging.INFO)
 
 
 def cors_settings(origins, methods, headers, credentials: bool) -> dict:

@@ -31,6 +31,7 @@ async def create_completion(
     body: CompletionRequest, request: Request, server: ServerState = Depends(server_state)
 ) -> Response:
     lora_request = server.check_model(body.model)
+    body.apply_server_defaults(server.settings.return_tokens_as_token_ids, server.settings.enable_force_include_usage)
     prompts = [
         server.tokenizer(p, add_special_tokens=body.add_special_tokens).input_ids if isinstance(p, str) else p
         for p in body.prompts()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from paged_backend.engine.async_engine import AsyncEngine
@@ -59,6 +60,11 @@ class _ChoiceProgress:
     finished: bool = False
 
 
+# Set per request by the app (its FieldPolicy middleware) from `--enable-prompt-tokens-details`: whether chat and
+# completions usage carries prompt_tokens_details (vLLM's flag; off by default, as in vLLM).
+prompt_tokens_details: ContextVar[bool] = ContextVar("prompt_tokens_details", default=False)
+
+
 @dataclass
 class Usage:
     prompt_tokens: int = 0
@@ -66,8 +72,14 @@ class Usage:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (Responses and Messages report them)
 
     def as_dict(self) -> dict:
+        """OpenAI's usage object; with `--enable-prompt-tokens-details`, also the prefix-cache hit as
+        `prompt_tokens_details.cached_tokens`."""
         total = self.prompt_tokens + self.completion_tokens
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                 "total_tokens": total}  # fmt: skip
+        if prompt_tokens_details.get():
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
 
 
 def check_streamable(params: SamplingParams, stream: bool | None, best_of: int | None) -> None:

@@ -210,6 +210,15 @@ class _SamplingRequest(_Request):
                                  f"got {key!r}")
         return logit_bias
 
+    def apply_server_defaults(self, return_tokens_as_token_ids: bool, force_include_usage: bool) -> None:
+        """The server-wide defaults vLLM's flags give: `--return-tokens-as-token-ids` where the request leaves the
+        field out (or null), `--enable-force-include-usage` turning a stream's `include_usage` on whatever it says
+        (`continuous_usage_stats` stays the request's)."""
+        if self.return_tokens_as_token_ids is None:
+            self.return_tokens_as_token_ids = return_tokens_as_token_ids
+        if force_include_usage and self.stream:
+            self.stream_options = (self.stream_options or StreamOptions()).model_copy(update={"include_usage": True})
+
     @property
     def wants_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage

@@ -38,6 +38,18 @@ class ServerSettings:
     enable_sleep_mode: bool = False  # POST /sleep, /wake_up and GET /is_sleeping (vLLM's routes); off: 404
     chat_template: str | None = None  # replaces the tokenizer's template for every chat request (vLLM's flag)
     trust_request_chat_template: bool = False  # render a request's own chat_template (code run here)
+    response_role: str = "assistant"  # the role of chat answers to a generation prompt (vLLM's --response-role)
+    # Server-wide defaults of request fields (vLLM's flags): the routes apply them (`apply_server_defaults`)
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" unless a request says otherwise
+    enable_force_include_usage: bool = False  # streams end with usage even without stream_options.include_usage
+    enable_prompt_tokens_details: bool = False  # chat / completions usage carries prompt_tokens_details.cached_tokens
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (vLLM's route); off: 404
+    root_path: str | None = None  # the prefix a path-routing proxy serves this server under (vLLM's --root-path)
+    # Logs (vLLM's flags and defaults): one line per request received, and the engine's stats every interval
+    enable_log_requests: bool = False  # "Received request ..." at INFO
+    max_log_len: int | None = None  # prompt characters / token ids a request line shows; None: all
+    disable_log_stats: bool = False  # no periodic stats line
+    log_stats_interval: float = 10.0  # seconds between stats lines (vLLM's VLLM_LOG_STATS_INTERVAL)
     # CORS for browser clients, vLLM's flags and defaults: any origin, method and header, no credentials
     allowed_origins: list[str] = field(default_factory=lambda: ["*"])
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])

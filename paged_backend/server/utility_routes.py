@@ -1,8 +1,10 @@
 """vLLM's utility routes: POST /tokenize (a prompt, or chat messages through the chat template), POST /detokenize
-and GET /version, with vLLM's request and response shapes."""
+and GET /version, with vLLM's request and response shapes; and, with `--enable-tokenizer-info-endpoint`, GET
+/tokenizer_info (what lm-evaluation-harness's `tokenizer_backend=remote` reads before it uses the other two)."""
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends
@@ -17,7 +19,9 @@ from paged_backend.server.schemas import NonEmptyStr, TokenId, _Request
 from paged_backend.server.state import ServerState, server_state
 
 router = APIRouter()
+tokenizer_info_router = APIRouter()  # included only with --enable-tokenizer-info-endpoint (vLLM's default: off)
 MAX_DETOKENIZE = 1 << 16
+FILE_KEYS = ("vocab_file", "merges_file", "tokenizer_file")  # paths on this machine, left out as vLLM leaves them
 
 
 class TokenizeCompletionRequest(_Request):
@@ -80,3 +84,45 @@ async def detokenize(body: DetokenizeRequest, server: ServerState = Depends(serv
 @router.get("/version")
 async def version() -> JSONResponse:
     return JSONResponse({"version": __version__})
+
+
+@tokenizer_info_router.get("/tokenizer_info")
+async def tokenizer_info(server: ServerState = Depends(server_state)) -> JSONResponse:
+    """vLLM's tokenizer info: the tokenizer's init arguments (special tokens as their text, model_max_length, ...),
+    its class, and the chat template the server renders with."""
+    return JSONResponse(tokenizer_config(server.tokenizer, server.settings.chat_template))
+
+
+def tokenizer_config(tokenizer, chat_template: str | None = None) -> dict[str, Any]:
+    """The tokenizer's configuration as JSON values (vLLM's TokenizerInfo): `init_kwargs` without file paths, special
+    tokens as their text, plus `tokenizer_class` and `chat_template` (the server's, else the tokenizer's).
+
+    >>> from paged_backend.worker.models import byte_tokenizer
+    >>> info = tokenizer_config(byte_tokenizer())
+    >>> info["eos_token"], info["tokenizer_class"], "chat_template" in info
+    ('<|eos|>', 'TokenizersBackend', True)
+    """
+    config = {key: value for key, value in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+              if key not in FILE_KEYS}  # fmt: skip
+    config = _json_value(config)
+    config["tokenizer_class"] = type(tokenizer).__name__
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if template:
+        config["chat_template"] = _json_value(template)
+    return config
+
+
+def _json_value(value: Any) -> Any:
+    """`value` as JSON can carry it: an AddedToken as its text, mappings with string keys, an infinite float or
+    anything else unknown as its str()."""
+    if isinstance(value, float) and not math.isfinite(value):  # JSON has no infinity
+        return str(value)
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if hasattr(value, "content"):  # tokenizers' AddedToken
+        return value.content
+    if isinstance(value, dict):
+        return {str(key): _json_value(item) for key, item in value.items()}
+    if isinstance(value, list | tuple | set):
+        return [_json_value(item) for item in value]
+    return str(value)

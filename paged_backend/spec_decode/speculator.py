@@ -168,7 +168,8 @@ def build_speculator(
     if config.method == "draft_model":
         model, loaded = config.model, isinstance(config.model, str)
         if loaded:
-            model, _ = load_model(model, dtype=engine_config.dtype, device=str(device))
+            model, _ = load_model(model, dtype=engine_config.dtype, device=str(device),
+                                  trust_remote_code=engine_config.trust_remote_code)  # fmt: skip
         if model.config.get_text_config().vocab_size != vocab_size:
             raise InvalidRequest(
                 f"the draft model's vocabulary ({model.config.get_text_config().vocab_size} tokens) differs from "

@@ -211,9 +211,11 @@ def load_model(
     offload_folder: str | None = None,
     quantization: str | None = None,
     quantization_param: str | None = None,
+    trust_remote_code: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """Load `(model, tokenizer)` from a local HF directory, hub id or GGUF file (`tokenizer` overrides the one
-    that comes with it); None gives the default model, `TINY_MODEL` the seeded tiny one.
+    that comes with it); None gives the default model, `TINY_MODEL` the seeded tiny one. `trust_remote_code` lets
+    transformers run the code the model's repository ships (config, model and tokenizer classes in its auto_map).
 
     `device_map` / `max_memory` / `cpu_offload_gb` / `offload_folder` place the model with accelerate
     (`paged_backend.worker.offload`) instead of moving it whole to `device`.
@@ -241,7 +243,7 @@ def load_model(
     if gguf is None and os.path.isdir(source):
         _refuse_lora_adapter(model, Path(source).resolve())
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
         torch_dtype = resolve_dtype(dtype, target, getattr(config, "dtype", None))
         quantized = quantization_module.resolve(quantization, quantization_param, config, target)
         if isinstance(quantized, Int4Scheme):  # an AWQ/GPTQ int4 checkpoint on CPU: repacked or dequantized here
@@ -250,20 +252,25 @@ def load_model(
                                      "--cpu-offload-gb")  # fmt: skip
             loaded, summary = load_int4_checkpoint(source, config, torch_dtype, target)
             print(f"paged-backend: {summary}", file=sys.stderr)
-            return loaded, load_tokenizer(source, tokenizer)
+            return loaded, load_tokenizer(source, tokenizer, trust_remote_code=trust_remote_code)
         placement = {"quantization_config": quantized} if quantized is not None else {}
         if dispatched:
             placement |= dispatch_kwargs(source, torch_dtype, target, device_map=device_map, max_memory=max_memory,
-                                         cpu_offload_gb=cpu_offload_gb, offload_folder=offload_folder)  # fmt: skip
-        loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **placement)
+                                         cpu_offload_gb=cpu_offload_gb, offload_folder=offload_folder,
+                                         trust_remote_code=trust_remote_code)  # fmt: skip
+        loaded = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype, trust_remote_code=trust_remote_code, **placement
+        )
         if gguf is not None and quantized is None and not dispatched and quantized_panels_run(target, torch_dtype):
             summary = gguf_blocks.attach(loaded, Path(source))
             if summary:
                 print(f"paged-backend: {summary}", file=sys.stderr)
-        tok = load_tokenizer(source, tokenizer)
+        tok = load_tokenizer(source, tokenizer, trust_remote_code=trust_remote_code)
     except OSError as exc:
         raise InvalidRequest(f"model path or id '{model}' not found: {exc}") from exc
     except ValueError as exc:
+        if not trust_remote_code and "trust_remote_code" in str(exc):
+            raise remote_code_refused(model) from exc
         if not dispatched:
             raise
         raise InvalidRequest(
@@ -299,11 +306,20 @@ def load_configured(config: EngineConfig) -> tuple[PreTrainedModel, PreTrainedTo
         config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=config.device,
         device_map=config.device_map, max_memory=config.max_memory, cpu_offload_gb=config.cpu_offload_gb,
         offload_folder=config.offload_folder, quantization=config.quantization,
-        quantization_param=config.quantization_param,
+        quantization_param=config.quantization_param, trust_remote_code=config.trust_remote_code,
     )  # fmt: skip
 
 
-def load_tokenizer(model: str | None, tokenizer: str | None = None) -> PreTrainedTokenizerBase:
+def remote_code_refused(name: str) -> InvalidRequest:
+    """transformers refuses a model (or tokenizer) whose classes are code in its repository unless told to trust it:
+    say which flag does, as vLLM's --trust-remote-code."""
+    return InvalidRequest(f"'{name}' ships its own Python code (auto_map in its config), which runs only when trusted: "
+                          "pass --trust-remote-code (LLM(..., trust_remote_code=True)) if you trust that code")
+
+
+def load_tokenizer(
+    model: str | None, tokenizer: str | None = None, *, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
     """The tokenizer `load_model(model, tokenizer=tokenizer)` would give, without loading any weights."""
     source = tokenizer or (default_model() if model is None else model)
     if source == TINY_MODEL:
@@ -311,13 +327,15 @@ def load_tokenizer(model: str | None, tokenizer: str | None = None) -> PreTraine
     gguf = gguf_source.gguf_file(source)
     folder = str(gguf_source.converted(gguf)) if gguf else os.path.expanduser(source)
     if tokenizer is None:  # the model's own: its loading errors are the model's (`load_model` names them)
-        return AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     if gguf is None and _is_path(tokenizer) and not os.path.isdir(folder):
         raise InvalidRequest(f"tokenizer '{tokenizer}' not found: no such directory (--tokenizer)")
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except OSError as exc:  # a hub id that does not resolve here
         raise InvalidRequest(f"tokenizer '{tokenizer}' not found (--tokenizer): {exc}") from exc
     except ValueError as exc:  # a folder without files transformers reads as a tokenizer
+        if not trust_remote_code and "trust_remote_code" in str(exc):
+            raise remote_code_refused(tokenizer) from exc
         raise InvalidRequest(f"tokenizer '{tokenizer}' cannot be loaded (--tokenizer): no tokenizer.json there, nor "
                              "a slow tokenizer transformers can convert") from exc  # fmt: skip

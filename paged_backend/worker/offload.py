@@ -31,6 +31,7 @@ def dispatch_kwargs(
     max_memory=None,
     cpu_offload_gb: float = 0.0,
     offload_folder: str | None = None,
+    trust_remote_code: bool = False,
 ) -> dict:
     """The `from_pretrained` keyword arguments that place the model with accelerate."""
     try:
@@ -46,21 +47,24 @@ def dispatch_kwargs(
             raise InvalidRequest(
                 "give either --cpu-offload-gb or --max-memory, not both (both set how much stays on the device)"
             )
-        max_memory = _offload_budget(source, dtype, device, cpu_offload_gb)
+        max_memory = _offload_budget(source, dtype, device, cpu_offload_gb, trust_remote_code)
     kwargs = dict(device_map=device_map or "auto", max_memory=max_memory)
     if offload_folder is not None:  # safetensors checkpoints offload to disk in place; others need a folder
         kwargs["offload_folder"] = offload_folder
     return kwargs
 
 
-def _offload_budget(source: str, dtype: torch.dtype, device: torch.device, cpu_offload_gb: float) -> dict:
+def _offload_budget(
+    source: str, dtype: torch.dtype, device: torch.device, cpu_offload_gb: float, trust_remote_code: bool = False
+) -> dict:
     """max_memory that keeps (weights - cpu_offload_gb) on the execution device and the rest one tier down."""
     from accelerate import init_empty_weights
     from accelerate.utils import compute_module_sizes
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with init_empty_weights():
-        empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=dtype)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        empty = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     weights = compute_module_sizes(empty, dtype=dtype)[""]
     keep = max(weights - int(cpu_offload_gb * GIB), 0)
     if device.type == "cuda":

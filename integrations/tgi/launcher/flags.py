@@ -168,7 +168,8 @@ FLAGS: list[Flag] = [
     Flag("--sharded", _boolean, None, "true | false: tensor parallelism", SHARDED),
     Flag("--num-shard", COUNT, None, "tensor-parallel shards (grpc: shard processes; paged: engine ranks)", SHARDED),
     Flag("--speculate", COUNT, None, "speculative tokens per step (paged: n-gram prompt lookup)", frozenset({"paged"})),
-    Flag("--trust-remote-code", None, False, "run model code from the hub", NONE),
+    Flag("--trust-remote-code", None, False, "run the model's own code (a checkpoint that ships modeling files)",
+         LOADERS),
     Flag(
         "--cuda-graphs", _cuda_graphs, None,
         "CUDA graph batch sizes, comma-separated: the largest is the engine's max_cudagraph_capture_size (0: none)",

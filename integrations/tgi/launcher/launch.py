@@ -152,7 +152,7 @@ def build_backend(args: argparse.Namespace, shards=None):
 
         model, tokenizer = load_model(
             args.model_id, tokenizer=args.tokenizer_name, dtype=args.dtype or "auto",
-            device=args.device, **placement_flags(args), **_quantization(args),
+            device=args.device, trust_remote_code=args.trust_remote_code, **placement_flags(args), **_quantization(args),
         )  # fmt: skip
         max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", 2048)
         return ReferenceBackend(model, tokenizer, max_positions)
