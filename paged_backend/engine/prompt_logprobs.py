@@ -56,7 +56,7 @@ def record_prompt_logprobs(logits: torch.Tensor, segments: list[PromptSegment], 
             rows = torch.log_softmax(logits[offset + chunk : offset + min(count, chunk + ROWS_PER_CHUNK)], dim=-1)
             ids = torch.tensor(targets[chunk : chunk + rows.shape[0]], dtype=torch.long, device=rows.device)
             chosen = rows.gather(1, ids[:, None])
-            ranks = ((rows > chosen).sum(dim=-1) + 1).tolist()
+            ranks = (rows >= chosen).sum(dim=-1).tolist()  # vLLM's rank: the tokens at least as likely
             chosen = chosen[:, 0].tolist()
             if top:
                 values, alternatives = rows.topk(top, dim=-1)

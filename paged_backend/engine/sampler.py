@@ -160,25 +160,40 @@ class Sampler:
 
 
 def logprob_entries(raw: torch.Tensor | None, tokens: list[int], tops: list[int | None]) -> list[dict | None]:
-    """Per row of `raw` (log-softmaxed logits) whose `tops` entry is not None: {chosen token: its Logprob and rank,
-    then the `top` most likely, ranks 1..top}; None for the others. Ranks and top-k are computed for all such rows
-    at once (one compare, one topk per distinct k: a row's top-k never depends on another row's k); texts come
-    later (`output_processor.TokenTexts`)."""
+    """Per row of `raw` (log-softmaxed logits) whose `tops` entry is not None: {chosen token: its Logprob, then the
+    `top` most likely with ranks 1..top}; None for the others. The chosen token's rank is vLLM's: the tokens at
+    least as likely. It is read off the row's top-k when the token beats the k-th value (every token at least as
+    likely is then among them), else counted over the vocabulary. One topk per distinct k (a row's top-k never
+    depends on another row's k); texts come later (`output_processor.TokenTexts`)."""
     entries: list[dict | None] = [None] * len(tokens)
     rows = [i for i, top in enumerate(tops) if top is not None]
     if not rows:
         return entries
-    scored = raw[torch.tensor(rows, device=raw.device)]
-    chosen = scored.gather(1, torch.tensor([tokens[i] for i in rows], device=raw.device)[:, None])
-    ranks = ((scored > chosen).sum(dim=1) + 1).tolist()
-    for j, (i, value) in enumerate(zip(rows, chosen[:, 0].tolist(), strict=True)):
-        entries[i] = {tokens[i]: Logprob(value, ranks[j])}
+    device = raw.device
+    scored = raw[torch.tensor(rows, device=device)]
+    chosen = scored.gather(1, torch.tensor([tokens[i] for i in rows], device=device)[:, None])  # [R, 1]
+    ranks: list[int | None] = [None] * len(rows)
+    tops_of: dict[int, tuple[list[int], list[list[int]], list[list[float]]]] = {}
     for top in {tops[i] for i in rows} - {0}:
         same = [j for j, i in enumerate(rows) if tops[i] == top]
-        values, ids = scored[torch.tensor(same, device=raw.device)].topk(top, dim=-1)
-        for j, row_ids, row_values in zip(same, ids.tolist(), values.tolist(), strict=True):
-            entries[rows[j]].update({t: Logprob(v, rank) for rank, (t, v) in enumerate(zip(row_ids, row_values,
-                                                                                              strict=True), 1)})
+        index = torch.tensor(same, device=device)
+        values, ids = scored[index].topk(top, dim=-1)
+        inside = (chosen[index, 0] > values[:, -1]).tolist()
+        at_least = (values >= chosen[index]).sum(dim=1).tolist()
+        for j, known, count in zip(same, inside, at_least, strict=True):
+            ranks[j] = count if known else None
+        tops_of[top] = same, ids.tolist(), values.tolist()
+    unknown = [j for j, rank in enumerate(ranks) if rank is None]
+    if unknown:  # a chosen token outside its top-k (or no top-k asked): count over the whole vocabulary
+        index = torch.tensor(unknown, device=device)
+        for j, count in zip(unknown, (scored[index] >= chosen[index]).sum(dim=1).tolist(), strict=True):
+            ranks[j] = count
+    for j, (i, value) in enumerate(zip(rows, chosen[:, 0].tolist(), strict=True)):
+        entries[i] = {tokens[i]: Logprob(value, ranks[j])}
+    for same, ids, values in tops_of.values():
+        for j, row_ids, row_values in zip(same, ids, values, strict=True):
+            pairs = zip(row_ids, row_values, strict=True)
+            entries[rows[j]].update({t: Logprob(v, rank) for rank, (t, v) in enumerate(pairs, 1)})
     return entries
 
 
