@@ -215,8 +215,9 @@ class Logprob(float):
     __slots__ = ("rank", "decoded_token")
 
     def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
-        self = super().__new__(cls, logprob)
-        self.rank, self.decoded_token = rank, decoded_token  # rank 1: the most likely token
+        self = float.__new__(cls, logprob)
+        self.rank = rank  # 1: the most likely token
+        self.decoded_token = decoded_token
         return self
 
     @property

@@ -170,14 +170,15 @@ def logprob_entries(raw: torch.Tensor | None, tokens: list[int], tops: list[int 
     if not rows:
         return entries
     device = raw.device
-    scored = raw[torch.tensor(rows, device=device)]
+    # every row, the usual case, reads `raw` itself: a gathered copy of [rows, vocab] costs more than the rest
+    scored = raw if len(rows) == raw.shape[0] else raw[torch.tensor(rows, device=device)]
     chosen = scored.gather(1, torch.tensor([tokens[i] for i in rows], device=device)[:, None])  # [R, 1]
     ranks: list[int | None] = [None] * len(rows)
     tops_of: dict[int, tuple[list[int], list[list[int]], list[list[float]]]] = {}
     for top in {tops[i] for i in rows} - {0}:
         same = [j for j, i in enumerate(rows) if tops[i] == top]
         index = torch.tensor(same, device=device)
-        values, ids = scored[index].topk(top, dim=-1)
+        values, ids = (scored if len(same) == len(rows) else scored[index]).topk(top, dim=-1)
         inside = (chosen[index, 0] > values[:, -1]).tolist()
         at_least = (values >= chosen[index]).sum(dim=1).tolist()
         for j, known, count in zip(same, inside, at_least, strict=True):
