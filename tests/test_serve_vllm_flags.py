@@ -235,3 +235,13 @@ def test_stats_lines_of_idle_intervals_are_debug(engine):
     assert level == logging.INFO and "Avg prompt throughput: 5.0 tokens/s" in line and "generation throughput: 1.0" in line
     assert logger.line(busy, 20.0)[0] == logging.INFO  # the interval after activity still says it went quiet
     assert logger.line(busy, 30.0)[0] == logging.DEBUG  # idle since: quiet at INFO
+
+
+def test_the_tgi_shard_loads_remote_code_only_when_trusted(remote_model):
+    """TGI's `--trust-remote-code` reaches the shard's loader (its router passes it on) as the engine's does."""
+    from paged_backend.tgi.shard.model import ShardModel
+
+    with pytest.raises(InvalidRequest, match="--trust-remote-code"):
+        ShardModel(str(remote_model), device="cpu", num_blocks=16)
+    shard = ShardModel(str(remote_model), device="cpu", num_blocks=16, trust_remote_code=True)
+    assert type(shard.model).__name__ == "RemoteLlamaForCausalLM"

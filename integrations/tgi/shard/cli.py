@@ -39,7 +39,7 @@ def serve(
     speculate: Annotated[int | None, Opt(help="speculative decoding (ignored)")] = None,
     dtype: Annotated[str | None, Opt(help="float16 | bfloat16 | float32")] = None,
     kv_cache_dtype: Annotated[str | None, Opt(help="fp8_e4m3fn | fp8_e5m2 | float16 | bfloat16 | float32")] = None,
-    trust_remote_code: Annotated[bool, Opt(help="run hub model code (ignored)")] = False,
+    trust_remote_code: Annotated[bool, Opt(help="run the model's own code (a checkpoint that ships modeling files)")] = False,
     uds_path: Annotated[
         str, Opt(help="socket prefix; this shard binds {uds_path}-{rank}")
     ] = "/tmp/text-generation-server",
@@ -70,7 +70,6 @@ def serve(
     given = {
         "--revision": revision,
         "--speculate": speculate,
-        "--trust-remote-code": trust_remote_code or None,
         "--json-output": json_output or None,
         "--otlp-endpoint": otlp_endpoint,
         "--max-input-tokens": max_input_tokens,
@@ -94,6 +93,7 @@ def serve(
             num_blocks=num_blocks,
             memory_fraction=env_fraction("CUDA_MEMORY_FRACTION", 1.0),
             rank=rank,
+            trust_remote_code=trust_remote_code,
         )
     except PagedBackendError as error:  # a model or format this machine cannot run, a bad environment value
         raise typer.BadParameter(str(error)) from error

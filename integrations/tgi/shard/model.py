@@ -57,9 +57,11 @@ class ShardModel:
         quantization: str | None = None,
         quantization_param: str | None = None,
         rank: ShardRank = ShardRank(),
+        trust_remote_code: bool = False,
     ) -> None:
         model, self.tokenizer = load_model(
-            model_id, dtype=dtype, device=device, quantization=quantization, quantization_param=quantization_param
+            model_id, dtype=dtype, device=device, quantization=quantization, quantization_param=quantization_param,
+            trust_remote_code=trust_remote_code,
         )
         check_runs_paged(model)
         self.model = model.eval()
