@@ -40,13 +40,22 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
 
 def env_fraction(name: str, default: float) -> float:
     """`name` as a fraction in (0, 1]; unset or empty is `default`."""
+    return _env_number(name, default, lambda value: 0 < value <= 1, "a fraction in (0, 1]: set e.g. 0.9, or unset it")
+
+
+def env_seconds(name: str, default: float) -> float:
+    """`name` as a positive, finite number of seconds; unset or empty is `default`."""
+    return _env_number(name, default, lambda value: 0 < value < float("inf"), "a positive number of seconds")
+
+
+def _env_number(name: str, default: float, ok, expected: str) -> float:
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
     try:
         value = float(raw)
     except ValueError:
-        value = float("nan")
-    if not 0 < value <= 1:
-        raise InvalidRequest(f"{name}={raw!r} is not a fraction in (0, 1]: set e.g. 0.9, or unset it")
+        value = float("nan")  # fails every check
+    if not ok(value):
+        raise InvalidRequest(f"{name}={raw!r} is not {expected}")
     return value

@@ -223,7 +223,7 @@ class Engine:
                 del self.requests[output.request_id]
         if self.speculator is not None:
             self._retain_drafts()
-        self.counters.end_step(started, sum(item.num_tokens for item in plan.scheduled))
+        self.counters.end_step(started, plan.num_tokens)
         return outputs
 
     def _adapters(self, scheduled):

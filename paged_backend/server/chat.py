@@ -50,7 +50,7 @@ async def create_chat_completion(
     response = formatter.envelope("chat.completion", [formatter.choice(delta) for delta in choices])
     if body.prompt_logprobs is not None:  # vLLM's field, beside the choices
         prompt_logprobs = generation.prompt_output(0).prompt_logprobs
-        response["prompt_logprobs"] = vllm_prompt_logprobs(server.tokenizer, prompt_logprobs, body.prompt_logprobs)
+        response["prompt_logprobs"] = vllm_prompt_logprobs(prompt_logprobs)
     response["usage"] = generation.usage().as_dict()
     return JSONResponse(response)
 

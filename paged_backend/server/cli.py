@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
+from paged_backend.config.env import env_seconds
 from paged_backend.engine.args import CONFIG_HELP, EngineArgs, read_document
 from paged_backend.engine.args_typer import FlagCommand, ModelArgument, add_engine_command
 from paged_backend.errors import InvalidRequest, PagedBackendError, one_line
@@ -200,7 +200,7 @@ def serve(
         typer.echo("error: --enable-auto-tool-choice needs --tool-call-parser NAME (the format to parse)", err=True)
         raise typer.Exit(2)
     try:
-        stats_interval = log_stats_interval()
+        stats_interval = env_seconds(LOG_STATS_INTERVAL_ENV, 10.0)
     except InvalidRequest as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from error
@@ -269,20 +269,6 @@ def serve(
             each.close()  # stops the worker ranks of a parallel engine
     if server.exit_code:
         raise typer.Exit(server.exit_code)
-
-
-def log_stats_interval() -> float:
-    """Seconds between stats lines: $VLLM_LOG_STATS_INTERVAL (vLLM's variable), else 10."""
-    raw = os.environ.get(LOG_STATS_INTERVAL_ENV, "").strip()
-    if not raw:
-        return 10.0
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise InvalidRequest(f"{LOG_STATS_INTERVAL_ENV}={raw!r} is not a positive number of seconds")
-    return value
 
 
 def configure_logging() -> None:

@@ -108,9 +108,7 @@ class _ChoiceFormatter:
         )
         choice = {"index": delta.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
         if body.prompt_logprobs is not None:  # vLLM's field: on a choice's first piece, null afterwards
-            choice["prompt_logprobs"] = None if prompt is None else vllm_prompt_logprobs(
-                self.tokenizer, prompt.prompt_logprobs, body.prompt_logprobs
-            )  # fmt: skip
+            choice["prompt_logprobs"] = None if prompt is None else vllm_prompt_logprobs(prompt.prompt_logprobs)
         return choice
 
     def envelope(self, completion_id: str, choices: list[dict], generation: Generation | None) -> dict:

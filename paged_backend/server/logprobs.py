@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
+from paged_backend.engine.request import Logprob
+
 
 def _top(entry: dict[int, float], count: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda item: item[1], reverse=True)[:count]
@@ -54,23 +56,14 @@ def joined_logprobs(first: dict, second: dict) -> dict:
     return {key: first[key] + second[key] for key in first}
 
 
-def vllm_prompt_logprobs(
-    tokenizer: PreTrainedTokenizerBase, prompt_logprobs: Sequence[dict[int, float] | None], num_top: int
-) -> list[dict[str, dict] | None]:
+def vllm_prompt_logprobs(prompt_logprobs: Sequence[dict[int, Logprob] | None]) -> list[dict[str, dict] | None]:
     """vLLM's `prompt_logprobs` in a choice: per prompt token None (the first) or {"<token id>": {logprob, rank,
-    decoded_token}} holding the prompt token and its `num_top` alternatives. A rank is given where it is known
-    exactly: for the alternatives, and for the prompt token when it is one of them."""
-    rendered: list[dict[str, dict] | None] = []
-    for entry in prompt_logprobs:
-        if entry is None:
-            rendered.append(None)
-            continue
-        ranked = {token: rank for rank, (token, _) in enumerate(_top(entry, num_top), start=1)}
-        rendered.append({
-            str(token): {"logprob": value, "rank": ranked.get(token), "decoded_token": tokenizer.decode([token])}
-            for token, value in entry.items()
-        })  # fmt: skip
-    return rendered
+    decoded_token}} holding the prompt token and its alternatives, each with the rank and text the engine gave it
+    (`engine.request.Logprob`)."""
+    return [None if entry is None else {
+        str(token): {"logprob": value, "rank": value.rank, "decoded_token": value.decoded_token}
+        for token, value in entry.items()
+    } for entry in prompt_logprobs]  # fmt: skip
 
 
 def chat_logprobs(

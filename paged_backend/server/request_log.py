@@ -21,19 +21,10 @@ class RequestLoggingEngine(AsyncEngine):
         self.max_log_len = max_log_len
 
     def generate(self, request_id: str, prompt=None, sampling_params=None, **kwargs) -> AsyncIterator:
-        if logger.isEnabledFor(logging.INFO):
-            token_ids = kwargs.get("prompt_token_ids")
-            if isinstance(prompt, dict):  # vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
-                token_ids, prompt = prompt.get("prompt_token_ids", token_ids), prompt.get("prompt")
-            elif isinstance(prompt, list):
-                token_ids, prompt = prompt, None
-            cut = self.max_log_len
-            if prompt is None and token_ids is not None:  # the text the ids stand for (chat: the rendered template)
-                prompt = self.engine.tokenizer.decode(token_ids if cut is None else token_ids[:cut])
+        if logger.isEnabledFor(logging.INFO):  # the routes pass text, or token ids as prompt_token_ids
+            token_ids, cut = kwargs.get("prompt_token_ids"), self.max_log_len
+            shown = prompt if token_ids is None else self.engine.tokenizer.decode(token_ids[:cut])  # chat: the template
             logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s, lora_request: %s.",
-                        request_id, prompt if cut is None or prompt is None else prompt[:cut], sampling_params,
-                        token_ids if cut is None or token_ids is None else token_ids[:cut],
-                        kwargs.get("lora_request"))  # fmt: skip
+                        request_id, shown if shown is None else shown[:cut], sampling_params,
+                        token_ids if token_ids is None else token_ids[:cut], kwargs.get("lora_request"))  # fmt: skip
         return super().generate(request_id, prompt, sampling_params, **kwargs)
-
-
