@@ -28,6 +28,9 @@ for _noisy in ("torchao", "torch.utils._pytree"):
 if TYPE_CHECKING:  # what __getattr__ gives, for type checkers (and the layer test, which counts these imports)
     from paged_backend.engine import (
         LLM,
+        BeamSearchOutput,
+        BeamSearchParams,
+        BeamSearchSequence,
         CompletionOutput,
         Engine,
         EngineStats,
@@ -42,8 +45,9 @@ if TYPE_CHECKING:  # what __getattr__ gives, for type checkers (and the layer te
 __version__ = "0.1.0"
 
 _LAZY = {
-    **dict.fromkeys(("LLM", "CompletionOutput", "Engine", "EngineStats", "Logprob", "RequestOutput", "SamplingParams",
-                     "engine_config"), "paged_backend.engine"),  # fmt: skip
+    **dict.fromkeys(("LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "Engine",
+                     "EngineStats", "Logprob", "RequestOutput", "SamplingParams", "engine_config"),
+                    "paged_backend.engine"),  # fmt: skip
     "EngineArgs": "paged_backend.engine.args",
     "LoRARequest": "paged_backend.lora",
 }
@@ -51,6 +55,9 @@ _LAZY = {
 __all__ = [  # a literal list, so linters see the lazy names too
     "LLM",
     "BackendUnavailable",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "BlockManager",
     "BlockStats",
     "CompletionOutput",

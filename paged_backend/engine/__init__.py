@@ -7,6 +7,9 @@ stack: `paged-backend serve --help` answers before transformers' model code is i
 from importlib import import_module
 
 _HOMES = {
+    "BeamSearchOutput": "beam_search",
+    "BeamSearchParams": "beam_search",
+    "BeamSearchSequence": "beam_search",
     "Engine": "engine",
     "LLM": "llm",
     "engine_config": "llm",

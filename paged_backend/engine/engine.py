@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from paged_backend.config import EngineConfig
 from paged_backend.engine.assembly import assemble
+from paged_backend.engine.beam_search import BeamSearch
 from paged_backend.engine.detokenizer import eos_token_ids
 from paged_backend.engine.generation_defaults import read_sampling_defaults
 from paged_backend.engine.input_processor import InputProcessor
@@ -71,6 +72,7 @@ class Engine:
         )  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self.counters = EngineCounters(self.block_manager)
+        self.beam_search = BeamSearch(self)
         # Cutting a step (cut_step_for): the step in flight and the best rank it computes, and the step to cut.
         self._steps_cut = self.runner.cuts_steps and self.speculator is None and self.parallel is None
         self._in_flight: tuple[int, tuple[bool, int]] | None = None
@@ -113,6 +115,9 @@ class Engine:
         "priority" policy; `request_class="batch"` runs only on capacity interactive requests leave over."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use; give each request a unique id")
+        if sampling_params is not None and sampling_params.use_beam_search and self.speculator is not None:
+            raise InvalidRequest("beam search does not run with speculative decoding; send this request to an engine "
+                                 "started without a speculative config, or drop use_beam_search")  # fmt: skip
         request = self.input_processor.process(
             request_id, prompt, sampling_params, prompt_token_ids=prompt_token_ids, priority=priority,
             lora_request=lora_request, request_class=request_class,
@@ -155,6 +160,8 @@ class Engine:
         """Run one iteration; return the outputs of every request that got a token (or finished)."""
         started = time.perf_counter()
         plan = self.scheduler.schedule()
+        if not plan.scheduled and self.scheduler.release_parked():  # beams waiting on a sibling that has no room
+            plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
         if self.speculator is not None:  # drafts ride along in the same forward, their slots appended now
@@ -207,6 +214,7 @@ class Engine:
         rows = [first_rows[row] for row in rows]
         if drafts:
             rows, seqs = self._verify_drafts(logits, rows, seqs, drafts, advanced)
+        rows, seqs = self._propose_beams(logits, rows, seqs, advanced)
         tokens, logprobs = [], []
         if seqs:
             tokens, logprobs = self.sampler(logits[torch.tensor(rows, device=logits.device)], seqs)
@@ -261,6 +269,18 @@ class Engine:
                 self.block_manager.commit(seq.seq_id, seq.num_computed_tokens)
         return plain_rows, plain
 
+    def _propose_beams(
+        self, logits, rows: list[int], seqs: list[Sequence], advanced: dict
+    ) -> tuple[list[int], list[Sequence]]:
+        """Beam-search sequences take their candidates (`beam_search`); returns the rows and sequences that sample."""
+        beams = [(row, seq) for row, seq in zip(rows, seqs, strict=True) if seq.request.params.use_beam_search]
+        if not beams:
+            return rows, seqs
+        index = torch.tensor([row for row, _ in beams], device=logits.device)
+        self.beam_search.propose(logits[index], [seq for _, seq in beams], advanced)
+        plain = [(row, seq) for row, seq in zip(rows, seqs, strict=True) if not seq.request.params.use_beam_search]
+        return [row for row, _ in plain], [seq for _, seq in plain]
+
     def _fork_new_samples(
         self, sampling: list[Sequence], advanced: dict[str, Request]
     ) -> tuple[list[int], list[Sequence]]:
@@ -285,7 +305,8 @@ class Engine:
                 continue
             rows.append(row)
             seqs.append(seq)
-            for index in range(1, request.params.num_sequences):
+            siblings = 0 if request.params.use_beam_search else request.params.num_sequences - 1  # beams fork as they go
+            for index in range(1, 1 + siblings):
                 child = seq.fork(index)
                 if seq.grammar is not None:  # siblings start their own walk through the grammar
                     child.grammar = self.input_processor.grammar_matcher(request.params)

@@ -9,6 +9,7 @@ import time
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from paged_backend.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from paged_backend.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search_output
 from paged_backend.engine.chat_template import render_chat
 from paged_backend.engine.engine import Engine
 from paged_backend.engine.input_processor import prompt_list
@@ -108,6 +109,21 @@ class LLM:
             if self._sleep.level:  # a step would run on a released pool (or a model with no weights)
                 raise InvalidRequest(f"the engine is asleep (level {self._sleep.level}); call wake_up() first")
             return self._add_and_run(prompts, params, priority, loras, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: str | dict | list,
+        params: BeamSearchParams,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the `params.beam_width` best beams of each prompt, best first. Each sequence's
+        `tokens` and `text` include the prompt; its `logprobs` hold each step's 2 x width candidates. The beams share
+        their KV blocks in the engine (`engine/beam_search.py`)."""
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequest(f"params must be BeamSearchParams, got {type(params).__name__}")
+        outputs = self.generate(prompts, params.sampling_params(), use_tqdm=use_tqdm, lora_request=lora_request)
+        return [beam_search_output(output, self.engine.tokenizer) for output in outputs]
 
     def _add_and_run(self, prompts, params, priority, loras, use_tqdm: bool) -> list[RequestOutput]:
         ids: list[str] = []

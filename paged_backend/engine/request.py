@@ -21,11 +21,16 @@ from paged_backend.structured.params import StructuredOutputsParams
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample as argmax (as vLLM does)
 # The float knobs: NaN passes no comparison and infinity overflows the logits, so each must be a finite number first
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                "typical_p")  # fmt: skip
+                "typical_p", "length_penalty")  # fmt: skip
 INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k")
 OPTIONAL_INT_FIELDS = ("seed", "logprobs", "prompt_logprobs", "best_of", "truncate_prompt_tokens")
 BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-               "watermark", "detokenize")  # fmt: skip
+               "watermark", "detokenize", "use_beam_search")  # fmt: skip
+# What beam search leaves to the model's log-probabilities alone: each of these changes sampling, which it does not do
+# (temperature and seed are taken and have no effect, as in vLLM; its server ignores the rest, here they are refused).
+NOT_WITH_BEAMS = ("min_tokens", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "stop", "logit_bias", "allowed_token_ids", "bad_words", "typical_p", "watermark",
+                  "structured_outputs")  # fmt: skip
 
 # Class of service: "batch" runs only on capacity interactive work leaves over and is preempted first.
 RequestClass = Literal["interactive", "batch"]
@@ -71,6 +76,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
     structured_outputs: StructuredOutputsParams | None = None
     detokenize: bool = True  # False: token ids only, no text (vLLM's; RL rollouts skip its cost)
+    use_beam_search: bool = False  # n beams (engine/beam_search.py): the n best by length-penalized logprob
+    length_penalty: float = 1.0  # beam score: cumulative logprob / tokens ** length_penalty
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -113,6 +120,20 @@ class SamplingParams:
         for name, ok, rule in checks:
             if not ok:
                 raise InvalidRequest(f"{name} {rule}, got {getattr(self, name)!r}")
+        if self.use_beam_search:
+            self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        neutral = SamplingParams()
+        changed = [name for name in NOT_WITH_BEAMS if getattr(self, name) != getattr(neutral, name)]
+        if changed:
+            raise InvalidRequest(f"{changed[0]} does not apply to beam search (use_beam_search=True), which ranks "
+                                 f"beams by the model's log-probabilities alone; drop {changed[0]}")  # fmt: skip
+        if self.best_of not in (None, self.n):
+            raise InvalidRequest(f"best_of must be n or left out with beam search (n is the beam width), "
+                                 f"got best_of={self.best_of} with n={self.n}")  # fmt: skip
+        if self.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1 with beam search")
 
     def _check_types(self) -> None:
         """Each field's type, so a wrong one is named here rather than failing deep in a step (logprobs=True
@@ -156,7 +177,7 @@ class SamplingParams:
 
     @property
     def needs_cumulative_logprob(self) -> bool:
-        return self.num_sequences > self.n or self.logprobs is not None
+        return self.num_sequences > self.n or self.logprobs is not None or self.use_beam_search
 
 
 def _list_of(values, kind: type) -> bool:
@@ -276,6 +297,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.grammar = None  # a structured-output matcher: made by add_request, or at the fork for siblings
         self.text = ""  # detokenized output so far
+        self.beam_candidates = None  # beam search: (ids, logprobs) of its likeliest next tokens, until the beams choose
         params = request.params
         self.detokenizer = IncrementalDetokenizer.after_prompt(
             self.num_prompt_tokens,
@@ -309,6 +331,14 @@ class Sequence:
         child = Sequence(self.request, index)
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
+        return child
+
+    def branch(self, index: int) -> Sequence:
+        """A beam that continues this one: its tokens, logprobs and progress so far (the blocks are the caller's)."""
+        child = self.fork(index)
+        child.token_ids = list(self.token_ids)
+        child.cumulative_logprob = self.cumulative_logprob
+        child.logprobs = None if self.logprobs is None else list(self.logprobs)
         return child
 
     def completion(self) -> CompletionOutput:
@@ -349,6 +379,8 @@ class Request:
     lora_adapter: LoRAAdapter | None = None  # the loaded adapter this request runs with; None = base model
     stop_rules: StopRules | None = None  # set by the engine's input processor
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission; None until admitted
+    finished_beams: list[tuple[float, CompletionOutput]] = field(default_factory=list)  # beam search: (score, beam)
+    num_beams: int = 1  # beam search: beams made so far (each new one's index)
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:
@@ -366,10 +398,15 @@ class Request:
 
     def output(self) -> RequestOutput:
         seqs = self.seqs
-        if self.params.num_sequences > self.params.n:
+        if self.params.use_beam_search:  # the n best finished beams (the search reports only at its end)
+            ranked = sorted(self.finished_beams, key=lambda beam: beam[0], reverse=True)
+            outputs = [completion for _, completion in ranked[: self.params.n]] if self.finished else []
+        elif self.params.num_sequences > self.params.n:
             # best_of: the n candidates with the highest cumulative logprob, renumbered 0..n-1.
             seqs = sorted(seqs, key=lambda seq: seq.cumulative_logprob, reverse=True)[: self.params.n]
-        outputs = [seq.completion() for seq in seqs]
+            outputs = [seq.completion() for seq in seqs]
+        else:
+            outputs = [seq.completion() for seq in seqs]
         for index, completion in enumerate(outputs):
             completion.index = index
         return RequestOutput(

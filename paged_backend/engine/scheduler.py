@@ -79,6 +79,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # kept sorted by `key`
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []  # kept sorted by `key`
+        self.set_aside: list[Sequence] = []  # beams that proposed, out of the pool until their request chooses
         self.num_preemptions = 0
         self.num_steps = 0
         self.num_split_prefills = 0  # prefill chunks that stopped before the end of their prompt
@@ -111,7 +112,7 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Forget a finished or aborted sequence and free its blocks at once."""
-        for queue in (self.waiting, self.running, self.swapped):
+        for queue in (self.waiting, self.running, self.swapped, self.set_aside):
             if seq in queue:
                 queue.remove(seq)
         if self.block_manager.has(seq.seq_id):
@@ -119,6 +120,26 @@ class Scheduler:
 
     def drop_finished(self) -> None:
         self.running = [seq for seq in self.running if not seq.is_finished]
+
+    def release_parked(self) -> bool:
+        """Free the blocks of the running sequences with nothing to compute (beams that proposed and wait on a
+        sibling) and set them aside, so the sibling gets room; True if there were any. Called when a step scheduled
+        nothing, which would otherwise repeat forever. They are recomputed once their request has chosen (`wake`)."""
+        parked = [seq for seq in self.running if seq.num_computed_tokens == seq.num_tokens]
+        for seq in parked:
+            self.running.remove(seq)
+            self.num_preemptions += 1
+            self.block_manager.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.set_aside.append(seq)
+        return bool(parked)
+
+    def wake(self, seq: Sequence) -> None:
+        """A set-aside sequence queues again (its request chose, so it has a token to compute)."""
+        if seq in self.set_aside:
+            self.set_aside.remove(seq)
+            self.add(seq)
 
     # ------------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
@@ -190,7 +211,8 @@ class Scheduler:
     def _lead_prefill(self, running: list[Sequence], head: Sequence | None) -> Sequence | None:
         """The best-ranked sequence that may prefill this step: the waiting head or a running prompt in chunks. The
         sequences it ranks above sit the step out if it does prefill, so its first token costs its own prefill only."""
-        candidates = [seq for seq in running if not seq.is_decoding] + ([head] if head is not None else [])
+        candidates = [seq for seq in running if seq.num_computed_tokens < seq.num_tokens - 1]
+        candidates += [head] if head is not None else []
         return min(candidates, key=self.key, default=None)
 
     def _held_for(self, head: Sequence | None, seq: Sequence, budget: int) -> int:

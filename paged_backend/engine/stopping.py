@@ -53,7 +53,7 @@ class StopRules:
     ) -> Stop | None:
         """Whether the sequence ends with `token`: `text` is its text so far (ending in `new_text`, this token's),
         `grammar` its structured-output matcher, if any (a finished grammar allows nothing more)."""
-        if self.length_first and self._out_of_budget(num_output_tokens, num_tokens):
+        if self.length_first and self.out_of_budget(num_output_tokens, num_tokens):
             return Stop("length")
         if num_output_tokens >= self.min_tokens:
             if token in self.eos_token_ids:
@@ -66,11 +66,12 @@ class StopRules:
                     return Stop("stop", stop, at + len(stop) if self.include_stop_str_in_output else at)
         if grammar is not None and grammar.is_terminated():
             return Stop("stop")
-        if not self.length_first and self._out_of_budget(num_output_tokens, num_tokens):
+        if not self.length_first and self.out_of_budget(num_output_tokens, num_tokens):
             return Stop("length")
         return None
 
-    def _out_of_budget(self, num_output_tokens: int, num_tokens: int) -> bool:
+    def out_of_budget(self, num_output_tokens: int, num_tokens: int) -> bool:
+        """max_tokens reached, or the context full."""
         return num_output_tokens >= self.max_tokens or (
             self.max_model_len is not None and num_tokens >= self.max_model_len
         )
