@@ -166,3 +166,36 @@ def test_health_reports_the_engine_state(server):
     health = server.health()
     assert health["status"] == "ok"
     assert {"num_running", "num_waiting", "kv_usage"} <= set(health["engine"])
+
+
+def beam_search(client, **kwargs):
+    arguments = dict(model=MODEL, prompt=PROMPT, max_tokens=8, n=3, temperature=0,
+                     extra_body={"use_beam_search": True, "ignore_eos": True})  # fmt: skip
+    return client.completions.create(**{**arguments, **kwargs})
+
+
+def test_beam_search_gives_the_engines_beams_best_first(client):
+    """vLLM's use_beam_search: n is the beam width, the n beams come back best first, the same as in-process."""
+    from paged_backend import LLM, SamplingParams
+
+    completion = beam_search(client)
+    texts = [choice.text for choice in completion.choices]
+    llm = LLM(MODEL, device="cpu", num_blocks=64)
+    [expected] = llm.generate(PROMPT, SamplingParams(n=3, max_tokens=8, use_beam_search=True, ignore_eos=True))
+    assert texts == [beam.text for beam in expected.outputs]
+    assert len(set(texts)) == 3 and completion.usage.completion_tokens == 24
+    streamed = {0: "", 1: "", 2: ""}
+    for chunk in beam_search(client, stream=True):  # the search reports at its end: one piece per beam
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert list(streamed.values()) == texts
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          n=2, extra_body={"use_beam_search": True, "ignore_eos": True})  # fmt: skip
+    assert [choice.index for choice in chat.choices] == [0, 1] and chat.usage.completion_tokens == 12
+
+
+def test_beam_search_refuses_a_sampling_field(server):
+    response = server.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "n": 2, "top_p": 0.5,
+                                                    "use_beam_search": True})  # fmt: skip
+    assert response.status_code == 400
+    assert "top_p" in response.json()["error"]["message"]

@@ -36,7 +36,7 @@ SAMPLING_FIELDS = (
     "n", "best_of", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k", "min_p",
     "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
     "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens", "allowed_token_ids",
-    "bad_words", "prompt_logprobs",
+    "bad_words", "prompt_logprobs", "use_beam_search", "length_penalty",
 )  # fmt: skip
 
 # Set per request by the app (its FieldPolicy middleware): whether unknown fields are a 400 (`--strict-fields`) or a warning.
@@ -183,6 +183,8 @@ class _SamplingRequest(_Request):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKEN_LIST)] | None = None
     bad_words: Annotated[list[NonEmptyStr], Field(max_length=MAX_TOKEN_LIST)] | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    use_beam_search: bool | None = None  # vLLM's: n beams instead of n samples (engine/beam_search.py)
+    length_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None  # beam score's length exponent
     priority: int = 0  # lower runs first, as in vLLM's priority scheduling
     request_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
     return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"
@@ -232,8 +234,10 @@ class _SamplingRequest(_Request):
         self, max_tokens: int, logprobs: int | None, defaults: dict | None = None, **overrides: Any
     ) -> SamplingParams:
         """Engine parameters; fields left out or null take `defaults` (the engine's, from the generation config),
-        else SamplingParams' own; `overrides` win."""
-        given = {name: value for name, value in (defaults or {}).items() if name != "max_tokens"}  # budgeted apart
+        else SamplingParams' own; `overrides` win. Beam search takes no sampling defaults (vLLM's neither): it ranks
+        beams by the model's log-probabilities, and a default top_p would refuse the request."""
+        defaults = {} if self.use_beam_search else defaults or {}
+        given = {name: value for name, value in defaults.items() if name != "max_tokens"}  # budgeted apart
         given.update({name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None})
         given.update(overrides)
         if given.get("temperature", 1.0) < GREEDY_BELOW:
