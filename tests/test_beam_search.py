@@ -178,3 +178,17 @@ def test_temperature_and_seed_are_taken_and_change_nothing(make_llm):
     plain = llm.generate(prompts, beams(2, ignore_eos=True))
     warm = llm.generate(prompts, beams(2, ignore_eos=True, temperature=0.8, seed=3))
     assert [[c.token_ids for c in o.outputs] for o in plain] == [[c.token_ids for c in o.outputs] for o in warm]
+
+
+def test_an_aborted_search_frees_every_beam(make_llm):
+    """Beams running, set aside or waiting: an abort frees them all (the fixture checks the pool after the test)."""
+    llm = make_llm("llama", num_blocks=12, watermark=0.0, preemption_mode="recompute")
+    engine = llm.engine
+    for index, prompt in enumerate(ragged_prompts(3, seed=9, longest=40)):
+        engine.add_request(str(index), {"prompt_token_ids": prompt}, beams(4, max_tokens=12, ignore_eos=True))
+    for _ in range(12):
+        engine.step()
+    assert engine.scheduler.set_aside or engine.scheduler.waiting
+    for index in range(3):
+        engine.abort_request(str(index))
+    assert not engine.scheduler.set_aside and not engine.scheduler.running and not engine.scheduler.waiting
