@@ -93,9 +93,12 @@ def test_end_tokens_finish_beams_ranked_as_vllm_ranks_them(length_penalty, make_
     expected = vllm_beams(prompt, 3, 8, {stop}, length_penalty)
     assert [completion.token_ids for completion in output.outputs] == [tokens for tokens, _ in expected]
     assert [c.cumulative_logprob for c in output.outputs] == pytest.approx([c for _, c in expected], abs=1e-4)
+    tokenizer = llm.get_tokenizer()
     for completion in output.outputs:
         ended = completion.token_ids[-1] == stop
         assert (completion.finish_reason, completion.stop_reason) == (("stop", stop) if ended else ("length", None))
+        shown = completion.token_ids[:-1] if ended else completion.token_ids  # the stop token is not in the text
+        assert completion.text == tokenizer.decode(shown, skip_special_tokens=True)
     assert any(completion.finish_reason == "stop" for completion in output.outputs) or length_penalty == 2.0
 
 

@@ -48,6 +48,7 @@ class BeamSearch:
             if all(beam.beam_candidates is not None for beam in request.seqs):
                 self._choose(request)
                 if not request.seqs:  # the search reports once, at its end
+                    self._write_texts(request)
                     advanced[request.request_id] = request
 
     def _choose(self, request: Request) -> None:
@@ -120,39 +121,44 @@ class BeamSearch:
         logprobs = None
         if beam.logprobs is not None:
             logprobs = [*beam.logprobs, self._entry(request, token, value, *beam.beam_candidates)]
-        completion = self._completion(request, token_ids, beam.cumulative_logprob + value, logprobs, reason,
-                                      stop_reason, ends=True)  # fmt: skip
-        request.finished_beams.append((self._score(request, completion, ends=True), completion))
+        completion = CompletionOutput(0, "", token_ids, logprobs, reason, stop_reason, beam.cumulative_logprob + value)
+        self._keep(request, completion, ends=True)
 
     def _finish_live(self, request: Request, beam: Sequence) -> None:
         """A live beam out of tokens (max_tokens or the context): finished with "length", its blocks freed."""
-        completion = self._completion(request, beam.output_token_ids, beam.cumulative_logprob, beam.logprobs,
-                                      "length", None, ends=False)  # fmt: skip
-        request.finished_beams.append((self._score(request, completion, ends=False), completion))
+        logprobs = None if beam.logprobs is None else list(beam.logprobs)
+        completion = CompletionOutput(0, "", beam.output_token_ids, logprobs, "length", None, beam.cumulative_logprob)
+        self._keep(request, completion, ends=False)
         request.seqs.remove(beam)
         self._drop(beam)
+
+    @staticmethod
+    def _keep(request: Request, completion: CompletionOutput, *, ends: bool) -> None:
+        """Add a finished beam, keeping only the best n: a later one can displace them, never revive another."""
+        length = len(request.prompt_token_ids) + len(completion.token_ids) - ends
+        score = completion.cumulative_logprob / length**request.params.length_penalty
+        request.finished_beams.append((score, completion))
+        request.finished_beams.sort(key=lambda beam: beam[0], reverse=True)  # stable: the earlier first on a tie
+        del request.finished_beams[request.params.n :]
 
     def _drop(self, beam: Sequence) -> None:
         beam.status = SequenceStatus.FINISHED
         self.engine.scheduler.remove(beam)
 
-    def _completion(self, request: Request, token_ids: list[int], cumulative: float, logprobs, reason: str,
-                    stop_reason, *, ends: bool) -> CompletionOutput:  # fmt: skip
+    def _write_texts(self, request: Request) -> None:
+        """The returned beams' texts, decoded once at the end (an end token shown only with
+        include_stop_str_in_output)."""
         params = request.params
-        text = ""
-        if params.detokenize:
-            shown = token_ids[:-1] if ends and not params.include_stop_str_in_output else token_ids
-            text = self.engine.tokenizer.decode(
+        if not params.detokenize:
+            return
+        for _, completion in request.finished_beams:
+            shown = completion.token_ids
+            if completion.finish_reason == "stop" and not params.include_stop_str_in_output:
+                shown = shown[:-1]
+            completion.text = self.engine.tokenizer.decode(
                 shown, skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
             )  # fmt: skip
-        return CompletionOutput(0, text, list(token_ids), None if logprobs is None else list(logprobs), reason,
-                                stop_reason, cumulative)  # fmt: skip
-
-    @staticmethod
-    def _score(request: Request, completion: CompletionOutput, *, ends: bool) -> float:
-        length = len(request.prompt_token_ids) + len(completion.token_ids) - ends
-        return completion.cumulative_logprob / length**request.params.length_penalty
 
 
 # --- vLLM's offline API: LLM.beam_search(prompts, BeamSearchParams(...)) -> [BeamSearchOutput] -----------------------

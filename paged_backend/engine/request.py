@@ -379,7 +379,7 @@ class Request:
     lora_adapter: LoRAAdapter | None = None  # the loaded adapter this request runs with; None = base model
     stop_rules: StopRules | None = None  # set by the engine's input processor
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission; None until admitted
-    finished_beams: list[tuple[float, CompletionOutput]] = field(default_factory=list)  # beam search: (score, beam)
+    finished_beams: list[tuple[float, CompletionOutput]] = field(default_factory=list)  # beam search: the n best
     num_beams: int = 1  # beam search: beams made so far (each new one's index)
 
     def __post_init__(self) -> None:
@@ -398,9 +398,8 @@ class Request:
 
     def output(self) -> RequestOutput:
         seqs = self.seqs
-        if self.params.use_beam_search:  # the n best finished beams (the search reports only at its end)
-            ranked = sorted(self.finished_beams, key=lambda beam: beam[0], reverse=True)
-            outputs = [completion for _, completion in ranked[: self.params.n]] if self.finished else []
+        if self.params.use_beam_search:  # the n best finished beams, kept best first (it reports only at its end)
+            outputs = [completion for _, completion in self.finished_beams] if self.finished else []
         elif self.params.num_sequences > self.params.n:
             # best_of: the n candidates with the highest cumulative logprob, renumbered 0..n-1.
             seqs = sorted(seqs, key=lambda seq: seq.cumulative_logprob, reverse=True)[: self.params.n]
