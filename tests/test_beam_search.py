@@ -168,7 +168,8 @@ def test_llm_beam_search_answers_in_vllms_shape(make_llm):
 @pytest.mark.parametrize(
     ("fields", "named"),
     [({"top_p": 0.5}, "top_p"), ({"stop": ["x"]}, "stop"), ({"best_of": 5}, "best_of"),
-     ({"repetition_penalty": 1.2}, "repetition_penalty"), ({"min_tokens": 2}, "min_tokens")],
+     ({"repetition_penalty": 1.2}, "repetition_penalty"), ({"min_tokens": 2}, "min_tokens"),
+     ({"length_penalty": 2000.0}, "length_penalty"), ({"length_penalty": -2000.0}, "length_penalty")],
 )  # fmt: skip
 def test_sampling_fields_are_refused_with_beam_search(fields, named):
     with pytest.raises(InvalidRequest, match=named):

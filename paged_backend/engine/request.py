@@ -32,6 +32,8 @@ NOT_WITH_BEAMS = ("min_tokens", "top_k", "top_p", "min_p", "repetition_penalty",
                   "frequency_penalty", "stop", "logit_bias", "allowed_token_ids", "bad_words", "typical_p", "watermark",
                   "structured_outputs")  # fmt: skip
 
+MAX_LENGTH_PENALTY = 10
+
 # Class of service: "batch" runs only on capacity interactive work leaves over and is preempted first.
 RequestClass = Literal["interactive", "batch"]
 REQUEST_CLASSES: tuple[str, ...] = get_args(RequestClass)
@@ -107,6 +109,9 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
             ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be >= 0"),
             ("typical_p", 0 < self.typical_p <= 1, "must be in (0, 1]"),
+            # a beam's score is cumulative logprob / tokens ** length_penalty: past this it overflows or underflows
+            ("length_penalty", -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY,
+             f"must be in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]"),
             ("truncate_prompt_tokens", self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
              "must be at least 1"),
             ("allowed_token_ids", self.allowed_token_ids is None or (
