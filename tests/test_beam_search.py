@@ -196,3 +196,10 @@ def test_an_aborted_search_frees_every_beam(make_llm):
     for index in range(3):
         engine.abort_request(str(index))
     assert not engine.scheduler.set_aside and not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_a_width_past_half_the_vocabulary_takes_every_token_as_a_candidate(make_llm):
+    """2 x 200 candidates from a 256-token vocabulary: all of them, not a failed step."""
+    llm = make_llm("llama", max_num_seqs=256)
+    [output] = llm.generate(token_prompts(ragged_prompts(1, seed=1)), beams(200, max_tokens=2, ignore_eos=True))
+    assert len(output.outputs) == 200 and len({tuple(c.token_ids) for c in output.outputs}) == 200

@@ -41,7 +41,7 @@ class BeamSearch:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         widths = [2 * seq.request.params.n for seq in seqs]
         tops = [max(width, seq.request.params.logprobs or 0) for seq, width in zip(seqs, widths, strict=True)]
-        values, ids = logprobs.topk(max(tops), dim=-1)
+        values, ids = logprobs.topk(min(max(tops), logprobs.shape[-1]), dim=-1)  # a width past half the vocabulary
         for seq, top, row_ids, row_values in zip(seqs, tops, ids.tolist(), values.tolist(), strict=True):
             seq.beam_candidates = row_ids[:top], row_values[:top]
         for request in {id(seq.request): seq.request for seq in seqs}.values():
