@@ -130,6 +130,23 @@ def test_a_request_is_the_same_at_any_max_num_seqs_and_step_budget(alone, max_nu
     assert [result(outputs[0]), result(outputs[-1])] == expected
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_beams_are_bitwise_the_same_alone_and_in_a_crowded_preempting_batch(dtype):
+    """Beam search reads every beam's log-probabilities: in this mode they do not depend on the batch, so neither do
+    the beams, alone or among 32 others on a pool too small for all of them (chunked, preempted)."""
+    params = SamplingParams(n=3, use_beam_search=True, max_tokens=12, ignore_eos=True, logprobs=2)
+
+    def beams(output):
+        return [(c.token_ids, c.cumulative_logprob, c.logprobs) for c in output.outputs]
+
+    alone = beams(invariant_llm(dtype).generate([TARGET], params)[0])
+    llm = invariant_llm(dtype, **CROWDED)
+    prompts, crowd_params = others()
+    outputs = llm.generate([*prompts[:16], TARGET, *prompts[16:]], [*crowd_params[:16], params, *crowd_params[16:]])
+    assert beams(outputs[16]) == alone
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
 def test_rescoring_the_output_with_prompt_logprobs_gives_the_sampled_logprobs(alone):
     dtype, expected = alone
     llm = invariant_llm(dtype, max_num_batched_tokens=16)
