@@ -139,7 +139,7 @@ def test_a_device_map_on_the_built_in_model_says_why(tmp_path):
     ],
 )
 def test_sampling_params_of_the_wrong_type_are_named(fields, said):
-    from paged_backend.engine.request import SamplingParams
+    from paged_backend.engine.sampling_params import SamplingParams
 
     with pytest.raises(InvalidRequest, match=re.escape(said)):
         SamplingParams(**fields)
@@ -155,7 +155,7 @@ def test_generate_from_several_threads_takes_turns():
     import threading
 
     from paged_backend.engine.llm import LLM
-    from paged_backend.engine.request import SamplingParams
+    from paged_backend.engine.sampling_params import SamplingParams
 
     llm = LLM(TINY_MODEL, device="cpu", dtype="float32", num_blocks=64)
     greedy = SamplingParams(max_tokens=6, temperature=0)
@@ -188,7 +188,7 @@ def test_llm_options_take_the_flags_names_as_vllms_llm_does():
 
 def test_chat_content_parts_are_read_as_their_text_as_vllm_reads_them():
     from paged_backend.engine.llm import LLM
-    from paged_backend.engine.request import SamplingParams
+    from paged_backend.engine.sampling_params import SamplingParams
 
     llm = LLM(TINY_MODEL, device="cpu", dtype="float32", num_blocks=64)
     greedy = SamplingParams(max_tokens=4, temperature=0)

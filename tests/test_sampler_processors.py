@@ -3,8 +3,9 @@ logit bias, then penalties), each row on its own whatever the others ask for, an
 
 import torch
 
-from paged_backend.engine.request import Request, SamplingParams, Sequence
+from paged_backend.engine.request import Request, Sequence
 from paged_backend.engine.sampler import Sampler
+from paged_backend.engine.sampling_params import SamplingParams
 
 VOCAB = 8
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from paged_backend.engine.request import SamplingParams
+from paged_backend.engine.sampling_params import SamplingParams
 from paged_backend.errors import InvalidRequest
 from tests._server_helpers import API_KEY, MODEL, server_fixture
 

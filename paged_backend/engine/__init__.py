@@ -17,7 +17,7 @@ _HOMES = {
     "Logprob": "request",
     "RequestMetrics": "request",
     "RequestOutput": "request",
-    "SamplingParams": "request",
+    "SamplingParams": "sampling_params",
     "EngineStats": "stats",
 }
 

@@ -17,15 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_backend.engine.request import (
-    CompletionOutput,
-    Logprob,
-    Request,
-    RequestOutput,
-    SamplingParams,
-    Sequence,
-    SequenceStatus,
-)
+from paged_backend.engine.request import CompletionOutput, Logprob, Request, RequestOutput, Sequence, SequenceStatus
+from paged_backend.engine.sampling_params import SamplingParams
 
 
 class BeamSearch:
@@ -39,8 +32,7 @@ class BeamSearch:
         """Store each beam's candidates (one logits row each), then let every request whose beams all proposed
         choose its next beams."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        widths = [2 * seq.request.params.n for seq in seqs]
-        tops = [max(width, seq.request.params.logprobs or 0) for seq, width in zip(seqs, widths, strict=True)]
+        tops = [max(2 * seq.request.params.n, seq.request.params.logprobs or 0) for seq in seqs]
         values, ids = logprobs.topk(min(max(tops), logprobs.shape[-1]), dim=-1)  # a width past half the vocabulary
         for seq, top, row_ids, row_values in zip(seqs, tops, ids.tolist(), values.tolist(), strict=True):
             seq.beam_candidates = row_ids[:top], row_values[:top]

@@ -21,8 +21,9 @@ from paged_backend.engine.generation_defaults import read_sampling_defaults
 from paged_backend.engine.input_processor import InputProcessor
 from paged_backend.engine.output_processor import OutputProcessor
 from paged_backend.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
-from paged_backend.engine.request import Request, RequestClass, RequestOutput, SamplingParams, Sequence
+from paged_backend.engine.request import Request, RequestClass, RequestOutput, Sequence
 from paged_backend.engine.sampler import Sampler
+from paged_backend.engine.sampling_params import SamplingParams
 from paged_backend.engine.scheduler import Scheduler
 from paged_backend.engine.stats import EngineCounters, EngineStats
 from paged_backend.errors import InvalidRequest
@@ -273,13 +274,15 @@ class Engine:
         self, logits, rows: list[int], seqs: list[Sequence], advanced: dict
     ) -> tuple[list[int], list[Sequence]]:
         """Beam-search sequences take their candidates (`beam_search`); returns the rows and sequences that sample."""
-        beams = [(row, seq) for row, seq in zip(rows, seqs, strict=True) if seq.request.params.use_beam_search]
-        if not beams:
-            return rows, seqs
-        index = torch.tensor([row for row, _ in beams], device=logits.device)
-        self.beam_search.propose(logits[index], [seq for _, seq in beams], advanced)
-        plain = [(row, seq) for row, seq in zip(rows, seqs, strict=True) if not seq.request.params.use_beam_search]
-        return [row for row, _ in plain], [seq for _, seq in plain]
+        beams: tuple[list[int], list[Sequence]] = ([], [])
+        plain: tuple[list[int], list[Sequence]] = ([], [])
+        for row, seq in zip(rows, seqs, strict=True):
+            side = beams if seq.request.params.use_beam_search else plain
+            side[0].append(row)
+            side[1].append(seq)
+        if beams[1]:
+            self.beam_search.propose(logits[torch.tensor(beams[0], device=logits.device)], beams[1], advanced)
+        return plain
 
     def _fork_new_samples(
         self, sampling: list[Sequence], advanced: dict[str, Request]

@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 
 from paged_backend.config import EngineConfig
 from paged_backend.config.generation import sampling_defaults
-from paged_backend.engine.request import SamplingParams
+from paged_backend.engine.sampling_params import SamplingParams
 from paged_backend.errors import InvalidRequest
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import itertools
 
 from paged_backend.config import EngineConfig
-from paged_backend.engine.request import REQUEST_CLASSES, Request, RequestClass, SamplingParams, Sequence
+from paged_backend.engine.request import REQUEST_CLASSES, Request, RequestClass, Sequence
 from paged_backend.engine.sampler import Sampler
+from paged_backend.engine.sampling_params import SamplingParams
 from paged_backend.engine.stopping import StopRules
 from paged_backend.errors import InvalidRequest, PromptTooLong
 from paged_backend.lora import LoRARequest

@@ -13,7 +13,8 @@ from paged_backend.engine.beam_search import BeamSearchOutput, BeamSearchParams,
 from paged_backend.engine.chat_template import render_chat
 from paged_backend.engine.engine import Engine
 from paged_backend.engine.input_processor import prompt_list
-from paged_backend.engine.request import RequestOutput, SamplingParams
+from paged_backend.engine.request import RequestOutput
+from paged_backend.engine.sampling_params import SamplingParams
 from paged_backend.engine.sleep import EngineSleep
 from paged_backend.errors import InvalidRequest
 from paged_backend.lora import LoRARequest

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from paged_backend.engine.request import Logprob, SamplingParams, Sequence
+from paged_backend.engine.request import Logprob, Sequence
+from paged_backend.engine.sampling_params import SamplingParams
 from paged_backend.engine.watermark import apply_watermark
 from paged_backend.ops.argmax_cpu import argmax_rows
 
@@ -19,7 +20,8 @@ class Sampler:
     """Turns one logits row per sequence into one token per sequence.
 
     >>> import torch
-    >>> from paged_backend.engine.request import Request, SamplingParams, Sequence
+    >>> from paged_backend.engine.request import Request, Sequence
+from paged_backend.engine.sampling_params import SamplingParams
     >>> seq = Sequence(Request("r", None, [1, 2], SamplingParams(temperature=0)), 0)
     >>> Sampler(eos_token_ids={0})(torch.tensor([[0.0, 3.0, 1.0]]), [seq])[0]
     [1]

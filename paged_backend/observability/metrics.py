@@ -16,7 +16,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from paged_backend.engine.async_engine import AsyncEngine
-from paged_backend.engine.request import RequestOutput, SamplingParams
+from paged_backend.engine.request import RequestOutput
+from paged_backend.engine.sampling_params import SamplingParams
 from paged_backend.engine.stats import ITERATION_TOKEN_BUCKETS
 from paged_backend.observability.lora_metrics import lora_requests_info
 from paged_backend.observability.tracing import RequestTiming, RequestTracer

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from paged_backend.engine.chat_template import render_chat
 from paged_backend.engine.disconnect import cancel_on_disconnect
-from paged_backend.engine.request import SamplingParams
+from paged_backend.engine.sampling_params import SamplingParams
 from paged_backend.errors import InvalidRequest
 from paged_backend.server import sse
 from paged_backend.server.chat_schemas import ChatCompletionRequest

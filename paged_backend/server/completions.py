@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from paged_backend.engine.disconnect import cancel_on_disconnect
-from paged_backend.engine.request import SamplingParams
+from paged_backend.engine.sampling_params import SamplingParams
 from paged_backend.errors import InvalidRequest
 from paged_backend.server import sse
 from paged_backend.server.generation import ChoiceDelta, Generation, check_streamable, output_budget

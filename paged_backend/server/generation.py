@@ -12,7 +12,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 from paged_backend.engine.async_engine import AsyncEngine
-from paged_backend.engine.request import CompletionOutput, RequestOutput, SamplingParams
+from paged_backend.engine.request import CompletionOutput, RequestOutput
+from paged_backend.engine.sampling_params import SamplingParams
 from paged_backend.errors import InvalidRequest, PromptTooLong
 from paged_backend.observability.metrics import ServerMetrics
 from paged_backend.server.request_class import REQUEST_CLASS

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from paged_backend.engine.request import SamplingParams
+from paged_backend.engine.sampling_params import SamplingParams
 from paged_backend.server.structured_fields import structured_outputs_params
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paged_backend.engine.request import SamplingParams
+from paged_backend.engine.sampling_params import SamplingParams
 from paged_backend.tgi.backends.base import FinishReason
 from paged_backend.tgi.http.validation import ChooserParameters, StoppingParameters
 
