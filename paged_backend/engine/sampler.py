@@ -70,15 +70,18 @@ from paged_backend.engine.sampling_params import SamplingParams
 
     def _sample(self, raw: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         logits = raw.clone()
+        masked = False
         for i, seq in enumerate(seqs):
-            self._mask_row(logits[i], seq)
+            masked |= self._mask_row(logits[i], seq)
         _add_logit_bias(logits, [seq.request.params.logit_bias for seq in seqs])
         for i, seq in enumerate(seqs):
             self._adjust_row(logits[i], seq)
         grammars = [seq.grammar for seq in seqs]
         if any(grammar is not None for grammar in grammars):
+            masked = True
             self.structured.apply_masks(logits, grammars)
-        self._refill_empty_rows(raw, logits, seqs)
+        if masked:  # only a mask can empty a row: without one, a refill would rebuild the same row
+            self._refill_empty_rows(raw, logits, seqs)
         tokens = argmax_rows(logits)
         sampled = [i for i, seq in enumerate(seqs) if not seq.request.params.greedy]
         if sampled:
@@ -88,8 +91,8 @@ from paged_backend.engine.sampling_params import SamplingParams
                 tokens[i] = draw[0]
         return tokens.tolist()
 
-    def _mask_row(self, row: torch.Tensor, seq: Sequence) -> None:
-        """The processors before the logit bias, in place: allowed tokens, bad words, min_tokens."""
+    def _mask_row(self, row: torch.Tensor, seq: Sequence) -> bool:
+        """The processors before the logit bias, in place: allowed tokens, bad words, min_tokens. True if any masked."""
         _keep_allowed(row, seq.request.params)
         banned = self._banned_words(seq)
         if banned:
@@ -97,6 +100,7 @@ from paged_backend.engine.sampling_params import SamplingParams
         blocked = self._blocked_ids(seq)
         if blocked:
             row[blocked] = float("-inf")
+        return bool(seq.request.params.allowed_token_ids is not None or banned or blocked)
 
     def _adjust_row(self, row: torch.Tensor, seq: Sequence) -> None:
         """The processors after the logit bias, in place: penalties, watermark."""
