@@ -281,7 +281,7 @@ class Engine:
             side[0].append(row)
             side[1].append(seq)
         if beams[1]:
-            self.beam_search.propose(logits[torch.tensor(beams[0], device=logits.device)], beams[1], advanced)
+            self.beam_search.propose(_rows_of(logits, beams[0]), beams[1], advanced)
         return plain
 
     def _fork_new_samples(
@@ -330,8 +330,8 @@ class Engine:
 
 
 def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """`logits[rows]`; a plain decode step samples every row in order, and then no copy is made (0.3 ms at 16 rows of
-    a 49k vocabulary)."""
+    """`logits[rows]`; when the rows are every row in order (a plain decode step, a step of beams alone), the logits
+    themselves, with no copy (0.3 ms at 16 rows of a 49k vocabulary)."""
     if len(rows) == logits.shape[0] and rows == list(range(len(rows))):  # (forks repeat rows: compare them all)
         return logits
     return logits[torch.tensor(rows, device=logits.device)]

@@ -21,7 +21,7 @@ class Sampler:
 
     >>> import torch
     >>> from paged_backend.engine.request import Request, Sequence
-from paged_backend.engine.sampling_params import SamplingParams
+    >>> from paged_backend.engine.sampling_params import SamplingParams
     >>> seq = Sequence(Request("r", None, [1, 2], SamplingParams(temperature=0)), 0)
     >>> Sampler(eos_token_ids={0})(torch.tensor([[0.0, 3.0, 1.0]]), [seq])[0]
     [1]
