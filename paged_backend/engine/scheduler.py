@@ -129,8 +129,7 @@ class Scheduler:
         for seq in parked:
             self.running.remove(seq)
             self.num_preemptions += 1
-            self.block_manager.free(seq.seq_id)
-            seq.num_computed_tokens = 0
+            self._drop_kv(seq)
             seq.status = SequenceStatus.WAITING
             self.set_aside.append(seq)
         return bool(parked)
@@ -255,10 +254,13 @@ class Scheduler:
             seq.status = SequenceStatus.SWAPPED
             insort(self.swapped, seq, key=self.key)
             return
-        # Recompute: drop the KV; the sequence re-prefills prompt + output later (prefix cache helps).
-        manager.free(seq.seq_id)
-        seq.num_computed_tokens = 0
+        self._drop_kv(seq)
         self.add(seq)
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        """Preemption by recompute: free the KV; the sequence re-prefills prompt + output later (prefix cache helps)."""
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
 
     def _make_room_for_waiting(self, out: SchedulerOutput) -> None:
         """Preempt the running sequences the waiting head outranks, worst first, as many as it needs to fit."""
