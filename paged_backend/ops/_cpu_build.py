@@ -20,7 +20,12 @@ from pathlib import Path
 from paged_backend.core.build_cache import build_once, cache_root, csrc_dir, fingerprint
 
 LIBRARY_NAME = "libpaged_attention_cpu.so"
-CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+# Full-width vectors where the CPU has AVX-512: GCC's Xeon tuning prefers 256-bit ones and then runs a loop's first
+# or last elements through other code than its body, so a kernel's bits followed its buffers' addresses (a prompt's
+# logprobs moved in the last bit between two engines whose KV blocks sat elsewhere). At 512 bits the remainders are
+# masked vectors of the same code, as on the AMD cores the kernels were first measured on. (Ignored without AVX-512.)
+CXX_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-std=c++17", "-fopenmp", "-fno-math-errno",
+             "-shared", "-fPIC")
 
 
 class CpuBuildError(RuntimeError):
