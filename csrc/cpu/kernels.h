@@ -89,5 +89,6 @@ int32_t pb_cpu_panel_linear_quantized(const void* x, int64_t x_stride, const voi
                                       const float* scales, int64_t group_size, int32_t offsets, const float* levels,
                                       const void* bias, void* y, int64_t y_stride, int64_t m, int64_t n, int64_t k,
                                       int32_t dtype, int32_t num_threads);
+int32_t pb_cpu_panel_amx(int32_t use);
 
 }  // extern "C"
