@@ -156,9 +156,16 @@ def llama_system(bin_dir: Path, gguf: Path, label: str, kv: str, slots: int, slo
     command = [str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(args.threads), "-tb", str(args.threads),
                "-c", str(slots * slot_tokens), "--parallel", str(slots), "-ctk", kv, "-ctv", kv, "--no-webui",
                *shlex.split(args.llama_args)]  # fmt: skip
-    if "Q4_1" in gguf.name:
-        command.append("--no-repack")  # AMX repacking crashes on Q4_1 on some CPUs
+    if not gguf.name.endswith((".F32.gguf", ".BF16.gguf")) and cpu_has_amx():
+        command.append("--no-repack")  # ggml's AMX repacking segfaults at load (Q4_1 and Q8_0, llama.cpp 0.3.36)
     return System(label, command, "/health")
+
+
+def cpu_has_amx() -> bool:
+    try:
+        return " amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager
