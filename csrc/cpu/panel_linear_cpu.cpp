@@ -19,9 +19,9 @@
 //
 // Every output is one fused multiply-add chain over k in order, whatever the row count or the tile it falls in,
 // so results do not depend on the batch. On CPUs with AMX (Intel Sapphire Rapids and later), bfloat16 runs on the
-// tile unit instead (amx_linear below), at every row count: its sums are the tile unit's own (not rounded after each
-// multiply-add), but they too depend on nothing but the row and the weight. Plain C ABI like paged_attention_cpu.cpp; paged_backend/ops/
-// panel_linear.py mirrors it and holds the torch oracle (F.linear).
+// tile unit instead (amx::linear below), at every row count: its sums are the tile unit's own (not rounded after each
+// multiply-add), but they too depend on nothing but the row and the weight. Plain C ABI like paged_attention_cpu.cpp;
+// paged_backend/ops/panel_linear.py mirrors it and holds the torch oracle (F.linear).
 
 #include <algorithm>
 #include <cstdint>
@@ -499,9 +499,10 @@ void column(const T* x, int64_t x_stride, const W* packed, const GroupScales& sc
 // steps of one panel are a 16 x 64-byte tile, 1 KiB in a row. A tile of up to 16 rows of x (32 values of k each) is
 // the A operand, loaded straight from x, and each panel's 16 outputs per row accumulate in a C tile. A group of up to
 // four panels shares each A tile: C tiles 0-3, A tile 4, B tiles 5-7 in turn. At one row the tiles stream the panels
-// at the memory bandwidth like the 8-panel vector tile (24-27 GB/s against 19-27 on 2 cores of a Xeon with AMX); at
-// 16 rows they run 2.7x, at 64 rows 4-5x the vector tiles (benchmarks/packed_linear.py). Taken where K is a multiple
-// of 32 (every tile whole); other shapes keep the vector tiles, so a layer's choice never depends on the rows.
+// at the memory bandwidth like the 8-panel vector tile (22-24 GB/s against 19-27 on 2 cores of a Xeon with AMX); at
+// 16 rows they run 2.2-2.4x, at 64 rows 4-5x the vector tiles (benchmarks/packed_linear.py --model-pass). Taken where
+// K is a multiple of 32 (every tile whole); other shapes keep the vector tiles, so a layer's choice never depends on
+// the rows. Quantized panels are dequantized once per group of panels and chunk of 128 rows.
 namespace amx {
 
 constexpr int kRows = 16;          // rows of x per A tile
