@@ -35,6 +35,7 @@ from paged_backend.worker.runner import StepCut
 class Engine:
     """Continuous-batching engine: add requests, call `step()` until done, read cumulative outputs.
 
+    >>> from paged_backend.config import CacheConfig
     >>> engine = Engine(EngineConfig(device="cpu", cache=CacheConfig(num_blocks=64)))
     >>> engine.add_request("a", "Hello", SamplingParams(temperature=0, max_tokens=4))
     >>> while engine.has_unfinished_requests():
