@@ -60,6 +60,7 @@ from paged_backend.bench.chat_workload import QUESTIONS, STYLES, chat_workload  
 from paged_backend.bench.report import markdown_table, write_json  # noqa: E402
 from paged_backend.bench.serve import RateSummary, RequestResult, summarize  # noqa: E402
 from paged_backend.engine.detokenizer import eos_token_ids  # noqa: E402
+from paged_backend.ops._cpu_build import cpu_signature  # noqa: E402
 from paged_backend.worker.default_model import default_model_file  # noqa: E402
 from paged_backend.worker.models import load_tokenizer  # noqa: E402
 
@@ -156,16 +157,9 @@ def llama_system(bin_dir: Path, gguf: Path, label: str, kv: str, slots: int, slo
     command = [str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(args.threads), "-tb", str(args.threads),
                "-c", str(slots * slot_tokens), "--parallel", str(slots), "-ctk", kv, "-ctv", kv, "--no-webui",
                *shlex.split(args.llama_args)]  # fmt: skip
-    if not gguf.name.endswith((".F32.gguf", ".BF16.gguf")) and cpu_has_amx():
+    if not gguf.name.endswith((".F32.gguf", ".BF16.gguf")) and "amx_tile" in cpu_signature().split():
         command.append("--no-repack")  # ggml's AMX repacking segfaults at load (Q4_1 and Q8_0, llama.cpp 0.3.36)
     return System(label, command, "/health")
-
-
-def cpu_has_amx() -> bool:
-    try:
-        return " amx_tile" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
 
 
 @contextlib.contextmanager

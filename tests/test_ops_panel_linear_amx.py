@@ -22,20 +22,13 @@ def randn(*shape, seed):
     return (torch.randn(*shape, generator=generator) * 0.1).to(torch.bfloat16)
 
 
-@pytest.fixture
-def vector_tiles():
-    """Runs the body's calls on the AVX-512 tiles, and turns the AMX tiles back on after."""
-    amx_tiles(False)
-    yield
-    assert amx_tiles(True)
-
-
 def on_vector_tiles(call):
+    """`call()` on the AVX-512 tiles; the AMX tiles are on again after."""
     amx_tiles(False)
     try:
         return call()
     finally:
-        amx_tiles(True)
+        assert amx_tiles(True)
 
 
 # (N, K, rows): one row (streaming), a decode batch, a row tile of 16 and a partial one, past a chunk of 128 rows;
@@ -82,13 +75,12 @@ def test_quantized_panels_on_amx_give_the_float_panels_bits(rows):
     assert torch.equal(PanelWeight.quantized(q4, scale4, 4, torch.bfloat16, 32, offset4)(x), PanelWeight(dequantized)(x))
 
 
-def test_the_switch_keeps_float32_and_odd_widths_on_the_vector_tiles(vector_tiles):
-    assert not amx_tiles()
+def test_the_switch_turns_the_tiles_off_and_odd_widths_stay_on_the_vector_tiles():
     weight, x = randn(64, 77, seed=8), randn(5, 77, seed=9)  # K not a multiple of 32: the vector tiles either way
     packed = PanelWeight(weight)
-    off = packed(x)
-    amx_tiles(True)
-    assert torch.equal(packed(x), off)
+    off = on_vector_tiles(lambda: (not amx_tiles(), packed(x)))
+    assert off[0]
+    assert torch.equal(packed(x), off[1])
 
 
 def test_the_environment_switch_turns_the_tiles_off_from_the_start():

@@ -523,16 +523,12 @@ inline bool tiles_granted() {
   return granted;
 }
 
-inline std::atomic<int>& enabled() {  // -1: not decided yet; 0 or 1
-  static std::atomic<int> state{-1};
+inline std::atomic<bool>& enabled() {  // on from the first use wherever the tiles are granted
+  static std::atomic<bool> state{tiles_granted()};
   return state;
 }
 
-inline bool in_use() {
-  int state = enabled().load(std::memory_order_relaxed);
-  if (state < 0) enabled().store(state = tiles_granted() ? 1 : 0);
-  return state == 1;
-}
+inline bool in_use() { return enabled().load(std::memory_order_relaxed); }
 
 // C and A tiles of `rows` rows; the B tiles are always 16 pair steps.
 inline void configure(int rows) {
@@ -811,7 +807,7 @@ int32_t pb_cpu_panel_pack_int4(const void* weight, int64_t n, int64_t k, int32_t
 // tiles), -1 asks. Returns the state now.
 int32_t pb_cpu_panel_amx(int32_t use) {
 #if defined(PB_AMX)
-  if (use >= 0) amx::enabled().store(use == 1 && amx::tiles_granted() ? 1 : 0);
+  if (use >= 0) amx::enabled().store(use == 1 && amx::tiles_granted());
   return amx::in_use() ? 1 : 0;
 #else
   (void)use;
