@@ -65,16 +65,11 @@ inline f32x16 load16(const float* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-// `value` in every lane, broadcast from memory by the load unit. (`f32x16{} + value` is not that: adding +0 changes
-// -0, so the compiler adds in a scalar and broadcasts a register, two more uops on the FMA ports per row and step;
-// the fp32 tiles ran at ~63% of the FMA peak on a Xeon that way.)
-inline f32x16 splat(float value) {
-#if defined(__AVX512F__)
-  return (f32x16)_mm512_set1_ps(value);
-#else
-  return value - f32x16{};  // x - (+0) is x for every x, -0 included: nothing left to compute
-#endif
-}
+// `value` in every lane: x - (+0) is x for every x, -0 included, so nothing is left to compute and the load unit
+// broadcasts it from memory. (`f32x16{} + value` is not that: adding +0 changes -0, so the compiler added in a
+// scalar and broadcast a register, two more uops on the FMA ports per row and step; the fp32 tiles ran at ~63% of
+// the FMA peak on a Xeon that way.)
+inline f32x16 splat(float value) { return value - f32x16{}; }
 
 inline int64_t panels_of(int64_t n) { return (n + kLanes - 1) / kLanes; }
 inline int64_t padded_k(int64_t k, int32_t dtype) { return dtype == BF16 ? (k + 1) / 2 * 2 : k; }
