@@ -1,11 +1,16 @@
 """PagedKVCache: sizing, layout, block copies and swaps move the right bytes."""
 
+import gc
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
 from paged_backend import BlockManager, InvalidRequest, PagedKVCache
+from paged_backend.core import huge_pages
 from paged_backend.core.kv_budget import bytes_per_block, num_blocks_for_budget
-from paged_backend.core.kv_cache import resolve_kv_dtype
+from paged_backend.core.kv_cache import pool_zeros, resolve_kv_dtype
 from paged_backend.ops import reshape_and_cache
 
 
@@ -80,3 +85,38 @@ def test_fp8_pool_stores_scaled_values_and_copies_bytes():
     assert torch.equal(value_cache[1, :2].float(), keys)
     cache.copy_blocks([(1, 2)])
     assert torch.equal(key_cache[2].float(), key_cache[1].float())
+
+
+def mapping_of(address: int) -> dict[str, str] | None:
+    """The /proc/self/smaps entry (its header as 'range', then its fields) of the mapping holding `address`."""
+    for entry in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", Path("/proc/self/smaps").read_text()):
+        lo, hi = (int(bound, 16) for bound in entry.split()[0].split("-"))
+        if lo <= address < hi:
+            lines = entry.splitlines()
+            return {"range": lines[0], **dict(line.split(":", 1) for line in lines[1:] if ":" in line)}
+    return None
+
+
+@pytest.mark.skipif(not huge_pages.huge_pages_offered(), reason="this kernel's transparent huge pages are off")
+def test_a_cpu_pool_lies_on_huge_pages_zeroed_and_unmaps_with_its_cache():
+    cache = make_cache(num_layers=2, num_kv_heads=8, head_dim=128, num_blocks=256, block_size=16,
+                       dtype=torch.bfloat16)  # fmt: skip
+    pool = cache.kv
+    assert pool.data_ptr() % huge_pages.HUGE_PAGE == 0 and not pool.any()
+    mapping = mapping_of(pool.data_ptr())
+    assert int(mapping["AnonHugePages"].split()[0]) * 1024 >= cache.total_bytes  # every byte on 2 MiB pages
+    keys = torch.randn(16, 8, 128).to(torch.bfloat16)
+    reshape_and_cache(keys, keys, *cache.layer(1), torch.arange(16, 32))
+    cache.copy_blocks([(1, 5)])
+    assert torch.equal(cache.layer(1)[0][5], keys)
+    address = pool.data_ptr()
+    del pool, mapping
+    cache.release()
+    gc.collect()
+    assert mapping_of(address) is None  # the memory went back with the last view
+
+
+def test_small_pools_and_other_devices_take_plain_zeros():
+    tensor = huge_pages.zeros((4, 4), torch.float32)
+    assert tensor.shape == (4, 4) and not tensor.any()
+    assert pool_zeros((2, 3), torch.float16, torch.device("meta")).device.type == "meta"
