@@ -1,8 +1,9 @@
 """Zeroed CPU tensors on transparent huge pages, for the KV pool.
 
-Decode attention reads the pool's blocks in table order, which is random in memory: every 4 KiB page it touches is a
-TLB miss and a page walk, and with 4 KiB pages a 32 KiB block spans eight of them. On 2 MiB pages the same reads
-miss the TLB 512 times less often (the gain, measured: benchmarks/RESULTS.md, "The KV pool on 2 MiB pages"). Linux
+Decode attention reads the pool's blocks in table order, which after a server's churn is scattered over the pool:
+on 4 KiB pages a 32 KiB block spans eight pages, each likely a TLB miss and a page walk, and on a large pool the page
+tables themselves fall out of cache. One 2 MiB page covers 512 of them (measured: a few percent per decode step,
+benchmarks/RESULTS.md, "Why bf16 decode attention trails fp32 on this Xeon, and the KV pool on 2 MiB pages"). Linux
 hands out huge pages to a region that asks with madvise (the usual "madvise" mode of
 /sys/kernel/mm/transparent_hugepage/enabled) or to all ("always"); elsewhere this is plain `torch.zeros`.
 """
