@@ -118,9 +118,11 @@ RESIDENT_BLOCKS = 8  # the blocks a cache-resident run cycles over: 1 MiB of fp3
 
 
 def cache_resident(b: DecodeBatch) -> DecodeBatch:
-    """`b` with every sequence reading blocks 1..RESIDENT_BLOCKS over and over: the same work, from cache."""
+    """`b` with every sequence reading blocks 1..RESIDENT_BLOCKS (or all the pool has) over and over: the same
+    work, from cache."""
     tables = torch.arange(b.block_tables.numel(), dtype=torch.int32, device=b.block_tables.device)
-    return dataclasses.replace(b, block_tables=(tables % RESIDENT_BLOCKS + 1).view_as(b.block_tables))
+    blocks = min(RESIDENT_BLOCKS, b.key_cache.shape[0] - 1)  # (block 0 is the null block)
+    return dataclasses.replace(b, block_tables=(tables % blocks + 1).view_as(b.block_tables))
 
 
 def on_small_pages(b: DecodeBatch) -> DecodeBatch:
