@@ -10,8 +10,9 @@ CPU (--device cpu): the fused cpu kernel and the torch oracle, paged, against SD
 --cpu-dtype bfloat16). Each decode row also times a sequential sum over a buffer of the same bytes (best of the same
 calls): the streaming bound a pass over that much memory meets on this core, and the kernel's share of it. And it
 times the kernel on the same batch with a block table that cycles over a few blocks, which stay in the core's cache:
-the rate its arithmetic allows. Below the streaming bound, the kernel is compute-bound at that shape. The pools lie
-on 2 MiB pages, as the engine allocates them (core/huge_pages.py); a last column times a copy on ordinary pages.
+the rate its arithmetic allows. Below the streaming bound, the kernel is compute-bound at that shape. The pools are
+allocated as the engine allocates them; a last column times a copy on 2 MiB pages (what PAGED_BACKEND_KV_HUGE_PAGES=1
+gives the engine, core/huge_pages.py).
 --geometry smollm2-135m uses the real model's heads (9 q, 3 kv, dim 64) instead of Llama-3-8B's.
 
     python benchmarks/attention.py                            # GPU grid
@@ -34,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_backend import ops
+from paged_backend.core import huge_pages
 from paged_backend.core.kv_cache import pool_zeros
 
 GEOMETRIES = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}  # q heads, kv heads, head dim
@@ -58,7 +60,7 @@ class DecodeBatch:
 
 
 def engine_pool(values: torch.Tensor) -> torch.Tensor:
-    """`values` in memory allocated as the engine allocates its KV pool (on the CPU: on 2 MiB pages)."""
+    """`values` in memory allocated as the engine allocates its KV pool."""
     pool = pool_zeros(tuple(values.shape), values.dtype, values.device)
     return pool.copy_(values)
 
@@ -125,9 +127,13 @@ def cache_resident(b: DecodeBatch) -> DecodeBatch:
     return dataclasses.replace(b, block_tables=(tables % blocks + 1).view_as(b.block_tables))
 
 
-def on_small_pages(b: DecodeBatch) -> DecodeBatch:
-    """`b` with its pools copied to plain allocations (4 KiB pages unless the kernel gives huge pages to all)."""
-    return dataclasses.replace(b, key_cache=b.key_cache.clone(), value_cache=b.value_cache.clone())
+def on_huge_pages(b: DecodeBatch) -> DecodeBatch | None:
+    """`b` with its pools copied to 2 MiB pages; None where the kernel offers none."""
+    if not huge_pages.huge_pages_offered():
+        return None
+    key_cache, value_cache = (huge_pages.zeros(tuple(pool.shape), pool.dtype).copy_(pool)
+                              for pool in (b.key_cache, b.value_cache))  # fmt: skip
+    return dataclasses.replace(b, key_cache=key_cache, value_cache=value_cache)
 
 
 def paged(b: DecodeBatch, backend: str) -> Callable[[], torch.Tensor]:
@@ -177,7 +183,7 @@ def peak_tbps(override: float | None) -> float | None:
 def fits_in_memory(batch: int, context: int, dtype: torch.dtype, device: str) -> bool:
     """Whether a cell's tensors fit in a quarter-headroom share of the device's free memory. GPU: the pools, the
     contiguous copy of K and V and one gather temporary (~5x the K or V bytes). CPU: also the fp32 randn they are
-    drawn from, the summed stream and the pools' copy on small pages (~14x)."""
+    drawn from, the summed stream and the pools' copy on huge pages (~14x)."""
     kv = batch * context * NUM_KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
     if device == "cuda":
         needed, free = 5 * kv, torch.cuda.mem_get_info()[0]
@@ -225,7 +231,7 @@ def cpu_table(args: argparse.Namespace) -> list[str]:
     dtype = getattr(torch, args.cpu_dtype)
     header = ["batch", "context", "KV MiB", "cpu kernel ms", "torch oracle ms", "sdpa contiguous ms",
               "cpu / contiguous", "oracle / contiguous", "cpu kernel GB/s", "sequential sum GB/s", "cpu % of sum",
-              "cpu cache-resident GB/s", "cpu on 4 KiB pages GB/s"]
+              "cpu cache-resident GB/s", "cpu on 2 MiB pages GB/s"]
     lines = [f"CPU, {args.cpu_dtype}, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, head dim {HEAD_DIM}, "
              f"{torch.get_num_threads()} threads, best of {args.iters}; shuffled block tables, block size "
              f"{args.block_size}", "", _row(header), _row(["---"] * len(header))]
@@ -237,16 +243,18 @@ def cpu_table(args: argparse.Namespace) -> list[str]:
             b = make_batch(batch, context, args.block_size, dtype, "cpu")
             stream = torch.randn(b.kv_bytes // 4)  # the same bytes, read front to back
             candidates = {"cpu": paged(b, "cpu"), "torch": paged(b, "torch"), "sdpa": sdpa_contiguous(b),
-                          "sum": stream.sum, "resident": paged(cache_resident(b), "cpu"),
-                          "small pages": paged(on_small_pages(b), "cpu")}
+                          "sum": stream.sum, "resident": paged(cache_resident(b), "cpu")}
+            huge = on_huge_pages(b)
+            if huge is not None:
+                candidates["huge pages"] = paged(huge, "cpu")
             times = time_all(candidates, "cpu", args.iters)
             cpu_ms, torch_ms, sdpa_ms, sum_ms = times["cpu"], times["torch"], times["sdpa"], times["sum"]
             lines.append(_row([batch, context, f"{b.kv_bytes / 2**20:.0f}", f"{cpu_ms:.2f}", f"{torch_ms:.2f}",
                                f"{sdpa_ms:.2f}", f"{cpu_ms / sdpa_ms:.2f}", f"{torch_ms / sdpa_ms:.2f}",
                                f"{b.kv_bytes / cpu_ms / 1e6:.1f}", f"{b.kv_bytes / sum_ms / 1e6:.1f}",
                                f"{100 * sum_ms / cpu_ms:.0f}%", f"{b.kv_bytes / times['resident'] / 1e6:.1f}",
-                               f"{b.kv_bytes / times['small pages'] / 1e6:.1f}"]))
-            del b, stream
+                               f"{b.kv_bytes / times['huge pages'] / 1e6:.1f}" if huge is not None else "n/a"]))
+            del b, stream, huge
     return lines
 
 

@@ -1,8 +1,9 @@
 """Decode steps with the KV pool on 2 MiB pages against the same engine on 4 KiB pages, one run.
 
-Two engines on the benchmark's Llama (134M, fp32), one of each page size, take turns decoding the same batch of long
-prompts (prefix caching off). --scatter shuffles each pool's free blocks first, as a long-running server's churn
-leaves them, so a sequence's blocks lie all over the pool; --num-blocks sizes the pool (default: just the workload).
+Two engines on the benchmark's Llama (134M, fp32), one with PAGED_BACKEND_KV_HUGE_PAGES=1 and one without (the
+default), take turns decoding the same batch of long prompts (prefix caching off). --scatter shuffles each pool's
+free blocks first, as a long-running server's churn leaves them, so a sequence's blocks lie all over the pool;
+--num-blocks sizes the pool (default: just the workload).
 Prints the median and best step time per round and engine.
 
     python benchmarks/kv_pages.py --scatter --num-blocks 3600     # a 4 GiB pool, blocks scattered
@@ -11,6 +12,7 @@ Prints the median and best step time per round and engine.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -63,14 +65,14 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 32000) for _ in range(args.prompt_len)] for _ in range(args.batch)]
     sizing = {"num_blocks": args.num_blocks} if args.num_blocks else {}
-    offered, engines = huge_pages.huge_pages_offered, {}
+    engines = {}
     for pages in ("2 MiB", "4 KiB"):
-        huge_pages.huge_pages_offered = offered if pages == "2 MiB" else (lambda: False)
+        os.environ[huge_pages.SWITCH] = "1" if pages == "2 MiB" else "0"  # read when the pool is allocated
         engines[pages], _ = make_engine(model, prompts, [args.output_len] * args.batch, enable_prefix_caching=False,
                                         max_num_batched_tokens=args.batch * args.prompt_len, **sizing)  # fmt: skip
         if args.scatter:
             scatter(engines[pages], seed=1)
-    huge_pages.huge_pages_offered = offered
+    del os.environ[huge_pages.SWITCH]
     pool_gib = engines["2 MiB"].engine.kv_cache.total_bytes / 2**30
     print(f"{description}, {args.threads} threads; batch {args.batch} x prompt {args.prompt_len}, "
           f"{args.output_len} tokens; KV pool {pool_gib:.2f} GiB{', blocks scattered' if args.scatter else ''}")

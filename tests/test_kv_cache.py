@@ -98,7 +98,8 @@ def mapping_of(address: int) -> dict[str, str] | None:
 
 
 @pytest.mark.skipif(not huge_pages.huge_pages_offered(), reason="this kernel's transparent huge pages are off")
-def test_a_cpu_pool_lies_on_huge_pages_zeroed_and_unmaps_with_its_cache():
+def test_a_cpu_pool_lies_on_huge_pages_zeroed_and_unmaps_with_its_cache(monkeypatch):
+    monkeypatch.setenv(huge_pages.SWITCH, "1")
     cache = make_cache(num_layers=2, num_kv_heads=8, head_dim=128, num_blocks=256, block_size=16,
                        dtype=torch.bfloat16)  # fmt: skip
     pool = cache.kv
@@ -114,6 +115,18 @@ def test_a_cpu_pool_lies_on_huge_pages_zeroed_and_unmaps_with_its_cache():
     cache.release()
     gc.collect()
     assert mapping_of(address) is None  # the memory went back with the last view
+
+
+def test_pools_take_plain_zeros_unless_asked_and_a_bad_switch_names_its_values(monkeypatch):
+    def refuse(*args):
+        raise AssertionError("huge pages without PAGED_BACKEND_KV_HUGE_PAGES=1")
+
+    monkeypatch.setattr(huge_pages, "zeros", refuse)
+    monkeypatch.delenv(huge_pages.SWITCH, raising=False)
+    assert not make_cache(num_kv_heads=8, head_dim=128, num_blocks=256, block_size=16).kv.any()
+    monkeypatch.setenv(huge_pages.SWITCH, "maybe")
+    with pytest.raises(InvalidRequest, match="PAGED_BACKEND_KV_HUGE_PAGES='maybe' is not a boolean: set it to 1 or 0"):
+        make_cache()
 
 
 def test_small_pools_and_other_devices_take_plain_zeros():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from paged_backend.config.env import env_flag
 from paged_backend.core import huge_pages
 from paged_backend.core.kv_groups import KVCacheGroup
 from paged_backend.errors import InvalidRequest
@@ -56,8 +57,9 @@ def check_kv_dtype_runs(dtype: torch.dtype, device: torch.device, backend: str |
 
 
 def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed pool tensor; on the CPU on 2 MiB pages, where decode's reads of scattered blocks miss the TLB less."""
-    if device.type == "cpu":
+    """A zeroed pool tensor; with PAGED_BACKEND_KV_HUGE_PAGES=1, on the CPU on 2 MiB pages, where decode's reads of
+    scattered blocks miss the TLB less (huge_pages.py: opt-in for its start-up cost)."""
+    if device.type == "cpu" and env_flag(huge_pages.SWITCH, False):
         return huge_pages.zeros(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
 
