@@ -10,9 +10,9 @@ CPU (--device cpu): the fused cpu kernel and the torch oracle, paged, against SD
 --cpu-dtype bfloat16). Each decode row also times a sequential sum over a buffer of the same bytes (best of the same
 calls): the streaming bound a pass over that much memory meets on this core, and the kernel's share of it. And it
 times the kernel on the same batch with a block table that cycles over a few blocks, which stay in the core's cache:
-the rate its arithmetic allows. Below the streaming bound, the kernel is compute-bound at that shape. The pools are
-allocated as the engine allocates them; a last column times a copy on 2 MiB pages (what PAGED_BACKEND_KV_HUGE_PAGES=1
-gives the engine, core/huge_pages.py).
+the rate its arithmetic allows. Below the streaming bound, the kernel is compute-bound at that shape. The pools lie
+on ordinary pages, as the engine's do by default; a last column times a copy on 2 MiB pages (what
+PAGED_BACKEND_KV_HUGE_PAGES=1 gives the engine, core/huge_pages.py).
 --geometry smollm2-135m uses the real model's heads (9 q, 3 kv, dim 64) instead of Llama-3-8B's.
 
     python benchmarks/attention.py                            # GPU grid
@@ -36,7 +36,6 @@ import torch.nn.functional as F
 
 from paged_backend import ops
 from paged_backend.core import huge_pages
-from paged_backend.core.kv_cache import pool_zeros
 
 GEOMETRIES = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}  # q heads, kv heads, head dim
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = GEOMETRIES["llama3-8b"]
@@ -59,19 +58,13 @@ class DecodeBatch:
         return 2 * self.contiguous_key.numel() * self.contiguous_key.element_size()
 
 
-def engine_pool(values: torch.Tensor) -> torch.Tensor:
-    """`values` in memory allocated as the engine allocates its KV pool."""
-    pool = pool_zeros(tuple(values.shape), values.dtype, values.device)
-    return pool.copy_(values)
-
-
 def make_batch(batch: int, context: int, block_size: int, dtype: torch.dtype, device: str) -> DecodeBatch:
     gen = torch.Generator(device=device).manual_seed(0)
     blocks_per_seq = context // block_size
     num_blocks = batch * blocks_per_seq + 1  # block 0 is the null block
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
-    key_cache = engine_pool(torch.randn(shape, generator=gen, device=device, dtype=dtype))
-    value_cache = engine_pool(torch.randn(shape, generator=gen, device=device, dtype=dtype))
+    key_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    value_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
     perm = torch.randperm(num_blocks - 1, generator=gen, device=device) + 1
     tables = perm.view(batch, blocks_per_seq).to(torch.int32)
 
