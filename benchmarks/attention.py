@@ -12,7 +12,8 @@ calls): the streaming bound a pass over that much memory meets on this core, and
 times the kernel on the same batch with a block table that cycles over a few blocks, which stay in the core's cache:
 the rate its arithmetic allows. Below the streaming bound, the kernel is compute-bound at that shape. The pools lie
 on ordinary pages, as the engine's do by default; a last column times a copy on 2 MiB pages (what
-PAGED_BACKEND_KV_HUGE_PAGES=1 gives the engine, core/huge_pages.py).
+PAGED_BACKEND_KV_HUGE_PAGES=1 gives the engine, core/huge_pages.py). On CPUs with AMX, bf16 decode runs on the
+tiles (csrc/cpu/attention_tiles.h); a column times the same calls on the AVX-512 path it replaces.
 --geometry smollm2-135m uses the real model's heads (9 q, 3 kv, dim 64) instead of Llama-3-8B's.
 
     python benchmarks/attention.py                            # GPU grid
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 
 from paged_backend import ops
 from paged_backend.core import huge_pages
+from paged_backend.ops import cpu as cpu_ops
 
 GEOMETRIES = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}  # q heads, kv heads, head dim
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = GEOMETRIES["llama3-8b"]
@@ -127,6 +129,19 @@ def on_huge_pages(b: DecodeBatch) -> DecodeBatch | None:
     key_cache, value_cache = (huge_pages.zeros(tuple(pool.shape), pool.dtype).copy_(pool)
                               for pool in (b.key_cache, b.value_cache))  # fmt: skip
     return dataclasses.replace(b, key_cache=key_cache, value_cache=value_cache)
+
+
+def without_amx(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """`fn` on the AVX-512 path: AMX tiles off for the call, on again after."""
+
+    def call() -> torch.Tensor:
+        cpu_ops.amx_tiles(False)
+        try:
+            return fn()
+        finally:
+            cpu_ops.amx_tiles(True)
+
+    return call
 
 
 def paged(b: DecodeBatch, backend: str) -> Callable[[], torch.Tensor]:
@@ -224,7 +239,8 @@ def cpu_table(args: argparse.Namespace) -> list[str]:
     dtype = getattr(torch, args.cpu_dtype)
     header = ["batch", "context", "KV MiB", "cpu kernel ms", "torch oracle ms", "sdpa contiguous ms",
               "cpu / contiguous", "oracle / contiguous", "cpu kernel GB/s", "sequential sum GB/s", "cpu % of sum",
-              "cpu cache-resident GB/s", "cpu on 2 MiB pages GB/s"]
+              "cpu cache-resident GB/s", "cpu on 2 MiB pages GB/s", "cpu AVX-512 path GB/s (AMX off)"]
+    amx = dtype == torch.bfloat16 and cpu_ops.amx_tiles()  # the tiles run bf16 decode: time the path they replace
     lines = [f"CPU, {args.cpu_dtype}, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, head dim {HEAD_DIM}, "
              f"{torch.get_num_threads()} threads, best of {args.iters}; shuffled block tables, block size "
              f"{args.block_size}", "", _row(header), _row(["---"] * len(header))]
@@ -240,13 +256,16 @@ def cpu_table(args: argparse.Namespace) -> list[str]:
             huge = on_huge_pages(b)
             if huge is not None:
                 candidates["huge pages"] = paged(huge, "cpu")
+            if amx:
+                candidates["avx-512"] = without_amx(candidates["cpu"])
             times = time_all(candidates, "cpu", args.iters)
             cpu_ms, torch_ms, sdpa_ms, sum_ms = times["cpu"], times["torch"], times["sdpa"], times["sum"]
             lines.append(_row([batch, context, f"{b.kv_bytes / 2**20:.0f}", f"{cpu_ms:.2f}", f"{torch_ms:.2f}",
                                f"{sdpa_ms:.2f}", f"{cpu_ms / sdpa_ms:.2f}", f"{torch_ms / sdpa_ms:.2f}",
                                f"{b.kv_bytes / cpu_ms / 1e6:.1f}", f"{b.kv_bytes / sum_ms / 1e6:.1f}",
                                f"{100 * sum_ms / cpu_ms:.0f}%", f"{b.kv_bytes / times['resident'] / 1e6:.1f}",
-                               f"{b.kv_bytes / times['huge pages'] / 1e6:.1f}" if huge is not None else "n/a"]))
+                               f"{b.kv_bytes / times['huge pages'] / 1e6:.1f}" if huge is not None else "n/a",
+                               f"{b.kv_bytes / times['avx-512'] / 1e6:.1f}" if amx else "n/a"]))
             del b, stream, huge
     return lines
 

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from paged_backend.ops.panel_linear import AMX_SWITCH, PanelWeight, amx_tiles, panel_linear_reference
+from paged_backend.ops.cpu import AMX_SWITCH, amx_tiles
+from paged_backend.ops.panel_linear import PanelWeight, panel_linear_reference
 
 pytestmark = pytest.mark.skipif(not amx_tiles(), reason="needs a CPU with AMX-BF16 and an OS that grants the tiles")
 
@@ -84,7 +85,7 @@ def test_the_switch_turns_the_tiles_off_and_odd_widths_stay_on_the_vector_tiles(
 
 
 def test_the_environment_switch_turns_the_tiles_off_from_the_start():
-    code = "from paged_backend.ops.panel_linear import amx_tiles; print(amx_tiles())"
+    code = "from paged_backend.ops.cpu import amx_tiles; print(amx_tiles())"
     for value, expected in (("0", "False"), ("1", "True")):
         done = subprocess.run([sys.executable, "-c", code], env={**os.environ, AMX_SWITCH: value},
                               capture_output=True, text=True, check=True)  # fmt: skip

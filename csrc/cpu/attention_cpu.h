@@ -121,10 +121,14 @@ struct Scratch {
   std::vector<const float*> value_rows;  // one block's value rows of one kv head, as fp32
   std::vector<float> probs, correction;  // the decode path's sixteen weights per row, and each row's rescale
   std::vector<uint16_t> q16;             // a bf16 query's raw rows (the decode path's pair dot products)
+  std::vector<uint32_t> q_pairs;         // the AMX decode path's query rows as B tiles (attention_tiles.h)
+  std::vector<float> acc_pairs;          // its accumulators, even and odd elements apart
+  std::vector<uint16_t> tile_rows;       // its zero-padded copy of a partial group's K and V rows
   Scratch(int rows, int dim, int block_size)
       : dim(dim), q(rows * dim), acc(rows * dim), max(rows), sum(rows), scores(rows * block_size), key(rows * dim),
         values(block_size * dim), panel(dim * kPanel), head_rows(rows), value_rows(block_size),
-        probs(rows * 16), correction(rows), q16(rows * dim) {}
+        probs(rows * 16), correction(rows), q16(rows * dim), q_pairs(rows * dim / 2),
+        acc_pairs(rows * dim), tile_rows(32 * dim) {}
 };
 
 // 16 floats as one GCC/Clang vector: a zmm register with AVX-512, two ymm without; the hot loops below use it so
@@ -153,6 +157,26 @@ struct Tile {
   bool sees(int i, int t) const {
     const int pos = first_pos + i;
     return t <= pos && (window <= 0 || t > pos - window);
+  }
+};
+
+// The next keys' K and V, asked for a line at a time from inside the compute loops, so the loads overlap the math
+// without a burst of prefetches filling the miss buffers (which stalled the core as much as the misses did).
+// The bf16 loops step once per iteration, as the fp32 ones do, over twice the elements: so a head's share is spread
+// over all of its work in both (bf16 stepping twice asked for everything during the scores, and stalled there).
+// Into L2 (hint 1): the rows are read soon after from there.
+struct Ahead {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t next = 0, end = 0;
+  void step() {
+    for (int i = 0; i < kAheadLines && next < end; ++i, next += 64) {
+      __builtin_prefetch(k + next, 0, 1);
+      __builtin_prefetch(v + next, 0, 1);
+    }
+  }
+  void finish() {
+    while (next < end) step();
   }
 };
 

@@ -1,7 +1,10 @@
 // The CPU attention kernel's decode path (a few query rows per kv head). Included by paged_attention_cpu.cpp.
 #pragma once
 
+#include <optional>
+
 #include "attention_cpu.h"
+#include "attention_tiles.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -17,6 +20,7 @@ namespace {
 // with the rescale folded into the accumulators' load. K/V elements are widened to fp32 as they are loaded, except
 // bf16 K/V under a bf16 query: AVX512-BF16's pair dot products take them raw (the weights rounded to bf16 for V).
 // Every row's arithmetic is the same whichever rows share its pass, which batch-invariant mode relies on.
+// A bf16 query over a bf16 cache runs on AMX tiles instead where the CPU has them (attention_tiles.h).
 
 typedef int32_t v16i __attribute__((vector_size(64)));
 
@@ -132,26 +136,6 @@ inline V in_register(V v) {
 #endif
   return v;
 }
-
-// The next keys' K and V, asked for a line at a time from inside the compute loops, so the loads overlap the math
-// without a burst of prefetches filling the miss buffers (which stalled the core as much as the misses did).
-// The bf16 loops step once per iteration, as the fp32 ones do, over twice the elements: so a head's share is spread
-// over all of its work in both (bf16 stepping twice asked for everything during the scores, and stalled there).
-// Into L2 (hint 1): the rows are read soon after from there.
-struct Ahead {
-  const char* k = nullptr;
-  const char* v = nullptr;
-  int64_t next = 0, end = 0;
-  void step() {
-    for (int i = 0; i < kAheadLines && next < end; ++i, next += 64) {
-      __builtin_prefetch(k + next, 0, 1);
-      __builtin_prefetch(v + next, 0, 1);
-    }
-  }
-  void finish() {
-    while (next < end) step();
-  }
-};
 
 // `scores` (lane r * 16/R + j: row r, key j) plus the elements [d, dim) the vector loop left over, product by
 // product as `term(r, j, e)` gives them.
@@ -356,6 +340,13 @@ void decode_blocks(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, co
   float* acc[4];
   const float* probs[4];
   float correction[4];
+#if defined(PB_AMX)
+  std::optional<TileDecode> tiles;  // bf16 on AMX tiles (attention_tiles.h)
+  if constexpr (kPairs<L>)
+    if (TileDecode::fits(count, dim)) tiles.emplace(s, a.num_kv_heads, count, dim);
+  const int64_t key_stride = a.k_stride_slot * static_cast<int64_t>(elem);
+  const int64_t value_stride = a.v_stride_slot * static_cast<int64_t>(elem);
+#endif
   for (int block_start = lo - lo % bs; block_start < hi; block_start += bs) {
     const int64_t block = table[block_start / bs];
     const int t0 = std::max(lo, block_start), n = std::min(hi, block_start + bs) - t0;
@@ -376,7 +367,14 @@ void decode_blocks(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, co
           values[j] = v_base + (block * a.v_stride_block + slot * a.v_stride_slot + h * a.v_stride_head) * elem;
         }
         const int* rows = s.head_rows.data() + h * count;
-        decode_scores<L>(s, rows, count, keys, dim, elem, ahead);
+#if defined(PB_AMX)
+        TileDecode::Rows at{};
+        if (tiles) {
+          at = tiles->padded({keys[0], values[0], key_stride, value_stride}, m);
+          tiles->score(h, rows, at, ahead);
+        } else
+#endif
+          decode_scores<L>(s, rows, count, keys, dim, elem, ahead);
         for (int k = 0; k < count; ++k) {  // online softmax of each row over these keys
           const int r = rows[k], pos = tile.first_pos + r / tile.heads;
           float* row_probs = s.probs.data() + r * 16;
@@ -401,6 +399,13 @@ void decode_blocks(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, co
           s.correction[r] = corr;
           store16(row_probs, p);
         }
+#if defined(PB_AMX)
+        if (tiles) {
+          tiles->accumulate(h, rows, at, ahead);
+          ahead.finish();
+          continue;
+        }
+#endif
         for (int first = 0; first < count; first += 4) {
           const int r_count = std::min(4, count - first);
           for (int r = 0; r < r_count; ++r) {

@@ -89,6 +89,7 @@ int32_t pb_cpu_panel_linear_quantized(const void* x, int64_t x_stride, const voi
                                       const float* scales, int64_t group_size, int32_t offsets, const float* levels,
                                       const void* bias, void* y, int64_t y_stride, int64_t m, int64_t n, int64_t k,
                                       int32_t dtype, int32_t num_threads);
-int32_t pb_cpu_panel_amx(int32_t use);
+// AMX tiles for the bf16 panel linear and bf16 decode attention: 1 on (where granted), 0 off, -1 asks (amx_cpu.cpp)
+int32_t pb_cpu_amx(int32_t use);
 
 }  // extern "C"

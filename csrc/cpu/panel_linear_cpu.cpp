@@ -35,13 +35,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <atomic>
-#define PB_AMX 1
-#endif
+#include "amx.h"
 
 namespace {
 
@@ -515,25 +509,7 @@ constexpr int kStepValues = 32;    // values of k per tile step (16 pairs)
 constexpr int kGroup = 4;          // panels per group (C tiles 0 to 3)
 constexpr int64_t kRowChunk = 128;  // rows whose A tiles stay in L2 while every panel group passes over them
 
-struct TileConfig {  // the tile unit's configuration (palette 1), as LDTILECFG reads it
-  uint8_t palette, start_row, reserved[14];
-  uint16_t bytes_per_row[16];
-  uint8_t rows[16];
-};
-
-// Linux hands out the tile state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); a
-// kernel that refuses (before 5.16, or a hypervisor without it) leaves the vector tiles in use.
-inline bool tiles_granted() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return granted;
-}
-
-inline std::atomic<bool>& enabled() {  // on from the first use wherever the tiles are granted
-  static std::atomic<bool> state{tiles_granted()};
-  return state;
-}
-
-inline bool in_use() { return enabled().load(std::memory_order_relaxed); }
+using pb_amx::TileConfig;
 
 // C and A tiles of `rows` rows; the B tiles are always 16 pair steps.
 inline void configure(int rows) {
@@ -676,7 +652,7 @@ void linear(const T* x, int64_t x_stride, const W* packed, const float* scales, 
   const int threads = threads_for(m * n * k, num_threads);
 #if defined(PB_AMX)
   if constexpr (sizeof(T) == 2) {
-    if (k % amx::kStepValues == 0 && amx::in_use()) {
+    if (k % amx::kStepValues == 0 && pb_amx::in_use()) {
       amx::linear(x, x_stride, packed, grouped, bias, y, y_stride, m, n, k, threads);
       return;
     }
@@ -806,18 +782,6 @@ int32_t pb_cpu_panel_pack_int4(const void* weight, int64_t n, int64_t k, int32_t
     for (int64_t i = 0; i < line / 2; ++i, ++b)
       bytes[b] = static_cast<uint8_t>((spread[first + i] & 15) | ((spread[first + i + line / 2] & 15) << 4));
   return OK;
-}
-
-// Whether bfloat16 runs on AMX tiles: `use` 1 turns them on where this build and the OS allow them, 0 off (the vector
-// tiles), -1 asks. Returns the state now.
-int32_t pb_cpu_panel_amx(int32_t use) {
-#if defined(PB_AMX)
-  if (use >= 0) amx::enabled().store(use == 1 && amx::tiles_granted());
-  return amx::in_use() ? 1 : 0;
-#else
-  (void)use;
-  return 0;
-#endif
 }
 
 const char* pb_cpu_panel_error_string(int32_t status) {

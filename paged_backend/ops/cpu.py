@@ -5,6 +5,10 @@ kernel reads each sequence's blocks once, in place, for all query rows of a GQA 
 OpenMP over (sequence, kv head, query tile) at torch's thread count. The cache write is a row copy in C (fp8 pools,
 which scale and round, take the oracle's).
 
+On CPUs with AMX (Intel Sapphire Rapids and later) a bf16 query over a bf16 cache decodes on the tile unit, whose
+sums are its own (`amx_tiles()`; `PAGED_BACKEND_CPU_AMX=0` keeps the AVX-512 path, for this kernel and the panel
+linear alike): a row's bits still depend on nothing but its keys' positions.
+
 `StepAttention` (in `paged_backend.ops`) asks this module for `StepPlans` and `CacheWriter`: a forward's step
 arguments go into the kernels' structs once, and every layer then only points them at its own tensors.
 """
@@ -16,6 +20,7 @@ from functools import cache
 
 import torch
 
+from paged_backend.config.env import env_flag
 from paged_backend.errors import BackendUnavailable
 from paged_backend.ops import reference
 from paged_backend.ops._c_abi import F32, I32, I64, PAGED_KV_FIELDS, PTR, check_layouts, check_status
@@ -31,6 +36,7 @@ from paged_backend.ops._cpu_build import CpuBuildError, cached_library
 
 QUERY_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 KV_DTYPES = {**QUERY_DTYPES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+AMX_SWITCH = "PAGED_BACKEND_CPU_AMX"  # "0": the AVX-512 code even where AMX tiles are there (every kernel here)
 
 
 class AttentionArgs(ctypes.Structure):
@@ -70,9 +76,20 @@ def _library() -> ctypes.CDLL:
     lib.pb_cpu_reshape_and_cache.restype = ctypes.c_int
     lib.pb_cpu_error_string.argtypes = [ctypes.c_int]
     lib.pb_cpu_error_string.restype = ctypes.c_char_p
+    lib.pb_cpu_amx.argtypes = [I32]
+    lib.pb_cpu_amx.restype = I32
     sizes = {AttentionArgs: "pb_cpu_attention_args_size", CacheWriteArgs: "pb_cpu_cache_write_args_size"}
     check_layouts(lib, sizes, "csrc/cpu")
+    if not env_flag(AMX_SWITCH, True):
+        lib.pb_cpu_amx(0)
     return lib
+
+
+def amx_tiles(use: bool | None = None) -> bool:
+    """Whether bf16 panels and bf16 decode attention run on AMX tiles; `use` True turns them on where this CPU and its
+    OS allow them, False keeps the AVX-512 code (a process-wide switch, for comparisons: the two sum in other
+    orders)."""
+    return bool(_library().pb_cpu_amx(-1 if use is None else int(use)))
 
 
 def unavailable_reason() -> str | None:

@@ -10,7 +10,7 @@ row's result does not depend on the other rows in the call.
 >>> y = packed(x, layer.bias)              # == F.linear(x, layer.weight, layer.bias) up to summation order
 
 On CPUs with AMX (Intel Sapphire Rapids and later) bfloat16 weights whose K is a multiple of 32 run on the tile unit,
-at every row count (`amx_tiles()`; `PAGED_BACKEND_CPU_AMX=0` keeps the AVX-512 tiles): its sums are its own, not
+at every row count (`ops.cpu.amx_tiles()`; `PAGED_BACKEND_CPU_AMX=0` keeps the AVX-512 tiles): its sums are its own, not
 rounded after each multiply-add, so the bits differ from the AVX-512 tiles', yet a row's result still depends on
 nothing but that row.
 
@@ -33,12 +33,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from paged_backend.config.env import env_flag
 from paged_backend.ops._c_abi import I32, I64, PTR, check_status
 from paged_backend.ops.cpu import QUERY_DTYPES, _library
 
 PANEL_DTYPES = (torch.float32, torch.bfloat16)
-AMX_SWITCH = "PAGED_BACKEND_CPU_AMX"  # "0": bfloat16 panels on the AVX-512 tiles even where AMX tiles are there
 LANES = 16  # outputs per panel (the kernel's kLanes)
 
 
@@ -56,17 +54,7 @@ def _panel() -> ctypes.CDLL:
     ]
     lib.pb_cpu_panel_error_string.argtypes = [ctypes.c_int]
     lib.pb_cpu_panel_error_string.restype = ctypes.c_char_p
-    lib.pb_cpu_panel_amx.argtypes = [I32]
-    lib.pb_cpu_panel_amx.restype = I32
-    if not env_flag(AMX_SWITCH, True):
-        lib.pb_cpu_panel_amx(0)
     return lib
-
-
-def amx_tiles(use: bool | None = None) -> bool:
-    """Whether bfloat16 panels run on AMX tiles; `use` True turns them on where this CPU and its OS allow them,
-    False keeps the AVX-512 tiles (a process-wide switch, for comparisons: the two sum in other orders)."""
-    return bool(_panel().pb_cpu_panel_amx(-1 if use is None else int(use)))
 
 
 def _check(status: int, what: str) -> None:

@@ -1,0 +1,177 @@
+// The CPU attention kernel's decode path on AMX tiles, for a bf16 query over a bf16 cache. Included by
+// attention_decode.h.
+//
+// On Sapphire Rapids `vdpbf16ps` issues at a quarter of an fp32 FMA's rate, which made the vector decode path
+// compute-bound in bf16 (its rate from cache no higher than DRAM streams). The tile unit does both products of a kv
+// head's rows against sixteen keys, reading the cache's rows as they lie, so nothing is shuffled:
+// - scores, transposed: sixteen keys (A: 16 rows x 32 elements, the slot stride apart) times the rows' query pairs
+//   (B: 16 pairs x rows) give a keys x rows C tile, over head_dim / 32 steps;
+// - values: the weights, rounded to bf16 as the vector path rounds them, go in as A with two rows per query row, one
+//   holding the weights in the even elements and zeros in the odd, one the reverse. Against sixteen value rows as B
+//   (16 keys x 32 elements: the pair of key k is elements 2n, 2n + 1 of its row) they give that row's even and odd
+//   elements in separate C rows, so V needs no pair interleaving. Accumulators live in memory in that split layout
+//   ([kv head][32-element chunk][row, even/odd][16]), loaded into C tiles 4-7 per group, scaled there by the online
+//   softmax's rescale when it is not 1, and interleaved back into the rows at the end.
+// A partial group (fewer than sixteen keys left in the block) is copied into a zero-padded buffer first, so every
+// group runs the same code; a row's bits depend only on its keys' positions, as batch-invariant mode needs.
+#pragma once
+
+#include "amx.h"
+#include "attention_cpu.h"
+
+#if defined(PB_AMX)
+
+namespace {
+
+class TileDecode {
+ public:
+  // Taken for `rows_per_head` <= 8 (C tiles of 2 rows each per query row) and head_dim a multiple of 32.
+  static bool fits(int rows_per_head, int dim) { return rows_per_head <= 8 && dim % 32 == 0 && pb_amx::in_use(); }
+
+  TileDecode(Scratch& s, int kv_heads, int rows_per_head, int dim)
+      : s_(s), count_(rows_per_head), dim_(dim), chunks_(dim / 32) {
+    pb_amx::TileConfig config{};
+    config.palette = 1;
+    // 0: scores C (16 keys x rows); 1: K as A / V as B (16 x 32 elements); 2: query pairs as B (16 pairs x rows);
+    // 3: weights as A (2 rows per query row x 16 keys' pairs); 4-7: value C (2 rows per query row x 16 floats)
+    const int rows[8] = {16, 16, 16, 2 * count_, 2 * count_, 2 * count_, 2 * count_, 2 * count_};
+    const int bytes[8] = {4 * count_, 64, 4 * count_, 64, 64, 64, 64, 64};
+    for (int t = 0; t < 8; ++t) {
+      config.rows[t] = static_cast<uint8_t>(rows[t]);
+      config.bytes_per_row[t] = static_cast<uint16_t>(bytes[t]);
+    }
+    _tile_loadconfig(&config);
+    uint32_t* out = s.q_pairs.data();  // [kv head][step][pair][row]: elements 32 * step + 2 * pair, + 1 of the row
+    for (int h = 0; h < kv_heads; ++h)
+      for (int step = 0; step < chunks_; ++step)
+        for (int pair = 0; pair < 16; ++pair)
+          for (int n = 0; n < count_; ++n, ++out)
+            std::memcpy(out, s.q16.data() + s.head_rows[h * count_ + n] * dim + 32 * step + 2 * pair, 4);
+    std::fill(s.acc_pairs.begin(), s.acc_pairs.begin() + kv_heads * count_ * dim, 0.0f);
+    kv_heads_ = kv_heads;
+  }
+
+  TileDecode(const TileDecode&) = delete;
+  TileDecode& operator=(const TileDecode&) = delete;
+
+  // The accumulators back in s.acc's rows, and the tile state released.
+  ~TileDecode() {
+    static const __m512i kLow = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    static const __m512i kHigh = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    for (int h = 0; h < kv_heads_; ++h)
+      for (int x = 0; x < chunks_; ++x)
+        for (int n = 0; n < count_; ++n) {
+          const float* split = accumulators(h, x) + 2 * n * 16;
+          const __m512 even = _mm512_loadu_ps(split), odd = _mm512_loadu_ps(split + 16);
+          float* row = s_.acc.data() + s_.head_rows[h * count_ + n] * dim_ + 32 * x;
+          _mm512_storeu_ps(row, _mm512_permutex2var_ps(even, kLow, odd));
+          _mm512_storeu_ps(row + 16, _mm512_permutex2var_ps(even, kHigh, odd));
+        }
+    _tile_release();
+  }
+
+  // Sixteen keys and values of kv head h from `key` and `value`, `stride` bytes apart, of which the first `m` are
+  // real. Returns where to read them: in place when all sixteen are, else a zero-padded copy.
+  struct Rows {
+    const char *key, *value;
+    int64_t key_stride, value_stride;
+  };
+  Rows padded(Rows rows, int m) {
+    if (m == 16) return rows;
+    const size_t bytes = dim_ * sizeof(uint16_t);
+    char* key = reinterpret_cast<char*>(s_.tile_rows.data());
+    char* value = key + 16 * bytes;
+    for (int j = 0; j < m; ++j) {
+      std::memcpy(key + j * bytes, rows.key + j * rows.key_stride, bytes);
+      std::memcpy(value + j * bytes, rows.value + j * rows.value_stride, bytes);
+    }
+    std::memset(key + m * bytes, 0, (16 - m) * bytes);  // zeros, not an earlier group's rows: 0 * inf would be NaN
+    std::memset(value + m * bytes, 0, (16 - m) * bytes);
+    return {key, value, static_cast<int64_t>(bytes), static_cast<int64_t>(bytes)};
+  }
+
+  // Kv head h's rows (`rows`) against the sixteen keys: raw scores into s.probs[row * 16 + j].
+  void score(int h, const int* rows, const Rows& at, Ahead& ahead) {
+    const uint32_t* b = s_.q_pairs.data() + static_cast<int64_t>(h) * chunks_ * 16 * count_;
+    _tile_zero(0);
+    for (int step = 0; step < chunks_; ++step, b += 16 * count_) {
+      ahead.step();
+      _tile_loadd(1, at.key + 64 * step, at.key_stride);
+      _tile_loadd(2, b, 4 * count_);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    alignas(64) float c[16 * 8];
+    _tile_stored(0, c, 4 * count_);
+    for (int n = 0; n < count_; ++n)
+      for (int j = 0; j < 16; ++j) s_.probs[rows[n] * 16 + j] = c[j * count_ + n];
+  }
+
+  // acc = acc * correction + weights . values for kv head h's rows, the weights in s.probs and the rescales in
+  // s.correction.
+  void accumulate(int h, const int* rows, const Rows& at, Ahead& ahead) {
+    alignas(64) uint32_t weights[16 * 16];  // A: per row, its bf16 weights in the even halves, then in the odd
+    bool rescale = false;
+    for (int n = 0; n < count_; ++n) {
+      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s_.probs.data() + rows[n] * 16));
+      const __m512i even = _mm512_cvtepu16_epi32(rounded);
+      _mm512_store_si512(weights + 2 * n * 16, even);
+      _mm512_store_si512(weights + (2 * n + 1) * 16, _mm512_slli_epi32(even, 16));
+      rescale |= s_.correction[rows[n]] != 1.0f;
+    }
+    if (rescale) scale(h, rows);
+    _tile_loadd(3, weights, 64);
+    for (int x = 0; x < chunks_; x += 4) {
+      const int n = std::min(4, chunks_ - x);
+      const char* v = at.value + 64 * x;
+      float* c = accumulators(h, x);
+      const int64_t next = 2 * count_ * 16;  // floats from one chunk's accumulators to the next
+      // GCC's tile intrinsics spell the tile number into their assembly, so each tile is written out
+      ahead.step();
+      _tile_loadd(4, c, 64);
+      _tile_loadd(1, v, at.value_stride);
+      _tile_dpbf16ps(4, 3, 1);
+      if (n > 1) {
+        ahead.step();
+        _tile_loadd(5, c + next, 64);
+        _tile_loadd(1, v + 64, at.value_stride);
+        _tile_dpbf16ps(5, 3, 1);
+      }
+      if (n > 2) {
+        ahead.step();
+        _tile_loadd(6, c + 2 * next, 64);
+        _tile_loadd(1, v + 128, at.value_stride);
+        _tile_dpbf16ps(6, 3, 1);
+      }
+      if (n > 3) {
+        ahead.step();
+        _tile_loadd(7, c + 3 * next, 64);
+        _tile_loadd(1, v + 192, at.value_stride);
+        _tile_dpbf16ps(7, 3, 1);
+      }
+      _tile_stored(4, c, 64);
+      if (n > 1) _tile_stored(5, c + next, 64);
+      if (n > 2) _tile_stored(6, c + 2 * next, 64);
+      if (n > 3) _tile_stored(7, c + 3 * next, 64);
+    }
+  }
+
+ private:
+  float* accumulators(int h, int x) { return s_.acc_pairs.data() + (static_cast<int64_t>(h) * chunks_ + x) * 2 * count_ * 16; }
+
+  void scale(int h, const int* rows) {
+    for (int x = 0; x < chunks_; ++x) {
+      float* c = accumulators(h, x);
+      for (int n = 0; n < 2 * count_; ++n) {
+        const __m512 by = _mm512_set1_ps(s_.correction[rows[n / 2]]);
+        _mm512_storeu_ps(c + n * 16, _mm512_mul_ps(_mm512_loadu_ps(c + n * 16), by));
+      }
+    }
+  }
+
+  Scratch& s_;
+  int count_, dim_, chunks_, kv_heads_ = 0;
+};
+
+}  // namespace
+
+#endif
