@@ -3,7 +3,7 @@
 // the panel linear and the attention kernel turn on and off together (PAGED_BACKEND_CPU_AMX).
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
