@@ -436,6 +436,9 @@ void decode_blocks(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, co
       }
     }
   }
+#if defined(PB_AMX)
+  if (tiles) tiles->store_rows();
+#endif
 }
 
 }  // namespace

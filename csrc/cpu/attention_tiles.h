@@ -29,7 +29,7 @@ class TileDecode {
   static bool fits(int rows_per_head, int dim) { return rows_per_head <= 8 && dim % 32 == 0 && pb_amx::in_use(); }
 
   TileDecode(Scratch& s, int kv_heads, int rows_per_head, int dim)
-      : s_(s), count_(rows_per_head), dim_(dim), chunks_(dim / 32) {
+      : s_(s), kv_heads_(kv_heads), count_(rows_per_head), dim_(dim), chunks_(dim / 32) {
     pb_amx::TileConfig config{};
     config.palette = 1;
     // 0: scores C (16 keys x rows); 1: K as A / V as B (16 x 32 elements); 2: query pairs as B (16 pairs x rows);
@@ -48,14 +48,14 @@ class TileDecode {
           for (int n = 0; n < count_; ++n, ++out)
             std::memcpy(out, s.q16.data() + s.head_rows[h * count_ + n] * dim + 32 * step + 2 * pair, 4);
     std::fill(s.acc_pairs.begin(), s.acc_pairs.begin() + kv_heads * count_ * dim, 0.0f);
-    kv_heads_ = kv_heads;
   }
 
   TileDecode(const TileDecode&) = delete;
   TileDecode& operator=(const TileDecode&) = delete;
+  ~TileDecode() { _tile_release(); }
 
-  // The accumulators back in s.acc's rows, and the tile state released.
-  ~TileDecode() {
+  // The accumulators, even and odd elements interleaved back, into s.acc's rows (after the last group).
+  void store_rows() {
     static const __m512i kLow = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     static const __m512i kHigh = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
     for (int h = 0; h < kv_heads_; ++h)
@@ -67,7 +67,6 @@ class TileDecode {
           _mm512_storeu_ps(row, _mm512_permutex2var_ps(even, kLow, odd));
           _mm512_storeu_ps(row + 16, _mm512_permutex2var_ps(even, kHigh, odd));
         }
-    _tile_release();
   }
 
   // Sixteen keys and values of kv head h from `key` and `value`, `stride` bytes apart, of which the first `m` are
@@ -169,7 +168,7 @@ class TileDecode {
   }
 
   Scratch& s_;
-  int count_, dim_, chunks_, kv_heads_ = 0;
+  int kv_heads_, count_, dim_, chunks_;
 };
 
 }  // namespace
