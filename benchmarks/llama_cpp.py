@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helper beside th
 
 from _llama_cpp_build import binaries, requantize  # noqa: E402
 
+from paged_backend.bench.arg_types import writable_file  # noqa: E402
 from paged_backend.bench.chat_workload import QUESTIONS, STYLES, chat_workload  # noqa: E402
 from paged_backend.bench.report import markdown_table, write_json  # noqa: E402
 from paged_backend.bench.serve import RateSummary, RequestResult, summarize  # noqa: E402
@@ -101,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--llama-args", default="", help="extra llama-server flags")
     parser.add_argument("--paged-args", default="", help="extra paged-backend serve flags")
     parser.add_argument("--seed", type=int, default=0, help="prompt order")
-    parser.add_argument("--output-json", default="benchmarks/llama_cpp.json", help="'' for none")
+    parser.add_argument("--output-json", type=writable_file, default=str(Path(__file__).with_name("llama_cpp.json")),
+                        help="'' for none; default beside this script, wherever it is run from")
     return parser  # fmt: skip
 
 
