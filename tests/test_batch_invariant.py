@@ -264,7 +264,8 @@ def pool(num_blocks=40, block_size=16, kv_heads=2, head_dim=64, dtype=torch.floa
 
 ATTENTION_CASES = [
     pytest.param("cpu", 4, torch.float32, None, None, 70, id="g4"),
-    pytest.param("cpu", 8, torch.float32, None, None, 70, id="g8-panel"),
+    pytest.param("cpu", 8, torch.float32, None, None, 70, id="g8"),
+    pytest.param("cpu", 8, torch.float16, None, None, 70, id="g8-fp16-panel"),  # fp16 caches take panels from 8 rows
     pytest.param("cpu", 4, torch.bfloat16, 20, None, 70, id="bf16-window"),
     pytest.param("cpu", 1, torch.float32, None, 5.0, 70, id="g1-softcap"),
     # contexts the kernel cuts into parts of 2048 keys, merged after; a window that starts inside a part
@@ -358,8 +359,9 @@ def test_the_default_mode_keeps_its_fast_paths(monkeypatch):
     assert isinstance(llm.engine.runner.packed, PackedLinears) and not ops.batch_invariant_enabled()
     invariant = LLM(TINY_MODEL, device="cpu", num_blocks=16, batch_invariant=True)
     assert isinstance(invariant.engine.runner.packed, BatchInvariantLinears)
-    # the kernel's default tiles (shared K/V loads, the panel score path) are still what a plain call runs
-    keys, values = pool()
+    # the kernel's default tiles (shared K/V loads; the panel score path, which fp32 caches take at 128 rows per kv
+    # head: one kv head) are still what a plain call runs
+    keys, values = pool(kv_heads=1)
     args = (torch.randn(70, 8, 64), keys, values, torch.tensor([[3, 17, 9, 30, 1]], dtype=torch.int32),
             torch.tensor([70], dtype=torch.int32), torch.tensor([0, 70], dtype=torch.int32), 0.125)  # fmt: skip
     assert torch.equal(cpu.paged_attention(*args), cpu.paged_attention(*args, invariant=False))

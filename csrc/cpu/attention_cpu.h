@@ -22,7 +22,11 @@ constexpr int kSplitKeys = 2048;
 constexpr int kMinSplitKeys = 512;
 constexpr int kTasksWanted = 8;
 constexpr int kPanel = 16;            // keys per transposed panel in the many-rows score path
-constexpr int kPanelMinRows = 8;      // rows per kv head from which the panel path beats the decode path
+// Rows per kv head from which a task takes the panel path instead of the decode path. fp32 and bf16 caches: the decode
+// path was as fast or faster at every count up to 128 on the Xeon (1.5-3.7x at 8-16 rows, 2026-11-29), so only a
+// one-kv-head tile (128 rows) keeps the panels. fp16 and fp8 caches: 8, as measured first (2026-11-22); their decode
+// path converts K once per four rows, the panels once.
+inline int panel_min_rows(int32_t kv_dtype) { return kv_dtype == PB_F32 || kv_dtype == PB_BF16 ? 128 : 8; }
 constexpr int kAheadGroups = 2;       // decode asks for the K/V this many groups of sixteen keys ahead
 constexpr int kAheadLines = 2;        // cache lines of K and of V asked for per step of the decode loops
 
