@@ -1,6 +1,6 @@
 """The CPU attention kernel's bf16 decode on AMX tiles (csrc/cpu/attention_tiles.h), on CPUs that have them (Intel
 Sapphire Rapids and later): against the oracle and against the AVX-512 path it replaces, over head dims of two to
-eight tile steps, one to seven rows per kv head, blocks narrower than sixteen keys and partial groups, a softcap, a
+eight tile steps, one to sixteen rows per kv head, blocks narrower than sixteen keys and partial groups, a softcap, a
 window and split contexts, with every slot outside the contexts poisoned with NaN (`build_case`); and a row's bits
 independent of the batch. The other bf16 kernel tests run it too wherever head_dim is a multiple of 32; this file
 holds what only a CPU with AMX can show, and skips elsewhere."""
@@ -21,6 +21,12 @@ CASES = [
     AttentionCase("d128-g4", q_lens=(1, 1, 1), seq_lens=(16, 45, 300), group=4, head_dim=128, dtype=BF16),
     # short drafts: one to seven rows per kv head (the C tiles' rows), 2 tile steps
     AttentionCase("d64-g1-drafts", q_lens=(1, 3, 7), seq_lens=(20, 50, 90), group=1, head_dim=64, dtype=BF16),
+    # 9-16 rows per kv head: the values in two halves of eight rows, the second padded with zero weights
+    AttentionCase("d128-g4-9-to-16-rows", q_lens=(3, 4, 1), seq_lens=(40, 130, 77), group=4, head_dim=128,
+                  dtype=BF16),
+    AttentionCase("d64-g8-two-tokens", q_lens=(2, 1), seq_lens=(50, 33), group=8, head_dim=64, dtype=BF16,
+                  softcap=4.0),
+    AttentionCase("d96-g2-ten-rows-bs8", q_lens=(5,), seq_lens=(61,), group=2, head_dim=96, block_size=8, dtype=BF16),
     # blocks of eight keys: every group partial, copied and zero-padded; 3 tile steps
     AttentionCase("d96-g2-bs8", q_lens=(1, 3), seq_lens=(23, 61), group=2, head_dim=96, block_size=8, dtype=BF16),
     # 8 tile steps (two passes of four value C tiles), seven rows per kv head, a softcap

@@ -25,16 +25,20 @@ namespace {
 
 class TileDecode {
  public:
-  // Taken for `rows_per_head` <= 8 (C tiles of 2 rows each per query row) and head_dim a multiple of 32.
-  static bool fits(int rows_per_head, int dim) { return rows_per_head <= 8 && dim % 32 == 0 && pb_amx::in_use(); }
+  // Taken for up to 16 rows per kv head (the scores' C tile columns) and head_dim a multiple of 32. The values' C
+  // tiles hold 2 rows per query row, so more than 8 rows go through them in two halves of 8 (the second padded with
+  // zero weights).
+  static bool fits(int rows_per_head, int dim) { return rows_per_head <= 16 && dim % 32 == 0 && pb_amx::in_use(); }
 
   TileDecode(Scratch& s, int kv_heads, int rows_per_head, int dim)
-      : s_(s), kv_heads_(kv_heads), count_(rows_per_head), dim_(dim), chunks_(dim / 32) {
+      : s_(s), kv_heads_(kv_heads), count_(rows_per_head), dim_(dim), chunks_(dim / 32),
+        halves_(rows_per_head > 8 ? 2 : 1), half_rows_(std::min(rows_per_head, 8)) {
     pb_amx::TileConfig config{};
     config.palette = 1;
     // 0: scores C (16 keys x rows); 1: K as A / V as B (16 x 32 elements); 2: query pairs as B (16 pairs x rows);
-    // 3: weights as A (2 rows per query row x 16 keys' pairs); 4-7: value C (2 rows per query row x 16 floats)
-    const int rows[8] = {16, 16, 16, 2 * count_, 2 * count_, 2 * count_, 2 * count_, 2 * count_};
+    // 3: weights as A (2 rows per query row of a half x 16 keys' pairs); 4-7: value C (2 rows per query row x 16 floats)
+    const int half = 2 * half_rows_;
+    const int rows[8] = {16, 16, 16, half, half, half, half, half};
     const int bytes[8] = {4 * count_, 64, 4 * count_, 64, 64, 64, 64, 64};
     for (int t = 0; t < 8; ++t) {
       config.rows[t] = static_cast<uint8_t>(rows[t]);
@@ -47,7 +51,7 @@ class TileDecode {
         for (int pair = 0; pair < 16; ++pair)
           for (int n = 0; n < count_; ++n, ++out)
             std::memcpy(out, s.q16.data() + s.head_rows[h * count_ + n] * dim + 32 * step + 2 * pair, 4);
-    std::fill(s.acc_pairs.begin(), s.acc_pairs.begin() + kv_heads * count_ * dim, 0.0f);
+    std::fill(s.acc_pairs.begin(), s.acc_pairs.begin() + kv_heads * halves_ * half_rows_ * dim, 0.0f);
   }
 
   TileDecode(const TileDecode&) = delete;
@@ -59,9 +63,9 @@ class TileDecode {
     static const __m512i kLow = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     static const __m512i kHigh = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
     for (int h = 0; h < kv_heads_; ++h)
-      for (int x = 0; x < chunks_; ++x)
-        for (int n = 0; n < count_; ++n) {
-          const float* split = accumulators(h, x) + 2 * n * 16;
+      for (int n = 0; n < count_; ++n)
+        for (int x = 0; x < chunks_; ++x) {
+          const float* split = accumulators(h, n / 8, x) + 2 * (n % 8) * 16;
           const __m512 even = _mm512_loadu_ps(split), odd = _mm512_loadu_ps(split + 16);
           float* row = s_.acc.data() + s_.head_rows[h * count_ + n] * dim_ + 32 * x;
           _mm512_storeu_ps(row, _mm512_permutex2var_ps(even, kLow, odd));
@@ -99,7 +103,7 @@ class TileDecode {
       _tile_loadd(2, b, 4 * count_);
       _tile_dpbf16ps(0, 1, 2);
     }
-    alignas(64) float c[16 * 8];
+    alignas(64) float c[16 * 16];
     _tile_stored(0, c, 4 * count_);
     for (int n = 0; n < count_; ++n)
       for (int j = 0; j < 16; ++j) s_.probs[rows[n] * 16 + j] = c[j * count_ + n];
@@ -108,22 +112,30 @@ class TileDecode {
   // acc = acc * correction + weights . values for kv head h's rows, the weights in s.probs and the rescales in
   // s.correction.
   void accumulate(int h, const int* rows, const Rows& at, Ahead& ahead) {
+    for (int half = 0; half < halves_; ++half) accumulate_half(h, half, rows, at, ahead);
+  }
+
+ private:
+  void accumulate_half(int h, int half, const int* rows, const Rows& at, Ahead& ahead) {
     alignas(64) uint32_t weights[16 * 16];  // A: per row, its bf16 weights in the even halves, then in the odd
     bool rescale = false;
-    for (int n = 0; n < count_; ++n) {
-      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s_.probs.data() + rows[n] * 16));
-      const __m512i even = _mm512_cvtepu16_epi32(rounded);
-      _mm512_store_si512(weights + 2 * n * 16, even);
-      _mm512_store_si512(weights + (2 * n + 1) * 16, _mm512_slli_epi32(even, 16));
-      rescale |= s_.correction[rows[n]] != 1.0f;
+    for (int i = 0; i < half_rows_; ++i) {
+      const int n = half * 8 + i;
+      __m512i even = _mm512_setzero_si512();  // rows past count_ pad the second half with zero weights
+      if (n < count_) {
+        even = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s_.probs.data() + rows[n] * 16)));
+        rescale |= s_.correction[rows[n]] != 1.0f;
+      }
+      _mm512_store_si512(weights + 2 * i * 16, even);
+      _mm512_store_si512(weights + (2 * i + 1) * 16, _mm512_slli_epi32(even, 16));
     }
-    if (rescale) scale(h, rows);
+    if (rescale) scale(h, half, rows);
     _tile_loadd(3, weights, 64);
     for (int x = 0; x < chunks_; x += 4) {
       const int n = std::min(4, chunks_ - x);
       const char* v = at.value + 64 * x;
-      float* c = accumulators(h, x);
-      const int64_t next = 2 * count_ * 16;  // floats from one chunk's accumulators to the next
+      float* c = accumulators(h, half, x);
+      const int64_t next = 2 * half_rows_ * 16;  // floats from one chunk's accumulators to the next
       // GCC's tile intrinsics spell the tile number into their assembly, so each tile is written out
       ahead.step();
       _tile_loadd(4, c, 64);
@@ -154,21 +166,26 @@ class TileDecode {
     }
   }
 
- private:
-  float* accumulators(int h, int x) { return s_.acc_pairs.data() + (static_cast<int64_t>(h) * chunks_ + x) * 2 * count_ * 16; }
+  // Kv head h's accumulators of one half and one 32-element chunk: [2 rows per query row][16] floats.
+  float* accumulators(int h, int half, int x) {
+    return s_.acc_pairs.data() + ((static_cast<int64_t>(h) * halves_ + half) * chunks_ + x) * 2 * half_rows_ * 16;
+  }
 
-  void scale(int h, const int* rows) {
+  void scale(int h, int half, const int* rows) {
     for (int x = 0; x < chunks_; ++x) {
-      float* c = accumulators(h, x);
-      for (int n = 0; n < 2 * count_; ++n) {
-        const __m512 by = _mm512_set1_ps(s_.correction[rows[n / 2]]);
-        _mm512_storeu_ps(c + n * 16, _mm512_mul_ps(_mm512_loadu_ps(c + n * 16), by));
+      float* c = accumulators(h, half, x);
+      for (int i = 0; i < 2 * half_rows_; ++i) {
+        const int n = half * 8 + i / 2;
+        if (n >= count_) break;  // padding rows stay zero
+        const __m512 by = _mm512_set1_ps(s_.correction[rows[n]]);
+        _mm512_storeu_ps(c + i * 16, _mm512_mul_ps(_mm512_loadu_ps(c + i * 16), by));
       }
     }
   }
 
   Scratch& s_;
   int kv_heads_, count_, dim_, chunks_;
+  int halves_, half_rows_;  // the values' passes over the rows, and rows per pass
 };
 
 }  // namespace
