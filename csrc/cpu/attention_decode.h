@@ -1,4 +1,5 @@
-// The CPU attention kernel's decode path (a few query rows per kv head). Included by paged_attention_cpu.cpp.
+// The CPU attention kernel's decode path: named for decode, it runs every tile under panel_min_rows rows per kv head
+// (attention_cpu.h), prefill tiles of models with two or more kv heads included. Included by paged_attention_cpu.cpp.
 #pragma once
 
 #include <optional>

@@ -1,5 +1,5 @@
-// The CPU attention kernel's decode path on AMX tiles, for a bf16 query over a bf16 cache. Included by
-// attention_decode.h.
+// The CPU attention kernel's decode path on AMX tiles, for a bf16 query over a bf16 cache and up to 16 rows per kv
+// head (decode, drafts, and the prefill tiles of models with eight or more kv heads). Included by attention_decode.h.
 //
 // On Sapphire Rapids `vdpbf16ps` issues at a quarter of an fp32 FMA's rate, which made the vector decode path
 // compute-bound in bf16 (its rate from cache no higher than DRAM streams). The tile unit does both products of a kv
@@ -10,8 +10,8 @@
 //   holding the weights in the even elements and zeros in the odd, one the reverse. Against sixteen value rows as B
 //   (16 keys x 32 elements: the pair of key k is elements 2n, 2n + 1 of its row) they give that row's even and odd
 //   elements in separate C rows, so V needs no pair interleaving. Accumulators live in memory in that split layout
-//   ([kv head][32-element chunk][row, even/odd][16]), loaded into C tiles 4-7 per group, scaled there by the online
-//   softmax's rescale when it is not 1, and interleaved back into the rows at the end.
+//   ([kv head][half of the rows][32-element chunk][row, even/odd][16]), scaled there by the online softmax's rescale
+//   when it is not 1, loaded into C tiles 4-7 per group, and interleaved back into the rows at the end.
 // A partial group (fewer than sixteen keys left in the block) is copied into a zero-padded buffer first, so every
 // group runs the same code; a row's bits depend only on its keys' positions, as batch-invariant mode needs.
 #pragma once
