@@ -359,10 +359,10 @@ def test_the_default_mode_keeps_its_fast_paths(monkeypatch):
     assert isinstance(llm.engine.runner.packed, PackedLinears) and not ops.batch_invariant_enabled()
     invariant = LLM(TINY_MODEL, device="cpu", num_blocks=16, batch_invariant=True)
     assert isinstance(invariant.engine.runner.packed, BatchInvariantLinears)
-    # the kernel's default tiles (shared K/V loads; the panel score path, which fp32 caches take at 128 rows per kv
-    # head: one kv head) are still what a plain call runs
-    keys, values = pool(kv_heads=1)
-    args = (torch.randn(70, 8, 64), keys, values, torch.tensor([[3, 17, 9, 30, 1]], dtype=torch.int32),
+    # the kernel's default tiles (shared K/V loads; the panel score path, which fp16 caches take from 8 rows per kv
+    # head) are still what a plain call runs
+    keys, values = pool(dtype=torch.float16)
+    args = (torch.randn(70, 8, 64).half(), keys, values, torch.tensor([[3, 17, 9, 30, 1]], dtype=torch.int32),
             torch.tensor([70], dtype=torch.int32), torch.tensor([0, 70], dtype=torch.int32), 0.125)  # fmt: skip
     assert torch.equal(cpu.paged_attention(*args), cpu.paged_attention(*args, invariant=False))
     assert not torch.equal(cpu.paged_attention(*args), cpu.paged_attention(*args, invariant=True))

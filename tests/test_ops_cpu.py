@@ -34,12 +34,14 @@ LONG_CASES = [
     AttentionCase("split-prefill-chunk", q_lens=(200,), seq_lens=(2210,), group=2),
     AttentionCase("decode-fp32q-bf16kv", q_lens=(1, 1), seq_lens=(45, 130), group=2, head_dim=48,
                   kv_dtype=torch.bfloat16),
-    # fp32/bf16 caches take the panel path only for a tile of 128 rows per kv head (one kv head); two kv heads of a
-    # long chunk stay on the decode path at 64 rows per kv head
-    AttentionCase("panel-one-kv-head", q_lens=(150, 1), seq_lens=(300, 40), num_kv_heads=1, group=8),
-    AttentionCase("panel-one-kv-head-bf16", q_lens=(140,), seq_lens=(333,), num_kv_heads=1, group=4, head_dim=64,
+    # fp32/bf16 caches run every tile on the decode path: 128 rows per kv head (one kv head), 64 (two)
+    AttentionCase("decode-path-128-rows", q_lens=(150, 1), seq_lens=(300, 40), num_kv_heads=1, group=8),
+    AttentionCase("decode-path-128-rows-bf16", q_lens=(140,), seq_lens=(333,), num_kv_heads=1, group=4, head_dim=64,
                   dtype=torch.bfloat16, sliding_window=100),
     AttentionCase("decode-path-64-rows", q_lens=(70,), seq_lens=(200,), group=4, head_dim=64),
+    # fp16 and fp8 caches keep the panel path from 8 rows per kv head
+    AttentionCase("panel-fp16-one-kv-head", q_lens=(150, 1), seq_lens=(300, 40), num_kv_heads=1, group=8,
+                  dtype=torch.float16, softcap=5.0),
 ]
 
 

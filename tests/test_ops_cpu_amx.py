@@ -1,6 +1,6 @@
 """The CPU attention kernel's bf16 decode on AMX tiles (csrc/cpu/attention_tiles.h), on CPUs that have them (Intel
 Sapphire Rapids and later): against the oracle and against the AVX-512 path it replaces, over head dims of two to
-eight tile steps, one to sixteen rows per kv head, blocks narrower than sixteen keys and partial groups, a softcap, a
+eight tile steps, one to 64 rows per kv head, blocks narrower than sixteen keys and partial groups, a softcap, a
 window and split contexts, with every slot outside the contexts poisoned with NaN (`build_case`); and a row's bits
 independent of the batch. The other bf16 kernel tests run it too wherever head_dim is a multiple of 32; this file
 holds what only a CPU with AMX can show, and skips elsewhere."""
@@ -27,6 +27,11 @@ CASES = [
     AttentionCase("d64-g8-two-tokens", q_lens=(2, 1), seq_lens=(50, 33), group=8, head_dim=64, dtype=BF16,
                   softcap=4.0),
     AttentionCase("d96-g2-ten-rows-bs8", q_lens=(5,), seq_lens=(61,), group=2, head_dim=96, block_size=8, dtype=BF16),
+    # prefill tiles of 30 and 64 rows per kv head: scores in passes of 16 rows, values in slices of 8, the last of
+    # each padded
+    AttentionCase("d64-g1-prefill-30-rows", q_lens=(30,), seq_lens=(100,), group=1, head_dim=64, dtype=BF16),
+    AttentionCase("d128-g4-prefill-64-rows", q_lens=(40, 1), seq_lens=(90, 20), group=4, head_dim=128, dtype=BF16,
+                  sliding_window=50),
     # blocks of eight keys: every group partial, copied and zero-padded; 3 tile steps
     AttentionCase("d96-g2-bs8", q_lens=(1, 3), seq_lens=(23, 61), group=2, head_dim=96, block_size=8, dtype=BF16),
     # 8 tile steps (two passes of four value C tiles), seven rows per kv head, a softcap

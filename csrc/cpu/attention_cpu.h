@@ -22,11 +22,13 @@ constexpr int kSplitKeys = 2048;
 constexpr int kMinSplitKeys = 512;
 constexpr int kTasksWanted = 8;
 constexpr int kPanel = 16;            // keys per transposed panel in the many-rows score path
-// Rows per kv head from which a task takes the panel path instead of the decode path. fp32 and bf16 caches: the decode
-// path was as fast or faster at every count up to 128 on the Xeon (1.5-3.7x at 8-16 rows, 2026-11-29), so only a
-// one-kv-head tile (128 rows) keeps the panels. fp16 and fp8 caches: 8, as measured first (2026-11-22); their decode
-// path converts K once per four rows, the panels once.
-inline int panel_min_rows(int32_t kv_dtype) { return kv_dtype == PB_F32 || kv_dtype == PB_BF16 ? 128 : 8; }
+// Rows per kv head from which a task takes the panel path instead of the decode path. fp32 and bf16 caches: never
+// (past kMaxRowsPerTask). On the Xeon the decode path was faster at every count to 128 (2026-11-29): 1.5-1.8x (fp32)
+// and, on AMX tiles, 2.5-4x (bf16); the panels' last win was against an older decode path (EPYC, 2026-11-22).
+// fp16 and fp8 caches: 8, as measured then; their decode path converts K once per four rows, the panels once.
+inline int panel_min_rows(int32_t kv_dtype) {
+  return kv_dtype == PB_F32 || kv_dtype == PB_BF16 ? kMaxRowsPerTask + 1 : 8;
+}
 constexpr int kAheadGroups = 2;       // decode asks for the K/V this many groups of sixteen keys ahead
 constexpr int kAheadLines = 2;        // cache lines of K and of V asked for per step of the decode loops
 
@@ -131,7 +133,7 @@ struct Scratch {
   Scratch(int rows, int dim, int block_size)
       : dim(dim), q(rows * dim), acc(rows * dim), max(rows), sum(rows), scores(rows * block_size), key(rows * dim),
         values(block_size * dim), panel(dim * kPanel), head_rows(rows), value_rows(block_size),
-        probs(rows * 16), correction(rows), q16(rows * dim), q_pairs(rows * dim / 2),
+        probs(rows * 16), correction(rows), q16(rows * dim), q_pairs(rows * dim),
         acc_pairs(2 * rows * dim), tile_rows(32 * dim) {}
 };
 

@@ -1,5 +1,5 @@
 // The CPU attention kernel's decode path: named for decode, it runs every tile under panel_min_rows rows per kv head
-// (attention_cpu.h), prefill tiles of models with two or more kv heads included. Included by paged_attention_cpu.cpp.
+// (attention_cpu.h): all of them over fp32 and bf16 caches, prefill included. Included by paged_attention_cpu.cpp.
 #pragma once
 
 #include <optional>
@@ -344,7 +344,7 @@ void decode_blocks(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, co
 #if defined(PB_AMX)
   std::optional<TileDecode> tiles;  // bf16 on AMX tiles (attention_tiles.h)
   if constexpr (kPairs<L>)
-    if (TileDecode::fits(count, dim)) tiles.emplace(s, a.num_kv_heads, count, dim);
+    if (TileDecode::fits(dim)) tiles.emplace(s, a.num_kv_heads, count, dim);
   const int64_t key_stride = a.k_stride_slot * static_cast<int64_t>(elem);
   const int64_t value_stride = a.v_stride_slot * static_cast<int64_t>(elem);
 #endif

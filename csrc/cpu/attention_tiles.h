@@ -1,5 +1,5 @@
-// The CPU attention kernel's decode path on AMX tiles, for a bf16 query over a bf16 cache and up to 16 rows per kv
-// head (decode, drafts, and the prefill tiles of models with eight or more kv heads). Included by attention_decode.h.
+// The CPU attention kernel's decode path on AMX tiles, for a bf16 query over a bf16 cache (decode, drafts and
+// prefill tiles under panel_min_rows rows per kv head). Included by attention_decode.h.
 //
 // On Sapphire Rapids `vdpbf16ps` issues at a quarter of an fp32 FMA's rate, which made the vector decode path
 // compute-bound in bf16 (its rate from cache no higher than DRAM streams). The tile unit does both products of a kv
@@ -25,33 +25,41 @@ namespace {
 
 class TileDecode {
  public:
-  // Taken for up to 16 rows per kv head (the scores' C tile columns) and head_dim a multiple of 32. The values' C
-  // tiles hold 2 rows per query row, so more than 8 rows go through them in two halves of 8 (the second padded with
-  // zero weights).
-  static bool fits(int rows_per_head, int dim) { return rows_per_head <= 16 && dim % 32 == 0 && pb_amx::in_use(); }
+  // Taken for head_dim a multiple of 32, at any number of rows per kv head: the scores' C tile has 16 columns, so
+  // more rows are scored in passes of 16; the values' C tiles hold 2 rows per query row, so more than 8 rows go
+  // through them in slices of 8. A last pass or slice is padded with zero queries or weights.
+  static bool fits(int dim) { return dim % 32 == 0 && pb_amx::in_use(); }
 
   TileDecode(Scratch& s, int kv_heads, int rows_per_head, int dim)
       : s_(s), kv_heads_(kv_heads), count_(rows_per_head), dim_(dim), chunks_(dim / 32),
-        halves_(rows_per_head > 8 ? 2 : 1), half_rows_(std::min(rows_per_head, 8)) {
+        columns_(std::min(rows_per_head, 16)), passes_((rows_per_head + 15) / 16),
+        slice_rows_(std::min(rows_per_head, 8)), slices_((rows_per_head + 7) / 8) {
     pb_amx::TileConfig config{};
     config.palette = 1;
-    // 0: scores C (16 keys x rows); 1: K as A / V as B (16 x 32 elements); 2: query pairs as B (16 pairs x rows);
-    // 3: weights as A (2 rows per query row of a half x 16 keys' pairs); 4-7: value C (2 rows per query row x 16 floats)
-    const int half = 2 * half_rows_;
-    const int rows[8] = {16, 16, 16, half, half, half, half, half};
-    const int bytes[8] = {4 * count_, 64, 4 * count_, 64, 64, 64, 64, 64};
+    // 0: scores C (16 keys x a pass's rows); 1: K as A / V as B (16 x 32 elements); 2: query pairs as B (16 pairs x a
+    // pass's rows); 3: weights as A (2 rows per query row of a slice x 16 keys' pairs); 4-7: value C (2 rows per
+    // query row of a slice x 16 floats)
+    const int slice = 2 * slice_rows_;
+    const int rows[8] = {16, 16, 16, slice, slice, slice, slice, slice};
+    const int bytes[8] = {4 * columns_, 64, 4 * columns_, 64, 64, 64, 64, 64};
     for (int t = 0; t < 8; ++t) {
       config.rows[t] = static_cast<uint8_t>(rows[t]);
       config.bytes_per_row[t] = static_cast<uint16_t>(bytes[t]);
     }
     _tile_loadconfig(&config);
-    uint32_t* out = s.q_pairs.data();  // [kv head][step][pair][row]: elements 32 * step + 2 * pair, + 1 of the row
+    // [kv head][pass][step][pair][column]: elements 32 * step + 2 * pair, + 1 of row 16 * pass + column (0 past
+    // the last row)
+    uint32_t* out = s.q_pairs.data();
     for (int h = 0; h < kv_heads; ++h)
-      for (int step = 0; step < chunks_; ++step)
-        for (int pair = 0; pair < 16; ++pair)
-          for (int n = 0; n < count_; ++n, ++out)
-            std::memcpy(out, s.q16.data() + s.head_rows[h * count_ + n] * dim + 32 * step + 2 * pair, 4);
-    std::fill(s.acc_pairs.begin(), s.acc_pairs.begin() + kv_heads * halves_ * half_rows_ * dim, 0.0f);
+      for (int pass = 0; pass < passes_; ++pass)
+        for (int step = 0; step < chunks_; ++step)
+          for (int pair = 0; pair < 16; ++pair)
+            for (int column = 0, n = 16 * pass; column < columns_; ++column, ++n, ++out)
+              if (n < count_)
+                std::memcpy(out, s.q16.data() + s.head_rows[h * count_ + n] * dim + 32 * step + 2 * pair, 4);
+              else
+                *out = 0;
+    std::fill(s.acc_pairs.begin(), s.acc_pairs.begin() + kv_heads * slices_ * slice_rows_ * dim, 0.0f);
   }
 
   TileDecode(const TileDecode&) = delete;
@@ -95,33 +103,35 @@ class TileDecode {
 
   // Kv head h's rows (`rows`) against the sixteen keys: raw scores into s.probs[row * 16 + j].
   void score(int h, const int* rows, const Rows& at, Ahead& ahead) {
-    const uint32_t* b = s_.q_pairs.data() + static_cast<int64_t>(h) * chunks_ * 16 * count_;
-    _tile_zero(0);
-    for (int step = 0; step < chunks_; ++step, b += 16 * count_) {
-      ahead.step();
-      _tile_loadd(1, at.key + 64 * step, at.key_stride);
-      _tile_loadd(2, b, 4 * count_);
-      _tile_dpbf16ps(0, 1, 2);
+    const uint32_t* b = s_.q_pairs.data() + static_cast<int64_t>(h) * passes_ * chunks_ * 16 * columns_;
+    for (int pass = 0; pass < passes_; ++pass) {
+      _tile_zero(0);
+      for (int step = 0; step < chunks_; ++step, b += 16 * columns_) {
+        if (pass == 0) ahead.step();
+        _tile_loadd(1, at.key + 64 * step, at.key_stride);
+        _tile_loadd(2, b, 4 * columns_);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      alignas(64) float c[16 * 16];
+      _tile_stored(0, c, 4 * columns_);
+      for (int column = 0, n = 16 * pass; column < columns_ && n < count_; ++column, ++n)
+        for (int j = 0; j < 16; ++j) s_.probs[rows[n] * 16 + j] = c[j * columns_ + column];
     }
-    alignas(64) float c[16 * 16];
-    _tile_stored(0, c, 4 * count_);
-    for (int n = 0; n < count_; ++n)
-      for (int j = 0; j < 16; ++j) s_.probs[rows[n] * 16 + j] = c[j * count_ + n];
   }
 
   // acc = acc * correction + weights . values for kv head h's rows, the weights in s.probs and the rescales in
   // s.correction.
   void accumulate(int h, const int* rows, const Rows& at, Ahead& ahead) {
-    for (int half = 0; half < halves_; ++half) accumulate_half(h, half, rows, at, ahead);
+    for (int slice = 0; slice < slices_; ++slice) accumulate_slice(h, slice, rows, at, ahead);
   }
 
  private:
-  void accumulate_half(int h, int half, const int* rows, const Rows& at, Ahead& ahead) {
+  void accumulate_slice(int h, int slice, const int* rows, const Rows& at, Ahead& ahead) {
     alignas(64) uint32_t weights[16 * 16];  // A: per row, its bf16 weights in the even halves, then in the odd
     bool rescale = false;
-    for (int i = 0; i < half_rows_; ++i) {
-      const int n = half * 8 + i;
-      __m512i even = _mm512_setzero_si512();  // rows past count_ pad the second half with zero weights
+    for (int i = 0; i < slice_rows_; ++i) {
+      const int n = slice * 8 + i;
+      __m512i even = _mm512_setzero_si512();  // rows past count_ pad the last slice with zero weights
       if (n < count_) {
         even = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s_.probs.data() + rows[n] * 16)));
         rescale |= s_.correction[rows[n]] != 1.0f;
@@ -129,13 +139,13 @@ class TileDecode {
       _mm512_store_si512(weights + 2 * i * 16, even);
       _mm512_store_si512(weights + (2 * i + 1) * 16, _mm512_slli_epi32(even, 16));
     }
-    if (rescale) scale(h, half, rows);
+    if (rescale) scale(h, slice, rows);
     _tile_loadd(3, weights, 64);
     for (int x = 0; x < chunks_; x += 4) {
       const int n = std::min(4, chunks_ - x);
       const char* v = at.value + 64 * x;
-      float* c = accumulators(h, half, x);
-      const int64_t next = 2 * half_rows_ * 16;  // floats from one chunk's accumulators to the next
+      float* c = accumulators(h, slice, x);
+      const int64_t next = 2 * slice_rows_ * 16;  // floats from one chunk's accumulators to the next
       // GCC's tile intrinsics spell the tile number into their assembly, so each tile is written out
       ahead.step();
       _tile_loadd(4, c, 64);
@@ -166,16 +176,16 @@ class TileDecode {
     }
   }
 
-  // Kv head h's accumulators of one half and one 32-element chunk: [2 rows per query row][16] floats.
-  float* accumulators(int h, int half, int x) {
-    return s_.acc_pairs.data() + ((static_cast<int64_t>(h) * halves_ + half) * chunks_ + x) * 2 * half_rows_ * 16;
+  // Kv head h's accumulators of one slice and one 32-element chunk: [2 rows per query row][16] floats.
+  float* accumulators(int h, int slice, int x) {
+    return s_.acc_pairs.data() + ((static_cast<int64_t>(h) * slices_ + slice) * chunks_ + x) * 2 * slice_rows_ * 16;
   }
 
-  void scale(int h, int half, const int* rows) {
+  void scale(int h, int slice, const int* rows) {
     for (int x = 0; x < chunks_; ++x) {
-      float* c = accumulators(h, half, x);
-      for (int i = 0; i < 2 * half_rows_; ++i) {
-        const int n = half * 8 + i / 2;
+      float* c = accumulators(h, slice, x);
+      for (int i = 0; i < 2 * slice_rows_; ++i) {
+        const int n = slice * 8 + i / 2;
         if (n >= count_) break;  // padding rows stay zero
         const __m512 by = _mm512_set1_ps(s_.correction[rows[n]]);
         _mm512_storeu_ps(c + i * 16, _mm512_mul_ps(_mm512_loadu_ps(c + i * 16), by));
@@ -185,7 +195,8 @@ class TileDecode {
 
   Scratch& s_;
   int kv_heads_, count_, dim_, chunks_;
-  int halves_, half_rows_;  // the values' passes over the rows, and rows per pass
+  int columns_, passes_;     // the scores' rows per pass (C tile columns), and passes over the rows
+  int slice_rows_, slices_;  // the values' rows per slice, and slices over the rows
 };
 
 }  // namespace

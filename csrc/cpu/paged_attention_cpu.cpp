@@ -5,9 +5,9 @@
 // merged after (flash-decoding's split), so that one long sequence decodes on every core. Keys are visited block
 // by block with an online softmax (one rescale per block), so nothing is gathered or padded: each task reads its
 // context once, which is what bounds decode.
-// With up to 127 rows per kv head (decode, and prefill tiles of two or more kv heads; up to 7 for fp16/fp8 caches),
-// keys go sixteen at a time per kv head (attention_decode.h). With more rows, scores come from transposed 16-key
-// panels against four rows at a time (panel_blocks, here). Values
+// Over fp32 and bf16 caches every tile, prefill included, goes sixteen keys at a time per kv head
+// (attention_decode.h; on AMX tiles for bf16, attention_tiles.h). Over fp16 and fp8 caches, tiles of 8 or more rows
+// per kv head take transposed 16-key panels against four rows at a time (panel_blocks, here). Values
 // are accumulated four rows at a time with the accumulators in registers. Math is fp32; the argument struct, the
 // dtype conversions and the scratch both paths share are in attention_cpu.h.
 //
