@@ -6,12 +6,15 @@
 // head's rows against sixteen keys, reading the cache's rows as they lie, so nothing is shuffled:
 // - scores, transposed: sixteen keys (A: 16 rows x 32 elements, the slot stride apart) times the rows' query pairs
 //   (B: 16 pairs x rows) give a keys x rows C tile, over head_dim / 32 steps;
-// - values: the weights, rounded to bf16 as the vector path rounds them, go in as A with two rows per query row, one
-//   holding the weights in the even elements and zeros in the odd, one the reverse. Against sixteen value rows as B
-//   (16 keys x 32 elements: the pair of key k is elements 2n, 2n + 1 of its row) they give that row's even and odd
-//   elements in separate C rows, so V needs no pair interleaving. Accumulators live in memory in that split layout
-//   ([kv head][half of the rows][32-element chunk][row, even/odd][16]), scaled there by the online softmax's rescale
-//   when it is not 1, loaded into C tiles 4-7 per group, and interleaved back into the rows at the end.
+// - values: each query row's weights go in as A rows holding them in the even elements and zeros in the odd, and the
+//   reverse. Against sixteen value rows as B (16 keys x 32 elements: the pair of key k is elements 2n, 2n + 1 of its
+//   row) they give that row's even and odd elements in separate C rows, so V needs no pair interleaving. The weights
+//   go in twice, as their bf16 high parts and as the bf16 rounding of the rest, so that they count within 2^-17 of
+//   their fp32 values: rounded once to bf16 (as the AVX-512 path does), the real model's first answer token in
+//   bf16 fell on a tie with another. So four A and C rows per query row. Accumulators live in memory in that layout
+//   ([kv head][slice of rows][32-element chunk][row: high/low x even/odd][16]), scaled there by the online
+//   softmax's rescale when it is not 1, loaded into C tiles 4-7 per group, and summed and interleaved back into the
+//   rows at the end.
 // A partial group (fewer than sixteen keys left in the block) is copied into a zero-padded buffer first, so every
 // group runs the same code; a row's bits depend only on its keys' positions, as batch-invariant mode needs.
 #pragma once
@@ -26,20 +29,20 @@ namespace {
 class TileDecode {
  public:
   // Taken for head_dim a multiple of 32, at any number of rows per kv head: the scores' C tile has 16 columns, so
-  // more rows are scored in passes of 16; the values' C tiles hold 2 rows per query row, so more than 8 rows go
-  // through them in slices of 8. A last pass or slice is padded with zero queries or weights.
+  // more rows are scored in passes of 16; the values' C tiles hold 4 rows per query row, so more than 4 rows go
+  // through them in slices of 4. A last pass or slice is padded with zero queries or weights.
   static bool fits(int dim) { return dim % 32 == 0 && pb_amx::in_use(); }
 
   TileDecode(Scratch& s, int kv_heads, int rows_per_head, int dim)
       : s_(s), kv_heads_(kv_heads), count_(rows_per_head), dim_(dim), chunks_(dim / 32),
         columns_(std::min(rows_per_head, 16)), passes_((rows_per_head + 15) / 16),
-        slice_rows_(std::min(rows_per_head, 8)), slices_((rows_per_head + 7) / 8) {
+        slice_rows_(std::min(rows_per_head, 4)), slices_((rows_per_head + 3) / 4) {
     pb_amx::TileConfig config{};
     config.palette = 1;
     // 0: scores C (16 keys x a pass's rows); 1: K as A / V as B (16 x 32 elements); 2: query pairs as B (16 pairs x a
-    // pass's rows); 3: weights as A (2 rows per query row of a slice x 16 keys' pairs); 4-7: value C (2 rows per
+    // pass's rows); 3: weights as A (4 rows per query row of a slice x 16 keys' pairs); 4-7: value C (4 rows per
     // query row of a slice x 16 floats)
-    const int slice = 2 * slice_rows_;
+    const int slice = 4 * slice_rows_;
     const int rows[8] = {16, 16, 16, slice, slice, slice, slice, slice};
     const int bytes[8] = {4 * columns_, 64, 4 * columns_, 64, 64, 64, 64, 64};
     for (int t = 0; t < 8; ++t) {
@@ -59,7 +62,7 @@ class TileDecode {
                 std::memcpy(out, s.q16.data() + s.head_rows[h * count_ + n] * dim + 32 * step + 2 * pair, 4);
               else
                 *out = 0;
-    std::fill(s.acc_pairs.begin(), s.acc_pairs.begin() + kv_heads * slices_ * slice_rows_ * dim, 0.0f);
+    std::fill(s.acc_pairs.begin(), s.acc_pairs.begin() + kv_heads * slices_ * slice_rows_ * 2 * dim, 0.0f);
   }
 
   TileDecode(const TileDecode&) = delete;
@@ -73,8 +76,9 @@ class TileDecode {
     for (int h = 0; h < kv_heads_; ++h)
       for (int n = 0; n < count_; ++n)
         for (int x = 0; x < chunks_; ++x) {
-          const float* split = accumulators(h, n / 8, x) + 2 * (n % 8) * 16;
-          const __m512 even = _mm512_loadu_ps(split), odd = _mm512_loadu_ps(split + 16);
+          const float* split = accumulators(h, n / 4, x) + 4 * (n % 4) * 16;  // high parts' even, odd; low parts'
+          const __m512 even = _mm512_add_ps(_mm512_loadu_ps(split), _mm512_loadu_ps(split + 32));
+          const __m512 odd = _mm512_add_ps(_mm512_loadu_ps(split + 16), _mm512_loadu_ps(split + 48));
           float* row = s_.acc.data() + s_.head_rows[h * count_ + n] * dim_ + 32 * x;
           _mm512_storeu_ps(row, _mm512_permutex2var_ps(even, kLow, odd));
           _mm512_storeu_ps(row + 16, _mm512_permutex2var_ps(even, kHigh, odd));
@@ -127,17 +131,25 @@ class TileDecode {
 
  private:
   void accumulate_slice(int h, int slice, const int* rows, const Rows& at, Ahead& ahead) {
-    alignas(64) uint32_t weights[16 * 16];  // A: per row, its bf16 weights in the even halves, then in the odd
+    // A: per query row, its weights' bf16 high parts in the even halves, then in the odd, then their low parts
+    // (weight - high, rounded) alike: the two sum to the fp32 weight within 2^-17 of it
+    alignas(64) uint32_t weights[16 * 16];
     bool rescale = false;
     for (int i = 0; i < slice_rows_; ++i) {
-      const int n = slice * 8 + i;
-      __m512i even = _mm512_setzero_si512();  // rows past count_ pad the last slice with zero weights
+      const int n = slice * 4 + i;
+      __m512i high = _mm512_setzero_si512(), low = high;  // rows past count_ pad the last slice with zero weights
       if (n < count_) {
-        even = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s_.probs.data() + rows[n] * 16)));
+        const __m512 p = _mm512_loadu_ps(s_.probs.data() + rows[n] * 16);
+        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(p);
+        high = _mm512_cvtepu16_epi32(rounded);
+        const __m512 rest = _mm512_sub_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(high, 16)));
+        low = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(rest));
         rescale |= s_.correction[rows[n]] != 1.0f;
       }
-      _mm512_store_si512(weights + 2 * i * 16, even);
-      _mm512_store_si512(weights + (2 * i + 1) * 16, _mm512_slli_epi32(even, 16));
+      _mm512_store_si512(weights + 4 * i * 16, high);
+      _mm512_store_si512(weights + (4 * i + 1) * 16, _mm512_slli_epi32(high, 16));
+      _mm512_store_si512(weights + (4 * i + 2) * 16, low);
+      _mm512_store_si512(weights + (4 * i + 3) * 16, _mm512_slli_epi32(low, 16));
     }
     if (rescale) scale(h, slice, rows);
     _tile_loadd(3, weights, 64);
@@ -145,7 +157,7 @@ class TileDecode {
       const int n = std::min(4, chunks_ - x);
       const char* v = at.value + 64 * x;
       float* c = accumulators(h, slice, x);
-      const int64_t next = 2 * slice_rows_ * 16;  // floats from one chunk's accumulators to the next
+      const int64_t next = 4 * slice_rows_ * 16;  // floats from one chunk's accumulators to the next
       // GCC's tile intrinsics spell the tile number into their assembly, so each tile is written out
       ahead.step();
       _tile_loadd(4, c, 64);
@@ -176,16 +188,16 @@ class TileDecode {
     }
   }
 
-  // Kv head h's accumulators of one slice and one 32-element chunk: [2 rows per query row][16] floats.
+  // Kv head h's accumulators of one slice and one 32-element chunk: [4 rows per query row][16] floats.
   float* accumulators(int h, int slice, int x) {
-    return s_.acc_pairs.data() + ((static_cast<int64_t>(h) * slices_ + slice) * chunks_ + x) * 2 * slice_rows_ * 16;
+    return s_.acc_pairs.data() + ((static_cast<int64_t>(h) * slices_ + slice) * chunks_ + x) * 4 * slice_rows_ * 16;
   }
 
   void scale(int h, int slice, const int* rows) {
     for (int x = 0; x < chunks_; ++x) {
       float* c = accumulators(h, slice, x);
-      for (int i = 0; i < 2 * slice_rows_; ++i) {
-        const int n = slice * 8 + i / 2;
+      for (int i = 0; i < 4 * slice_rows_; ++i) {
+        const int n = slice * 4 + i / 4;
         if (n >= count_) break;  // padding rows stay zero
         const __m512 by = _mm512_set1_ps(s_.correction[rows[n]]);
         _mm512_storeu_ps(c + i * 16, _mm512_mul_ps(_mm512_loadu_ps(c + i * 16), by));
