@@ -34,7 +34,8 @@ LONG_CASES = [
     AttentionCase("split-prefill-chunk", q_lens=(200,), seq_lens=(2210,), group=2),
     AttentionCase("decode-fp32q-bf16kv", q_lens=(1, 1), seq_lens=(45, 130), group=2, head_dim=48,
                   kv_dtype=torch.bfloat16),
-    # fp32/bf16 caches run every tile on the decode path: 128 rows per kv head (one kv head), 64 (two)
+    # fp32 caches run every tile on the decode path, 128 rows per kv head (one kv head) or 64 (two); bf16 too where the
+    # AMX tiles run it (elsewhere from 8 rows on the panels)
     AttentionCase("decode-path-128-rows", q_lens=(150, 1), seq_lens=(300, 40), num_kv_heads=1, group=8),
     AttentionCase("decode-path-128-rows-bf16", q_lens=(140,), seq_lens=(333,), num_kv_heads=1, group=4, head_dim=64,
                   dtype=torch.bfloat16, sliding_window=100),

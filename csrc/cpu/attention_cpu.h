@@ -22,12 +22,15 @@ constexpr int kSplitKeys = 2048;
 constexpr int kMinSplitKeys = 512;
 constexpr int kTasksWanted = 8;
 constexpr int kPanel = 16;            // keys per transposed panel in the many-rows score path
-// Rows per kv head from which a task takes the panel path instead of the decode path. fp32 and bf16 caches: never
-// (past kMaxRowsPerTask). On the Xeon the decode path was faster at every count to 128 (2026-11-29): 1.5-1.8x (fp32)
-// and, on AMX tiles, 2.5-4x (bf16); the panels' last win was against an older decode path (EPYC, 2026-11-22).
-// fp16 and fp8 caches: 8, as measured then; their decode path converts K once per four rows, the panels once.
-inline int panel_min_rows(int32_t kv_dtype) {
-  return kv_dtype == PB_F32 || kv_dtype == PB_BF16 ? kMaxRowsPerTask + 1 : 8;
+// Rows per kv head from which a task takes the panel path instead of the decode path (`tiles`: a bf16 query over a
+// bf16 cache on AMX tiles, attention_tiles.h). fp32 caches and the tiles: never (past kMaxRowsPerTask). On the Xeon
+// the decode path was faster at every count to 128 (2026-11-29): 1.5-1.8x in fp32, 2.5-4x on the tiles; the panels'
+// last win was against an older decode path (EPYC, 2026-11-22). Other caches: 8, as measured then. bf16 without the
+// tiles stays there because its vector decode path rounds the softmax weights to bf16 once, where the panels keep
+// them fp32: prefill weights rounded once put the real model's first bf16 answer token on a tie. fp16 and fp8: their
+// decode path converts K once per four rows, the panels once.
+inline int panel_min_rows(int32_t kv_dtype, bool tiles) {
+  return kv_dtype == PB_F32 || tiles ? kMaxRowsPerTask + 1 : 8;
 }
 constexpr int kAheadGroups = 2;       // decode asks for the K/V this many groups of sixteen keys ahead
 constexpr int kAheadLines = 2;        // cache lines of K and of V asked for per step of the decode loops

@@ -1,5 +1,5 @@
 // The CPU attention kernel's decode path: named for decode, it runs every tile under panel_min_rows rows per kv head
-// (attention_cpu.h): all of them over fp32 and bf16 caches, prefill included. Included by paged_attention_cpu.cpp.
+// (attention_cpu.h): all of them over fp32 caches and bf16 ones on AMX tiles, prefill included. Included by paged_attention_cpu.cpp.
 #pragma once
 
 #include <optional>

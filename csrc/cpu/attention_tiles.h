@@ -22,6 +22,13 @@
 #include "amx.h"
 #include "attention_cpu.h"
 
+namespace {
+
+// Whether a bf16 query over a bf16 cache of this head_dim runs on the tiles (false where this build has none).
+inline bool tiles_take(const PbCpuAttentionArgs& a);
+
+}  // namespace
+
 #if defined(PB_AMX)
 
 namespace {
@@ -214,3 +221,16 @@ class TileDecode {
 }  // namespace
 
 #endif
+
+namespace {
+
+inline bool tiles_take(const PbCpuAttentionArgs& a) {
+#if defined(PB_AMX)
+  return a.q_dtype == PB_BF16 && a.kv_dtype == PB_BF16 && TileDecode::fits(a.head_dim);
+#else
+  (void)a;
+  return false;
+#endif
+}
+
+}  // namespace

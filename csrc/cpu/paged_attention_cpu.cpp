@@ -5,9 +5,9 @@
 // merged after (flash-decoding's split), so that one long sequence decodes on every core. Keys are visited block
 // by block with an online softmax (one rescale per block), so nothing is gathered or padded: each task reads its
 // context once, which is what bounds decode.
-// Over fp32 and bf16 caches every tile, prefill included, goes sixteen keys at a time per kv head
-// (attention_decode.h; on AMX tiles for bf16, attention_tiles.h). Over fp16 and fp8 caches, tiles of 8 or more rows
-// per kv head take transposed 16-key panels against four rows at a time (panel_blocks, here). Values
+// Over fp32 caches, and bf16 on AMX tiles (attention_tiles.h), every tile, prefill included, goes sixteen keys at a
+// time per kv head (attention_decode.h). Over other caches, tiles of 8 or more rows per kv head take transposed
+// 16-key panels against four rows at a time (panel_blocks, here): see panel_min_rows. Values
 // are accumulated four rows at a time with the accumulators in registers. Math is fp32; the argument struct, the
 // dtype conversions and the scratch both paths share are in attention_cpu.h.
 //
@@ -238,7 +238,7 @@ void run_task(const PbCpuAttentionArgs& a, const Task& task, Partials& partials,
       for (int g = 0; g < group; ++g) s.head_rows[n++] = i * heads + h * group + g;
   const size_t q_elem = element_size(a.q_dtype);
   const float q_scale = a.scale * a.k_scale;
-  const bool decode = tokens * group < panel_min_rows(a.kv_dtype);  // else the panel path
+  const bool decode = tokens * group < panel_min_rows(a.kv_dtype, tiles_take(a));  // else the panel path
   const bool raw_bf16 = decode && a.q_dtype == PB_BF16;  // the decode path's pair dot products read these rows
 
   for (int i = 0; i < tokens; ++i) {
