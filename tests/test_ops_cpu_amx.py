@@ -19,15 +19,15 @@ BF16 = torch.bfloat16
 CASES = [
     # Llama-3-8B's heads: four rows per kv head, a whole group, partial last groups, 4 tile steps
     AttentionCase("d128-g4", q_lens=(1, 1, 1), seq_lens=(16, 45, 300), group=4, head_dim=128, dtype=BF16),
-    # short drafts: one to seven rows per kv head (the C tiles' rows), 2 tile steps
+    # short drafts: one, three and seven rows per kv head (slices of four, the last padded), 2 tile steps
     AttentionCase("d64-g1-drafts", q_lens=(1, 3, 7), seq_lens=(20, 50, 90), group=1, head_dim=64, dtype=BF16),
-    # 9-16 rows per kv head: the values in two halves of eight rows, the second padded with zero weights
+    # 9-16 rows per kv head: the values in three or four slices of four rows, a last partial one padded with zeros
     AttentionCase("d128-g4-9-to-16-rows", q_lens=(3, 4, 1), seq_lens=(40, 130, 77), group=4, head_dim=128,
                   dtype=BF16),
     AttentionCase("d64-g8-two-tokens", q_lens=(2, 1), seq_lens=(50, 33), group=8, head_dim=64, dtype=BF16,
                   softcap=4.0),
     AttentionCase("d96-g2-ten-rows-bs8", q_lens=(5,), seq_lens=(61,), group=2, head_dim=96, block_size=8, dtype=BF16),
-    # prefill tiles of 30 and 64 rows per kv head: scores in passes of 16 rows, values in slices of 8, the last of
+    # prefill tiles of 30 and 64 rows per kv head: scores in passes of 16 rows, values in slices of 4, the last of
     # each padded
     AttentionCase("d64-g1-prefill-30-rows", q_lens=(30,), seq_lens=(100,), group=1, head_dim=64, dtype=BF16),
     AttentionCase("d128-g4-prefill-64-rows", q_lens=(40, 1), seq_lens=(90, 20), group=4, head_dim=128, dtype=BF16,
