@@ -136,8 +136,7 @@ struct Scratch {
   Scratch(int rows, int dim, int block_size)
       : dim(dim), q(rows * dim), acc(rows * dim), max(rows), sum(rows), scores(rows * block_size), key(rows * dim),
         values(block_size * dim), panel(dim * kPanel), head_rows(rows), value_rows(block_size),
-        probs(rows * 16), correction(rows), q16(rows * dim), q_pairs(rows * dim),
-        acc_pairs(4 * rows * dim), tile_rows(32 * dim) {}
+        probs(rows * 16), correction(rows), q16(rows * dim) {}  // the tiles size their own
 };
 
 // 16 floats as one GCC/Clang vector: a zmm register with AVX-512, two ymm without; the hot loops below use it so

@@ -1,5 +1,6 @@
 // The CPU attention kernel's decode path: named for decode, it runs every tile under panel_min_rows rows per kv head
-// (attention_cpu.h): all of them over fp32 caches and bf16 ones on AMX tiles, prefill included. Included by paged_attention_cpu.cpp.
+// (attention_cpu.h): all of them over fp32 caches and bf16 ones on AMX tiles, prefill included. Included by
+// paged_attention_cpu.cpp.
 #pragma once
 
 #include <optional>
@@ -344,7 +345,7 @@ void decode_blocks(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, co
 #if defined(PB_AMX)
   std::optional<TileDecode> tiles;  // bf16 on AMX tiles (attention_tiles.h)
   if constexpr (kPairs<L>)
-    if (TileDecode::fits(dim)) tiles.emplace(s, a.num_kv_heads, count, dim);
+    if (tiles_take(a)) tiles.emplace(s, a.num_kv_heads, count, dim);  // the rule run_task chose the path by
   const int64_t key_stride = a.k_stride_slot * static_cast<int64_t>(elem);
   const int64_t value_stride = a.v_stride_slot * static_cast<int64_t>(elem);
 #endif

@@ -22,24 +22,15 @@
 #include "amx.h"
 #include "attention_cpu.h"
 
-namespace {
-
-// Whether a bf16 query over a bf16 cache of this head_dim runs on the tiles (false where this build has none).
-inline bool tiles_take(const PbCpuAttentionArgs& a);
-
-}  // namespace
-
 #if defined(PB_AMX)
 
 namespace {
 
 class TileDecode {
  public:
-  // Taken for head_dim a multiple of 32, at any number of rows per kv head: the scores' C tile has 16 columns, so
-  // more rows are scored in passes of 16; the values' C tiles hold 4 rows per query row, so more than 4 rows go
-  // through them in slices of 4. A last pass or slice is padded with zero queries or weights.
-  static bool fits(int dim) { return dim % 32 == 0 && pb_amx::in_use(); }
-
+  // Any number of rows per kv head: the scores' C tile has 16 columns, so more rows are scored in passes of 16; the
+  // values' C tiles hold 4 rows per query row, so more than 4 rows go through them in slices of 4. A last pass or
+  // slice is padded with zero queries or weights. The scratch it needs is sized here, on the tasks that use it.
   TileDecode(Scratch& s, int kv_heads, int rows_per_head, int dim)
       : s_(s), kv_heads_(kv_heads), count_(rows_per_head), dim_(dim), chunks_(dim / 32),
         columns_(std::min(rows_per_head, 16)), passes_((rows_per_head + 15) / 16),
@@ -59,6 +50,9 @@ class TileDecode {
     _tile_loadconfig(&config);
     // [kv head][pass][step][pair][column]: elements 32 * step + 2 * pair, + 1 of row 16 * pass + column (0 past
     // the last row)
+    s.q_pairs.resize(static_cast<size_t>(kv_heads) * passes_ * chunks_ * 16 * columns_);
+    s.acc_pairs.assign(static_cast<size_t>(kv_heads) * slices_ * slice_rows_ * 2 * dim, 0.0f);
+    s.tile_rows.resize(32 * static_cast<size_t>(dim));
     uint32_t* out = s.q_pairs.data();
     for (int h = 0; h < kv_heads; ++h)
       for (int pass = 0; pass < passes_; ++pass)
@@ -69,7 +63,6 @@ class TileDecode {
                 std::memcpy(out, s.q16.data() + s.head_rows[h * count_ + n] * dim + 32 * step + 2 * pair, 4);
               else
                 *out = 0;
-    std::fill(s.acc_pairs.begin(), s.acc_pairs.begin() + kv_heads * slices_ * slice_rows_ * 2 * dim, 0.0f);
   }
 
   TileDecode(const TileDecode&) = delete;
@@ -218,19 +211,19 @@ class TileDecode {
   int slice_rows_, slices_;  // the values' rows per slice, and slices over the rows
 };
 
-}  // namespace
-
-#endif
-
-namespace {
-
+// Whether a bf16 query over a bf16 cache runs on the tiles: head_dim a multiple of 32, the tiles granted and on.
 inline bool tiles_take(const PbCpuAttentionArgs& a) {
-#if defined(PB_AMX)
-  return a.q_dtype == PB_BF16 && a.kv_dtype == PB_BF16 && TileDecode::fits(a.head_dim);
-#else
-  (void)a;
-  return false;
-#endif
+  return a.q_dtype == PB_BF16 && a.kv_dtype == PB_BF16 && a.head_dim % 32 == 0 && pb_amx::in_use();
 }
 
 }  // namespace
+
+#else
+
+namespace {
+
+inline bool tiles_take(const PbCpuAttentionArgs&) { return false; }  // this build has no tiles
+
+}  // namespace
+
+#endif
