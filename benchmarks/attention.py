@@ -8,7 +8,10 @@ H200 4.8 TB/s, detected by name; --peak-tbps overrides).
 
 CPU (--device cpu): the fused cpu kernel and the torch oracle, paged, against SDPA on contiguous KV, float32 (or
 --cpu-dtype bfloat16). Each decode row also times a sequential sum over a buffer of the same bytes (best of the same
-calls): the streaming bound a pass over that much memory meets on this core, and the kernel's share of it. And it
+calls): the streaming bound a pass over that much memory meets on this core, and the kernel's share of it. Beside
+it, a bare read of the same blocks in the tables' order, each front to back (`ops.cpu.read_blocks`: no math, no
+software prefetch, so the kernel, which asks for its blocks ahead, can pass it): what scattered blocks stream at,
+below a sequential pass, the more so the fewer bytes a block holds. And it
 times the kernel on the same batch with a block table that cycles over a few blocks, which stay in the core's cache:
 the rate its arithmetic allows. Below the streaming bound, the kernel is compute-bound at that shape. The pools lie
 on ordinary pages, as the engine's do by default; a last column times a copy on 2 MiB pages (what
@@ -131,6 +134,13 @@ def on_huge_pages(b: DecodeBatch) -> DecodeBatch | None:
     return dataclasses.replace(b, key_cache=key_cache, value_cache=value_cache)
 
 
+def block_order_read(b: DecodeBatch) -> Callable[[], int]:
+    """A bare read of the batch's blocks in its tables' order, each block front to back: what scattered blocks stream
+    at (below a sequential pass: the hardware prefetchers restart at each)."""
+    blocks = b.block_tables.flatten().contiguous()
+    return lambda: cpu_ops.read_blocks(b.key_cache, b.value_cache, blocks)
+
+
 def without_amx(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     """`fn` on the AVX-512 path: AMX tiles off for the call, on again after."""
 
@@ -239,7 +249,7 @@ def cpu_table(args: argparse.Namespace) -> list[str]:
     dtype = getattr(torch, args.cpu_dtype)
     header = ["batch", "context", "KV MiB", "cpu kernel ms", "torch oracle ms", "sdpa contiguous ms",
               "cpu / contiguous", "oracle / contiguous", "cpu kernel GB/s", "sequential sum GB/s", "cpu % of sum",
-              "cpu cache-resident GB/s", "cpu on 2 MiB pages GB/s", "cpu AVX-512 path GB/s (AMX off)"]
+              "block-order read GB/s", "cpu % of block-order read", "cpu cache-resident GB/s", "cpu on 2 MiB pages GB/s", "cpu AVX-512 path GB/s (AMX off)"]
     amx = dtype == torch.bfloat16 and cpu_ops.amx_tiles()  # the tiles run bf16 decode: time the path they replace
     lines = [f"CPU, {args.cpu_dtype}, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, head dim {HEAD_DIM}, "
              f"{torch.get_num_threads()} threads, best of {args.iters}; shuffled block tables, block size "
@@ -252,7 +262,8 @@ def cpu_table(args: argparse.Namespace) -> list[str]:
             b = make_batch(batch, context, args.block_size, dtype, "cpu")
             stream = torch.randn(b.kv_bytes // 4)  # the same bytes, read front to back
             candidates = {"cpu": paged(b, "cpu"), "torch": paged(b, "torch"), "sdpa": sdpa_contiguous(b),
-                          "sum": stream.sum, "resident": paged(cache_resident(b), "cpu")}
+                          "sum": stream.sum, "resident": paged(cache_resident(b), "cpu"),
+                          "blocks": block_order_read(b)}
             huge = on_huge_pages(b)
             if huge is not None:
                 candidates["huge pages"] = paged(huge, "cpu")
@@ -263,7 +274,8 @@ def cpu_table(args: argparse.Namespace) -> list[str]:
             lines.append(_row([batch, context, f"{b.kv_bytes / 2**20:.0f}", f"{cpu_ms:.2f}", f"{torch_ms:.2f}",
                                f"{sdpa_ms:.2f}", f"{cpu_ms / sdpa_ms:.2f}", f"{torch_ms / sdpa_ms:.2f}",
                                f"{b.kv_bytes / cpu_ms / 1e6:.1f}", f"{b.kv_bytes / sum_ms / 1e6:.1f}",
-                               f"{100 * sum_ms / cpu_ms:.0f}%", f"{b.kv_bytes / times['resident'] / 1e6:.1f}",
+                               f"{100 * sum_ms / cpu_ms:.0f}%", f"{b.kv_bytes / times['blocks'] / 1e6:.1f}",
+                               f"{100 * times['blocks'] / cpu_ms:.0f}%", f"{b.kv_bytes / times['resident'] / 1e6:.1f}",
                                f"{b.kv_bytes / times['huge pages'] / 1e6:.1f}" if huge is not None else "n/a",
                                f"{b.kv_bytes / times['avx-512'] / 1e6:.1f}" if amx else "n/a"]))
             del b, stream, huge

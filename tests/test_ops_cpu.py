@@ -200,3 +200,21 @@ def test_step_attention_equals_the_dispatcher_for_every_layer(backend):
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_order_read_reads_exactly_the_tables_blocks(dtype):
+    """benchmarks/attention.py's bound for scattered blocks: every word of each listed block of both pools, once."""
+    gen = torch.Generator().manual_seed(3)
+    key, value = (torch.randn(40, 16, 3, 64, generator=gen).to(dtype) for _ in range(2))
+    blocks = torch.randperm(39, generator=gen)[:17] + 1
+
+    def words(pool: torch.Tensor) -> int:
+        return int(pool[blocks].contiguous().view(torch.int32).to(torch.int64).sum())
+
+    assert cpu.read_blocks(key, value, blocks) == (words(key) + words(value)) % 2**32
+    assert cpu.read_blocks(key, value, blocks[:0]) == 0
+    with pytest.raises(ValueError, match=r"block ids must lie in \[0, 40\)"):
+        cpu.read_blocks(key, value, torch.tensor([40]))
+    with pytest.raises(ValueError, match="contiguous CPU pools"):
+        cpu.read_blocks(key.transpose(1, 2), value.transpose(1, 2), blocks)

@@ -78,6 +78,8 @@ def _library() -> ctypes.CDLL:
     lib.pb_cpu_error_string.restype = ctypes.c_char_p
     lib.pb_cpu_amx.argtypes = [I32]
     lib.pb_cpu_amx.restype = I32
+    lib.pb_cpu_read_blocks.argtypes = [PTR, PTR, PTR, I64, I64, I32]
+    lib.pb_cpu_read_blocks.restype = ctypes.c_uint32
     sizes = {AttentionArgs: "pb_cpu_attention_args_size", CacheWriteArgs: "pb_cpu_cache_write_args_size"}
     check_layouts(lib, sizes, "csrc/cpu")
     if not env_flag(AMX_SWITCH, True):
@@ -90,6 +92,24 @@ def amx_tiles(use: bool | None = None) -> bool:
     OS allow them, False keeps the AVX-512 code (a process-wide switch, for comparisons: the two sum in other
     orders)."""
     return bool(_library().pb_cpu_amx(-1 if use is None else int(use)))
+
+
+def read_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, blocks: torch.Tensor) -> int:
+    """Reads `blocks` of two contiguous `[num_blocks, ...]` pools in that order, each block front to back, as decode
+    attention's table order asks for them and with nothing else to do: benchmarks/attention.py's bound for the
+    access pattern. Returns the wrapping 32-bit sum of the words read (a test checks it against torch)."""
+    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+        raise ValueError("read_blocks takes a K and a V pool of one shape and dtype")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()) or key_cache.device.type != "cpu":
+        raise ValueError("read_blocks takes contiguous CPU pools")
+    block_bytes = key_cache[0].numel() * key_cache.element_size()
+    if block_bytes % 4:
+        raise ValueError(f"read_blocks reads 32-bit words; a block of {block_bytes} bytes is not a whole number")
+    ids = blocks.to(torch.int32).contiguous()
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < key_cache.shape[0]:
+        raise ValueError(f"read_blocks: block ids must lie in [0, {key_cache.shape[0]})")
+    return _library().pb_cpu_read_blocks(key_cache.data_ptr(), value_cache.data_ptr(), ids.data_ptr(), ids.numel(),
+                                         block_bytes, torch.get_num_threads())
 
 
 def unavailable_reason() -> str | None:
