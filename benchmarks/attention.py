@@ -7,16 +7,16 @@ Bandwidth = K+V bytes read / kernel time; % of peak uses the GPU's HBM bandwidth
 H200 4.8 TB/s, detected by name; --peak-tbps overrides).
 
 CPU (--device cpu): the fused cpu kernel and the torch oracle, paged, against SDPA on contiguous KV, float32 (or
---cpu-dtype bfloat16). Each decode row also times a sequential sum over a buffer of the same bytes (best of the same
-calls): the streaming bound a pass over that much memory meets on this core, and the kernel's share of it. Beside
-it, a bare read of the same blocks in the tables' order, each front to back (`ops.cpu.read_blocks`: no math, no
-software prefetch, so the kernel, which asks for its blocks ahead, can pass it): what scattered blocks stream at,
-below a sequential pass, the more so the fewer bytes a block holds. And it
-times the kernel on the same batch with a block table that cycles over a few blocks, which stay in the core's cache:
-the rate its arithmetic allows. Below the streaming bound, the kernel is compute-bound at that shape. The pools lie
-on ordinary pages, as the engine's do by default; a last column times a copy on 2 MiB pages (what
-PAGED_BACKEND_KV_HUGE_PAGES=1 gives the engine, core/huge_pages.py). On CPUs with AMX, bf16 decode runs on the
-tiles (csrc/cpu/attention_tiles.h); a column times the same calls on the AVX-512 path it replaces.
+--cpu-dtype bfloat16 or float16, prefill table included). Each decode row also times a sequential sum over a buffer of
+the same bytes (best of the same calls): the streaming bound a pass over that much memory meets on this core, and the
+kernel's share of it. Beside it, a bare read of the same blocks in the tables' order, each front to back
+(`ops.cpu.read_blocks`: no math, no software prefetch, so the kernel, which asks for its blocks ahead, can pass it):
+what scattered blocks stream at, below a sequential pass, the more so the fewer bytes a block holds. And it times the
+kernel on the same batch with a block table that cycles over a few blocks, which stay in the core's cache: the rate
+its arithmetic allows. Below the streaming bound, the kernel is compute-bound at that shape. The pools lie on ordinary
+pages, as the engine's do by default; a last column times a copy on 2 MiB pages (what PAGED_BACKEND_KV_HUGE_PAGES=1
+gives the engine, core/huge_pages.py). On CPUs with AMX, bf16 decode runs on the tiles (csrc/cpu/attention_tiles.h); a
+column times the same calls on the AVX-512 path it replaces.
 --geometry smollm2-135m uses the real model's heads (9 q, 3 kv, dim 64) instead of Llama-3-8B's.
 
     python benchmarks/attention.py                            # GPU grid
@@ -282,10 +282,10 @@ def cpu_table(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def prefill_calls(batch: int, prompt: int, block_size: int) -> dict[str, Callable[[], torch.Tensor]]:
+def prefill_calls(batch: int, prompt: int, block_size: int, dtype: torch.dtype) -> dict[str, Callable[[], torch.Tensor]]:
     """Every token of `batch` prompts attends causally: paged (cpu kernel, oracle) and contiguous SDPA."""
-    b = make_batch(batch, prompt, block_size, torch.float32, "cpu")
-    query = torch.randn(batch * prompt, NUM_Q_HEADS, HEAD_DIM)
+    b = make_batch(batch, prompt, block_size, dtype, "cpu")
+    query = torch.randn(batch * prompt, NUM_Q_HEADS, HEAD_DIM).to(dtype)
     starts = torch.arange(batch + 1, dtype=torch.int32) * prompt
     dense_query = query.view(batch, prompt, NUM_Q_HEADS, HEAD_DIM).transpose(1, 2)
     scale = HEAD_DIM**-0.5
@@ -303,9 +303,11 @@ def prefill_calls(batch: int, prompt: int, block_size: int) -> dict[str, Callabl
 
 def cpu_prefill_table(args: argparse.Namespace) -> list[str]:
     header = ["batch", "prompt", "cpu kernel ms", "torch oracle ms", "sdpa causal ms", "cpu / sdpa", "oracle / sdpa"]
-    lines = ["", "Prefill (causal, q_len = prompt length):", "", _row(header), _row(["---"] * len(header))]
+    lines = ["", f"Prefill (causal, q_len = prompt length, {args.cpu_dtype}):", "", _row(header),
+             _row(["---"] * len(header))]
     for batch, prompt in ((1, 512), (4, 512)):
-        times = time_all(prefill_calls(batch, prompt, args.block_size), "cpu", args.iters)
+        times = time_all(prefill_calls(batch, prompt, args.block_size, getattr(torch, args.cpu_dtype)), "cpu",
+                         args.iters)
         lines.append(_row([batch, prompt, f"{times['cpu']:.2f}", f"{times['torch']:.2f}", f"{times['sdpa']:.2f}",
                            f"{times['cpu'] / times['sdpa']:.2f}", f"{times['torch'] / times['sdpa']:.2f}"]))
     return lines
@@ -327,8 +329,8 @@ def main() -> None:
                         help="CPU threads (torch.set_num_threads); 1 keeps timings stable on a shared machine")
     parser.add_argument("--output", default=None, help="also write the markdown table to this file")
     parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="llama3-8b", help="attention heads")
-    parser.add_argument("--cpu-dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="query and KV dtype of the CPU decode table")
+    parser.add_argument("--cpu-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="query and KV dtype of the CPU decode and prefill tables")
     parser.add_argument("--no-prefill", action="store_true", help="CPU: leave out the prefill table")
     args = parser.parse_args()
     global NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM

@@ -25,6 +25,7 @@ from paged_backend.ops import cpu
 from paged_backend.worker.batch_invariant import BatchInvariantLinears, tiled_elementwise
 from paged_backend.worker.default_model import TINY_MODEL
 from paged_backend.worker.packed_linear import PackedLinears, packs
+from tests._ops_cases import FP8
 from tests._server_helpers import server_fixture
 
 SHARED = [(7 * i) % 250 + 1 for i in range(32)]  # two full 16-token blocks: the prefix the warm-up request caches
@@ -265,7 +266,7 @@ def pool(num_blocks=40, block_size=16, kv_heads=2, head_dim=64, dtype=torch.floa
 ATTENTION_CASES = [
     pytest.param("cpu", 4, torch.float32, None, None, 70, id="g4"),
     pytest.param("cpu", 8, torch.float32, None, None, 70, id="g8"),
-    pytest.param("cpu", 8, torch.float16, None, None, 70, id="g8-fp16-panel"),  # fp16 caches take panels from 8 rows
+    pytest.param("cpu", 8, (torch.float16, FP8), None, None, 70, id="g8-fp8-panel"),  # fp8 caches: panels from 8 rows
     pytest.param("cpu", 4, torch.bfloat16, 20, None, 70, id="bf16-window"),
     pytest.param("cpu", 1, torch.float32, None, 5.0, 70, id="g1-softcap"),
     # contexts the kernel cuts into parts of 2048 keys, merged after; a window that starts inside a part
@@ -285,7 +286,8 @@ def test_attention_rows_are_the_same_in_prefill_chunks_decode_and_batches(
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     kernel = ops.triton.paged_attention if backend == "triton" else cpu.paged_attention
     blocks = -(-length // 16)
-    keys, values = (pool_part.to(device) for pool_part in pool(num_blocks=blocks + 8, dtype=dtype))
+    dtype, kv_dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype)  # the query's, the cache's
+    keys, values = (pool_part.to(device) for pool_part in pool(num_blocks=blocks + 8, dtype=kv_dtype))
     table = (torch.randperm(blocks + 7, generator=torch.Generator().manual_seed(1))[:blocks] + 1).to(torch.int32)[None]
     table = table.to(device)
     query = torch.randn(length, 2 * group, 64).to(dtype).to(device)
@@ -359,9 +361,9 @@ def test_the_default_mode_keeps_its_fast_paths(monkeypatch):
     assert isinstance(llm.engine.runner.packed, PackedLinears) and not ops.batch_invariant_enabled()
     invariant = LLM(TINY_MODEL, device="cpu", num_blocks=16, batch_invariant=True)
     assert isinstance(invariant.engine.runner.packed, BatchInvariantLinears)
-    # the kernel's default tiles (shared K/V loads; the panel score path, which fp16 caches take from 8 rows per kv
+    # the kernel's default tiles (shared K/V loads; the panel score path, which fp8 caches take from 8 rows per kv
     # head) are still what a plain call runs
-    keys, values = pool(dtype=torch.float16)
+    keys, values = pool(dtype=FP8)
     args = (torch.randn(70, 8, 64).half(), keys, values, torch.tensor([[3, 17, 9, 30, 1]], dtype=torch.int32),
             torch.tensor([70], dtype=torch.int32), torch.tensor([0, 70], dtype=torch.int32), 0.125)  # fmt: skip
     assert torch.equal(cpu.paged_attention(*args), cpu.paged_attention(*args, invariant=False))

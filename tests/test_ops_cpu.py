@@ -34,15 +34,17 @@ LONG_CASES = [
     AttentionCase("split-prefill-chunk", q_lens=(200,), seq_lens=(2210,), group=2),
     AttentionCase("decode-fp32q-bf16kv", q_lens=(1, 1), seq_lens=(45, 130), group=2, head_dim=48,
                   kv_dtype=torch.bfloat16),
-    # fp32 caches run every tile on the decode path, 128 rows per kv head (one kv head) or 64 (two); bf16 too where the
-    # AMX tiles run it (elsewhere from 8 rows on the panels)
+    # fp32 and fp16 caches run every tile on the decode path, 128 rows per kv head (one kv head) or 64 (two); bf16 too
+    # where the AMX tiles run it (elsewhere from 8 rows on the panels)
     AttentionCase("decode-path-128-rows", q_lens=(150, 1), seq_lens=(300, 40), num_kv_heads=1, group=8),
+    AttentionCase("decode-path-128-rows-fp16", q_lens=(150, 1), seq_lens=(300, 40), num_kv_heads=1, group=8,
+                  dtype=torch.float16, softcap=5.0),
     AttentionCase("decode-path-128-rows-bf16", q_lens=(140,), seq_lens=(333,), num_kv_heads=1, group=4, head_dim=64,
                   dtype=torch.bfloat16, sliding_window=100),
     AttentionCase("decode-path-64-rows", q_lens=(70,), seq_lens=(200,), group=4, head_dim=64),
-    # fp16 and fp8 caches keep the panel path from 8 rows per kv head
-    AttentionCase("panel-fp16-one-kv-head", q_lens=(150, 1), seq_lens=(300, 40), num_kv_heads=1, group=8,
-                  dtype=torch.float16, softcap=5.0),
+    # fp8 caches keep the panel path from 8 rows per kv head
+    AttentionCase("panel-fp8-one-kv-head", q_lens=(150, 1), seq_lens=(300, 40), num_kv_heads=1, group=8,
+                  dtype=torch.float16, kv_dtype=FP8, k_scale=0.05, v_scale=0.02, softcap=5.0),
 ]
 
 
@@ -218,3 +220,4 @@ def test_block_order_read_reads_exactly_the_tables_blocks(dtype):
         cpu.read_blocks(key, value, torch.tensor([40]))
     with pytest.raises(ValueError, match="contiguous CPU pools"):
         cpu.read_blocks(key.transpose(1, 2), value.transpose(1, 2), blocks)
+
