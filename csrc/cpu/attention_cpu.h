@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "fp8.h"
 #include "kernels.h"
 #include "vector_exp.h"
 
@@ -35,37 +36,17 @@ inline int panel_min_rows(int32_t kv_dtype, bool tiles) {
 constexpr int kAheadGroups = 2;       // decode asks for the K/V this many groups of sixteen keys ahead
 constexpr int kAheadLines = 2;        // cache lines of K and of V asked for per step of the decode loops
 
-float fp8_e4m3_to_float(uint8_t bits) {
-  const int sign = bits >> 7, exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;
-  float magnitude;
-  if (exponent == 0xF && mantissa == 0x7) {
-    magnitude = std::numeric_limits<float>::quiet_NaN();
-  } else if (exponent == 0) {
-    magnitude = std::ldexp(mantissa / 8.0f, -6);
-  } else {
-    magnitude = std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
-  }
-  return sign ? -magnitude : magnitude;
-}
 
-// e5m2 is the top byte of an fp16 number
-inline float fp8_e5m2_to_float(uint8_t bits) {
-  const uint16_t half_bits = static_cast<uint16_t>(bits) << 8;
-  _Float16 half;
-  std::memcpy(&half, &half_bits, sizeof(half));
-  return static_cast<float>(half);
-}
-
-struct Fp8Tables {  // every byte of both fp8 formats, decoded once
-  float e4m3[256], e5m2[256];
-  Fp8Tables() {
-    for (int i = 0; i < 256; ++i) {
-      e4m3[i] = fp8_e4m3_to_float(static_cast<uint8_t>(i));
-      e5m2[i] = fp8_e5m2_to_float(static_cast<uint8_t>(i));
-    }
+template <int32_t CODE>
+inline const float* load_fp8_row(const uint8_t* bytes, int n, float* dst) {
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const fp8_f32x16 values = fp8x16_to_float<CODE>(bytes + i);
+    std::memcpy(dst + i, &values, sizeof(values));
   }
-};
-const Fp8Tables kFp8;
+  for (; i < n; ++i) dst[i] = CODE == PB_FP8_E4M3 ? fp8_e4m3_to_float(bytes[i]) : fp8_e5m2_to_float(bytes[i]);
+  return dst;
+}
 
 // `n` elements of dtype `code` at `src` as floats in `dst`; fp32 rows are returned in place.
 inline const float* load_row(const void* src, int32_t code, int n, float* dst) {
@@ -82,12 +63,10 @@ inline const float* load_row(const void* src, int32_t code, int n, float* dst) {
       for (int i = 0; i < n; ++i) dst[i] = bf16_to_float(bits[i]);
       return dst;
     }
-    default: {
-      auto* bytes = static_cast<const uint8_t*>(src);
-      const float* table = code == PB_FP8_E4M3 ? kFp8.e4m3 : kFp8.e5m2;
-      for (int i = 0; i < n; ++i) dst[i] = table[bytes[i]];
-      return dst;
-    }
+    case PB_FP8_E4M3:
+      return load_fp8_row<PB_FP8_E4M3>(static_cast<const uint8_t*>(src), n, dst);
+    default:
+      return load_fp8_row<PB_FP8_E5M2>(static_cast<const uint8_t*>(src), n, dst);
   }
 }
 

@@ -58,12 +58,7 @@ constexpr bool kPairs<Bf16Pairs> = true;
 template <int32_t CODE>
 struct KvFp8 {
   static constexpr int32_t code = CODE;
-  static v16f load(const char* p) {
-    const float* table = CODE == PB_FP8_E4M3 ? kFp8.e4m3 : kFp8.e5m2;
-    float out[16];
-    for (int i = 0; i < 16; ++i) out[i] = table[reinterpret_cast<const uint8_t*>(p)[i]];
-    return load16(out);
-  }
+  static v16f load(const char* p) { return fp8x16_to_float<CODE>(reinterpret_cast<const uint8_t*>(p)); }
 };
 template <>
 struct Kv<PB_FP8_E4M3> : KvFp8<PB_FP8_E4M3> {};

@@ -41,7 +41,7 @@ def find_compiler() -> str | None:
 
 SOURCES = ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "panel_linear_cpu.cpp", "decoder_layers_cpu.cpp",
            "argmax_cpu.cpp", "amx_cpu.cpp", "block_reads_cpu.cpp")
-HEADERS = ("kernels.h", "vector_exp.h", "bf16.h", "amx.h", "attention_cpu.h", "attention_decode.h",
+HEADERS = ("kernels.h", "vector_exp.h", "bf16.h", "fp8.h", "amx.h", "attention_cpu.h", "attention_decode.h",
            "attention_tiles.h")
 
 
