@@ -266,7 +266,7 @@ def pool(num_blocks=40, block_size=16, kv_heads=2, head_dim=64, dtype=torch.floa
 ATTENTION_CASES = [
     pytest.param("cpu", 4, torch.float32, None, None, 70, id="g4"),
     pytest.param("cpu", 8, torch.float32, None, None, 70, id="g8"),
-    pytest.param("cpu", 8, (torch.float16, FP8), None, None, 70, id="g8-fp8-panel"),  # fp8 caches: panels from 8 rows
+    pytest.param("cpu", 8, (torch.float16, FP8), None, None, 70, id="g8-fp8-panel"),  # fp8 caches: panels from 32 rows
     pytest.param("cpu", 4, torch.bfloat16, 20, None, 70, id="bf16-window"),
     pytest.param("cpu", 1, torch.float32, None, 5.0, 70, id="g1-softcap"),
     # contexts the kernel cuts into parts of 2048 keys, merged after; a window that starts inside a part
@@ -361,7 +361,7 @@ def test_the_default_mode_keeps_its_fast_paths(monkeypatch):
     assert isinstance(llm.engine.runner.packed, PackedLinears) and not ops.batch_invariant_enabled()
     invariant = LLM(TINY_MODEL, device="cpu", num_blocks=16, batch_invariant=True)
     assert isinstance(invariant.engine.runner.packed, BatchInvariantLinears)
-    # the kernel's default tiles (shared K/V loads; the panel score path, which fp8 caches take from 8 rows per kv
+    # the kernel's default tiles (shared K/V loads; the panel score path, which fp8 caches take from 32 rows per kv
     # head) are still what a plain call runs
     keys, values = pool(dtype=FP8)
     args = (torch.randn(70, 8, 64).half(), keys, values, torch.tensor([[3, 17, 9, 30, 1]], dtype=torch.int32),

@@ -42,7 +42,7 @@ LONG_CASES = [
     AttentionCase("decode-path-128-rows-bf16", q_lens=(140,), seq_lens=(333,), num_kv_heads=1, group=4, head_dim=64,
                   dtype=torch.bfloat16, sliding_window=100),
     AttentionCase("decode-path-64-rows", q_lens=(70,), seq_lens=(200,), group=4, head_dim=64),
-    # fp8 caches keep the panel path from 8 rows per kv head
+    # fp8 caches take the panel path from 32 rows per kv head
     AttentionCase("panel-fp8-one-kv-head", q_lens=(150, 1), seq_lens=(300, 40), num_kv_heads=1, group=8,
                   dtype=torch.float16, kv_dtype=FP8, k_scale=0.05, v_scale=0.02, softcap=5.0),
 ]
@@ -222,7 +222,7 @@ def test_block_order_read_reads_exactly_the_tables_blocks(dtype):
         cpu.read_blocks(key.transpose(1, 2), value.transpose(1, 2), blocks)
 
 
-@pytest.mark.parametrize("group", [1, 8], ids=["decode-path", "panels"])
+@pytest.mark.parametrize("group", [1, 32], ids=["decode-path", "panels"])
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 def test_every_fp8_byte_widens_to_torchs_float(fp8, group):
     # one key per sequence, so its value row is the output: every byte of the format, NaNs and e5m2's infinities too
