@@ -38,7 +38,6 @@ inline int panel_min_rows(int32_t kv_dtype, bool tiles) {
 constexpr int kAheadGroups = 2;       // decode asks for the K/V this many groups of sixteen keys ahead
 constexpr int kAheadLines = 2;        // cache lines of K and of V asked for per step of the decode loops
 
-
 template <int32_t CODE>
 inline const float* load_fp8_row(const uint8_t* bytes, int n, float* dst) {
   int i = 0;
