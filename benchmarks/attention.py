@@ -249,7 +249,8 @@ def cpu_table(args: argparse.Namespace) -> list[str]:
     dtype = getattr(torch, args.cpu_dtype)
     header = ["batch", "context", "KV MiB", "cpu kernel ms", "torch oracle ms", "sdpa contiguous ms",
               "cpu / contiguous", "oracle / contiguous", "cpu kernel GB/s", "sequential sum GB/s", "cpu % of sum",
-              "block-order read GB/s", "cpu % of block-order read", "cpu cache-resident GB/s", "cpu on 2 MiB pages GB/s", "cpu AVX-512 path GB/s (AMX off)"]
+              "block-order read GB/s", "cpu % of block-order read", "cpu cache-resident GB/s",
+              "cpu on 2 MiB pages GB/s", "cpu AVX-512 path GB/s (AMX off)"]
     amx = dtype == torch.bfloat16 and cpu_ops.amx_tiles()  # the tiles run bf16 decode: time the path they replace
     lines = [f"CPU, {args.cpu_dtype}, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, head dim {HEAD_DIM}, "
              f"{torch.get_num_threads()} threads, best of {args.iters}; shuffled block tables, block size "
@@ -282,7 +283,8 @@ def cpu_table(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def prefill_calls(batch: int, prompt: int, block_size: int, dtype: torch.dtype) -> dict[str, Callable[[], torch.Tensor]]:
+def prefill_calls(batch: int, prompt: int, block_size: int,
+                  dtype: torch.dtype) -> dict[str, Callable[[], torch.Tensor]]:
     """Every token of `batch` prompts attends causally: paged (cpu kernel, oracle) and contiguous SDPA."""
     b = make_batch(batch, prompt, block_size, dtype, "cpu")
     query = torch.randn(batch * prompt, NUM_Q_HEADS, HEAD_DIM).to(dtype)

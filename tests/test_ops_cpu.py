@@ -45,6 +45,9 @@ LONG_CASES = [
     # fp8 caches take the panel path from 32 rows per kv head
     AttentionCase("panel-fp8-one-kv-head", q_lens=(150, 1), seq_lens=(300, 40), num_kv_heads=1, group=8,
                   dtype=torch.float16, kv_dtype=FP8, k_scale=0.05, v_scale=0.02, softcap=5.0),
+    # fp8 rows whose last elements are no full sixteen (the widening's zero-padded tail), on both paths
+    AttentionCase("fp8-odd-dim-tail", q_lens=(40, 1), seq_lens=(60, 23), group=8, head_dim=40, dtype=torch.float16,
+                  kv_dtype=FP8, k_scale=0.05, v_scale=0.02),
 ]
 
 

@@ -38,17 +38,6 @@ inline int panel_min_rows(int32_t kv_dtype, bool tiles) {
 constexpr int kAheadGroups = 2;       // decode asks for the K/V this many groups of sixteen keys ahead
 constexpr int kAheadLines = 2;        // cache lines of K and of V asked for per step of the decode loops
 
-template <int32_t CODE>
-inline const float* load_fp8_row(const uint8_t* bytes, int n, float* dst) {
-  int i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const fp8_f32x16 values = fp8x16_to_float<CODE>(bytes + i);
-    std::memcpy(dst + i, &values, sizeof(values));
-  }
-  for (; i < n; ++i) dst[i] = CODE == PB_FP8_E4M3 ? fp8_e4m3_to_float(bytes[i]) : fp8_e5m2_to_float(bytes[i]);
-  return dst;
-}
-
 // `n` elements of dtype `code` at `src` as floats in `dst`; fp32 rows are returned in place.
 inline const float* load_row(const void* src, int32_t code, int n, float* dst) {
   switch (code) {
@@ -65,9 +54,11 @@ inline const float* load_row(const void* src, int32_t code, int n, float* dst) {
       return dst;
     }
     case PB_FP8_E4M3:
-      return load_fp8_row<PB_FP8_E4M3>(static_cast<const uint8_t*>(src), n, dst);
+      fp8_row_to_float<PB_FP8_E4M3>(static_cast<const uint8_t*>(src), n, dst);
+      return dst;
     default:
-      return load_fp8_row<PB_FP8_E5M2>(static_cast<const uint8_t*>(src), n, dst);
+      fp8_row_to_float<PB_FP8_E5M2>(static_cast<const uint8_t*>(src), n, dst);
+      return dst;
   }
 }
 

@@ -21,7 +21,7 @@ inline uint16_t float_to_bf16(float value) {
   return static_cast<uint16_t>(word >> 16);
 }
 
-// GCC vector types, also the panel linear kernel's (the attention kernel's v16f is the same type).
+// GCC vector types, also the panel linear kernel's and fp8.h's (the attention kernel's v16f is the same type).
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
