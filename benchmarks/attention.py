@@ -17,7 +17,9 @@ its arithmetic allows. Below the streaming bound, the kernel is compute-bound at
 pages, as the engine's do by default; a last column times a copy on 2 MiB pages (what PAGED_BACKEND_KV_HUGE_PAGES=1
 gives the engine, core/huge_pages.py). On CPUs with AMX, bf16 decode runs on the tiles (csrc/cpu/attention_tiles.h); a
 column times the same calls on the AVX-512 path it replaces.
---geometry smollm2-135m uses the real model's heads (9 q, 3 kv, dim 64) instead of Llama-3-8B's.
+--geometry smollm2-135m uses the real model's heads (9 q, 3 kv, dim 64) instead of Llama-3-8B's. --tables engine lays
+the tables out as the engine's BlockManager does on a pool that has served a batch before (engine_tables), instead of
+shuffling every block: the layout the kernel meets in serving, where --tables shuffled is its worst case.
 
     python benchmarks/attention.py                            # GPU grid
     python benchmarks/attention.py --device cpu --threads 1 --output cpu.md
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import random
 import statistics
 import sys
 import time
@@ -40,10 +43,13 @@ import torch.nn.functional as F
 
 from paged_backend import ops
 from paged_backend.core import huge_pages
+from paged_backend.core.block_manager import BlockManager
 from paged_backend.ops import cpu as cpu_ops
 
 GEOMETRIES = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}  # q heads, kv heads, head dim
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = GEOMETRIES["llama3-8b"]
+TABLES = "shuffled"  # or "engine" (--tables)
+DECODED = 256  # --tables engine: tokens each sequence decodes after its prompt (--decoded)
 PEAK_TBPS_BY_NAME = (("H200", 4.8), ("H100 PCIe", 2.0), ("H100", 3.35), ("A100", 2.0))
 
 
@@ -70,8 +76,11 @@ def make_batch(batch: int, context: int, block_size: int, dtype: torch.dtype, de
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
     key_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
     value_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
-    perm = torch.randperm(num_blocks - 1, generator=gen, device=device) + 1
-    tables = perm.view(batch, blocks_per_seq).to(torch.int32)
+    if TABLES == "engine":
+        tables = engine_tables(batch, context, block_size).to(device)
+    else:
+        perm = torch.randperm(num_blocks - 1, generator=gen, device=device) + 1
+        tables = perm.view(batch, blocks_per_seq).to(torch.int32)
 
     def contiguous(pool: torch.Tensor) -> torch.Tensor:
         tokens = pool[tables.long()].view(batch, context, NUM_KV_HEADS, HEAD_DIM)
@@ -87,6 +96,33 @@ def make_batch(batch: int, context: int, block_size: int, dtype: torch.dtype, de
         contiguous_key=contiguous(key_cache),
         contiguous_value=contiguous(value_cache),
     )
+
+
+def engine_tables(batch: int, context: int, block_size: int) -> torch.Tensor:
+    """Block tables as the engine's BlockManager lays them out on a pool that has served before. A first batch of
+    requests of random lengths is allocated and finishes in random order (its full blocks stay cached, so they go
+    back to the free queue tail first). Then the measured batch: each request allocates its prompt of
+    `context - DECODED` tokens in turn, and all of them decode the rest a token a step, the way continuous batching
+    grows them."""
+    manager = BlockManager(batch * (context // block_size) + 1, block_size)
+    rng = random.Random(0)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(1 << 30) for _ in range(n)]
+
+    for seq in range(batch):
+        n = rng.randint(1, context)
+        manager.allocate(("earlier", seq), tokens(n))
+        manager.commit(("earlier", seq), n)
+    for seq in rng.sample(range(batch), batch):
+        manager.free(("earlier", seq))
+    decoded = min(DECODED, context - 1)
+    for seq in range(batch):
+        manager.allocate(seq, tokens(context - decoded))
+    for _ in range(decoded):
+        for seq in range(batch):
+            manager.append_slots(seq, tokens(1))
+    return torch.tensor([manager.block_table(seq) for seq in range(batch)], dtype=torch.int32)
 
 
 def time_all(fns: dict[str, Callable[[], object]], device: str, iters: int) -> dict[str, float]:
@@ -253,7 +289,7 @@ def cpu_table(args: argparse.Namespace) -> list[str]:
               "cpu on 2 MiB pages GB/s", "cpu AVX-512 path GB/s (AMX off)"]
     amx = dtype == torch.bfloat16 and cpu_ops.amx_tiles()  # the tiles run bf16 decode: time the path they replace
     lines = [f"CPU, {args.cpu_dtype}, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, head dim {HEAD_DIM}, "
-             f"{torch.get_num_threads()} threads, best of {args.iters}; shuffled block tables, block size "
+             f"{torch.get_num_threads()} threads, best of {args.iters}; {table_layout()}, block size "
              f"{args.block_size}", "", _row(header), _row(["---"] * len(header))]
     for batch in args.batch:
         for context in args.context:
@@ -315,11 +351,18 @@ def cpu_prefill_table(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def table_layout() -> str:
+    if TABLES == "engine":
+        return f"block tables laid out by the engine's BlockManager ({DECODED} tokens decoded after each prompt)"
+    return "shuffled block tables"
+
+
 def _row(cells: list) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 def main() -> None:
+    global NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, TABLES, DECODED
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=int, nargs="+", default=None)
@@ -334,9 +377,13 @@ def main() -> None:
     parser.add_argument("--cpu-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="query and KV dtype of the CPU decode and prefill tables")
     parser.add_argument("--no-prefill", action="store_true", help="CPU: leave out the prefill table")
+    parser.add_argument("--tables", choices=["shuffled", "engine"], default="shuffled",
+                        help="decode block tables: every block shuffled, or as the engine's BlockManager lays them out")
+    parser.add_argument("--decoded", type=int, default=DECODED,
+                        help="--tables engine: tokens each sequence decodes after its prompt")
     args = parser.parse_args()
-    global NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM
     NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = GEOMETRIES[args.geometry]
+    TABLES, DECODED = args.tables, args.decoded
     on_gpu = args.device == "cuda"
     if args.threads:
         torch.set_num_threads(args.threads)

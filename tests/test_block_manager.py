@@ -68,6 +68,19 @@ def test_freed_blocks_stay_cached_and_oldest_are_evicted_first():
     assert bm.allocate("f", [1, 2, 1]) == 0
 
 
+def test_fresh_blocks_of_a_table_lie_in_ascending_order_after_cached_tables_come_back():
+    bm = BlockManager(9, 2)  # 8 usable blocks
+    bm.allocate("a", list(range(8)))
+    bm.commit("a", 8)
+    bm.free("a")  # cached blocks go back tail first: the queue holds 5..8, then 4, 3, 2, 1
+    bm.allocate("b", list(range(100, 114)))
+    assert bm.block_table("b") == [2, 3, 4, 5, 6, 7, 8]  # taken as 5..8, 4, 3, 2: laid out front to back
+    bm.append_slots("b", [200, 201])  # the block a step grows by comes from the queue's front, as before
+    assert bm.block_table("b")[-1] == 1
+    bm.free("b")
+    assert bm.num_free_blocks == 8
+
+
 def test_fork_shares_blocks_and_append_copies_a_shared_last_block():
     bm = BlockManager(16, 4)
     bm.allocate("p", [1, 2, 3, 4, 5, 6])

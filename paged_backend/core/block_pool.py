@@ -108,6 +108,12 @@ class BlockPool:
         block.group = group
         return block
 
+    def take_ids(self, group: int, count: int) -> list[int]:
+        """`count` blocks for `group`, their ids ascending: a table's run of fresh blocks then lies in address order
+        (freed tables come back tail first, so the queue holds their blocks in descending runs), which the attention
+        kernels stream faster than blocks read back to front."""
+        return sorted(self.take(group).block_id for _ in range(count))
+
     def acquire(self, block: Block) -> None:
         """One more holder (a prefix hit or a fork); an idle cached block leaves the free queue."""
         if block.ref_count == 0:

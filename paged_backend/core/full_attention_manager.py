@@ -66,7 +66,7 @@ class FullAttentionManager:
     def grow_new(self, table: list[int], num_tokens: int, chunk: int | None) -> None:
         """Extend a new sequence's table of hits with fresh blocks for the tokens the group covers."""
         fresh = self._fresh_blocks(num_tokens, len(table), chunk)
-        table.extend(self.pool.take(self.group).block_id for _ in range(fresh))
+        table.extend(self.pool.take_ids(self.group, fresh))
 
     # ---------------------------------------------------------------- append
     def _partial_index(self, table: list[int], num_tokens: int) -> int | None:
@@ -97,7 +97,7 @@ class FullAttentionManager:
             elif last.hash is not None:
                 self.pool.unhash(last)  # about to be overwritten past its cached contents
         grow = self.pool.blocks_needed(self.cover(end, until)) - len(table)
-        table.extend(self.pool.take(self.group).block_id for _ in range(grow))
+        table.extend(self.pool.take_ids(self.group, grow))
         return copies
 
     # --------------------------------------------------------------- publish
