@@ -43,6 +43,27 @@ def test_llama_family_runs_fused_and_equals_transformers_forward(arch, make_llm,
     torch.testing.assert_close(fused_logprobs, plain_logprobs, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_an_fp8_pool_runs_fused_and_equals_transformers_forward_over_it(cache_dtype, native, make_llm, monkeypatch):
+    """The rotary kernel stores k / k_scale and v / v_scale as the pool's write does, and attention reads them back
+    times the scales. With --calculate-kv-scales the first step runs transformers' forward, which hands the cache
+    the keys the scales come from; the steps after it run fused, with those scales, in the C++ loop or in Python."""
+    monkeypatch.setenv(NATIVE_SWITCH, native)
+    prompts = ragged_prompts(8, longest=30)
+    options = dict(cache_dtype=cache_dtype, calculate_kv_scales=True, max_num_batched_tokens=32)
+    fused = make_llm("qwen2", **options)
+    assert fused.engine.runner.fused is not None, fused.engine.runner.unfused_reason
+    monkeypatch.setenv(SWITCH, "0")
+    plain = make_llm("qwen2", **options)
+    assert plain.engine.runner.fused is None
+    fused_tokens, fused_logprobs = run(fused, prompts)
+    plain_tokens, plain_logprobs = run(plain, prompts)
+    assert fused.engine.kv_cache.k_scales == plain.engine.kv_cache.k_scales != [1.0] * 2  # the same calibration
+    assert fused_tokens == plain_tokens
+    torch.testing.assert_close(fused_logprobs, plain_logprobs, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "arch, overrides",
     [("smollm3", {}), ("phi3", {}), ("phi3", {"partial_rotary_factor": 0.5}), ("phi3", {"sliding_window": 6}),

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from paged_backend.ops import fused_cpu
-from paged_backend.ops.fused_cpu import HeadPrep, RotaryCache
+from paged_backend.ops.fused_cpu import PLAIN, HeadPrep, RotaryCache
 
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
 DTYPES = list(TOLERANCE)
@@ -193,6 +193,58 @@ def test_rotary_cache_on_a_nope_layer_copies_q_and_k_unrotated(dtype):
     out = RotaryCache(cos, sin, slots, block_size=16)(q, k, v, key_cache, value_cache, prep)
     assert torch.equal(out, q.reshape(5, -1, 64)) and torch.equal(out, expected)
     assert torch.equal(key_cache, ref_keys) and torch.equal(value_cache, ref_values)
+
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("pool_dtype", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_rotary_cache_stores_into_fp8_pools_scaled_and_rounded_as_the_reference(pool_dtype, dtype, rows):
+    q, k, v, cos, sin, slots, _ = rotary_case(rows, dtype)
+    key_cache, value_cache, ref_keys, ref_values = (torch.zeros(40, 16, 3, 64, dtype=pool_dtype) for _ in range(4))
+    scales = (0.05, 0.02)
+    for prep in (PLAIN, HeadPrep(rotary=False)):
+        expected = fused_cpu.rotary_cache_reference(q, k, v, cos, sin, ref_keys, ref_values, slots, prep,
+                                                    kv_scales=scales)  # fmt: skip
+        out = RotaryCache(cos, sin, slots, block_size=16)(q, k, v, key_cache, value_cache, prep, scales)
+        close(out, expected, dtype)
+        assert torch.equal(value_cache.view(torch.uint8), ref_values.view(torch.uint8))  # values: the same bytes
+        keys, ref = key_cache.view(torch.uint8), ref_keys.view(torch.uint8)
+        if not prep.rotary:
+            assert torch.equal(keys, ref)  # unrotated keys: the same bytes too
+        else:  # the rotation's last bit may differ (fused multiply-adds in float32), so now and then an fp8 step
+            assert (keys != ref).float().mean() < 0.01
+            torch.testing.assert_close(key_cache.float(), ref_keys.float(), rtol=0.25, atol=2 ** -7)
+    if rows > 1:  # (a single row is a padding row: slot -1)
+        assert value_cache.float().abs().max() > 1.0  # the scale was applied (the values are N(0, 1) before it)
+
+
+@pytest.mark.parametrize("pool_dtype", FP8)
+@pytest.mark.parametrize("scale", [1.0, 0.37, 3e-3])
+def test_fp8_stores_every_bf16_value_as_torch_rounds_it(pool_dtype, scale):
+    """Every bf16 bit pattern (infinities, NaNs and subnormals included), divided by the scale in float32, then
+    saturated and rounded to nearest even: the value path of rotary_cache against reference.to_fp8, bit for bit."""
+    values = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    value = values.view(1024, 64)  # one kv head of 64 per token: 1024 tokens
+    slots = torch.arange(1024)
+    cos = sin = torch.zeros(1024, 64)
+    pools = [torch.zeros(64, 16, 1, 64, dtype=pool_dtype) for _ in range(2)]
+    RotaryCache(cos, sin, slots, block_size=16)(torch.zeros(1024, 64), torch.zeros(1024, 64), value, *pools,
+                                                kv_scales=(1.0, scale))  # fmt: skip
+    stored = pools[1].view(torch.uint8).view(-1)
+    expected = fused_cpu.to_fp8(values, pool_dtype, scale).view(torch.uint8)
+    nan = values.isnan()
+    assert torch.equal(stored[~nan], expected[~nan])
+    assert pools[1].view(-1)[nan].float().isnan().all()
+
+
+def test_an_fp8_pool_needs_positive_scales():
+    q, k, v, cos, sin, slots, _ = rotary_case(2, torch.float32)
+    pools = [torch.zeros(40, 16, 3, 64, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="positive fp8 scales"):
+        RotaryCache(cos, sin, slots, 16)(q, k, v, *pools, kv_scales=(0.0, 1.0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -61,6 +61,7 @@ struct PbCpuDecoderLayer {
   int32_t unit_offset;              // Gemma's norms: (1 + weight) in fp32, one rounding (q/k norms too)
   int32_t activation;               // PbCpuActivation of the MLP's gate
   float residual_scale;             // Granite's residual multiplier on each branch's output (1: none)
+  float k_scale, v_scale;           // an fp8 pool's scales for this layer (RotaryCacheArgs, PbCpuAttentionArgs)
 };
 
 struct PbCpuDecoderStep {
@@ -166,6 +167,7 @@ int32_t pb_cpu_decoder_layers(PbCpuDecoderStep* step) {
     rotary.q_norm_eps = layer.q_norm_eps, rotary.k_norm_eps = layer.k_norm_eps;
     rotary.skip_rotary = layer.skip_rotary;
     rotary.unit_offset = layer.unit_offset;
+    rotary.k_scale = layer.k_scale, rotary.v_scale = layer.v_scale;
     if (failed(pb_cpu_rotary_cache(&rotary, s.dtype), PB_ROTARY)) return status;
 
     PbCpuAttentionArgs attention = s.attention[layer.group];
@@ -175,6 +177,7 @@ int32_t pb_cpu_decoder_layers(PbCpuDecoderStep* step) {
     attention.q_stride_head = attention.o_stride_head = s.head_dim;
     point_at_pools(attention, layer);
     attention.sliding_window = layer.sliding_window;
+    attention.k_scale = layer.k_scale, attention.v_scale = layer.v_scale;
     if (failed(pb_cpu_paged_attention(&attention), PB_ATTENTION)) return status;
 
     if (failed(linear(s.attention_out, s.q_size, &layer.o, 1, static_cast<char*>(s.o), h, s.q_size), PB_LINEAR) ||

@@ -4,6 +4,7 @@
 // zero-padded copy, so there is one rule for every element.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -49,4 +50,32 @@ inline void fp8_row_to_float(const uint8_t* bytes, int n, float* dst) {
   std::memcpy(tail, bytes + i, n - i);
   const f32x16 values = fp8x16_to_float<CODE>(tail);
   std::memcpy(dst + i, &values, (n - i) * sizeof(float));
+}
+
+// `x` in format CODE as torch's `x.clamp(-max, max).to(float8_*)` stores it (ops/reference.py's to_fp8): saturated to
+// the finite range, then rounded to nearest, ties to even; NaN stays NaN.
+template <int32_t CODE>
+inline uint8_t float_to_fp8(float x) {
+  constexpr int kMantissa = CODE == PB_FP8_E5M2 ? 2 : 3, kBias = CODE == PB_FP8_E5M2 ? 15 : 7;
+  constexpr float kMax = CODE == PB_FP8_E5M2 ? 57344.0f : 448.0f;
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80);
+  if (std::isnan(x)) return sign | 0x7F;
+  const float magnitude = std::fmin(std::fabs(x), kMax);
+  constexpr float kSmallestNormal = CODE == PB_FP8_E5M2 ? 0x1p-14f : 0x1p-6f;
+  constexpr float kSteps = CODE == PB_FP8_E5M2 ? 0x1p16f : 0x1p9f;  // subnormal steps per unit
+  if (magnitude < kSmallestNormal)  // a subnormal (or zero): a whole number of its steps, scaled exactly
+    return sign | static_cast<uint8_t>(std::nearbyint(magnitude * kSteps));
+  constexpr int kCut = 23 - kMantissa;  // the float mantissa bits that go
+  std::memcpy(&bits, &magnitude, sizeof(bits));
+  bits += ((bits >> kCut) & 1) + (1u << (kCut - 1)) - 1;  // to nearest even; a carry moves into the exponent
+  const uint32_t exponent = (bits >> 23) - 127 + kBias, mantissa = (bits >> kCut) & ((1u << kMantissa) - 1);
+  return sign | static_cast<uint8_t>(exponent << kMantissa | mantissa);
+}
+
+// `n` elements of `src` over `scale`, in format CODE.
+template <int32_t CODE, typename Load>
+inline void fp8_store_row(Load load, int n, float scale, uint8_t* dst) {
+  for (int i = 0; i < n; ++i) dst[i] = float_to_fp8<CODE>(load(i) / scale);
 }

@@ -21,6 +21,7 @@
 
 #include <omp.h>
 
+#include "fp8.h"
 #include "kernels.h"
 #include "vector_exp.h"
 
@@ -178,6 +179,7 @@ inline void place(const T* x, const T* cos, const T* sin, int32_t d, int32_t rot
 
 template <typename T>
 void rotary_cache(const RotaryCacheArgs& a) {
+  const bool fp8 = a.kv_dtype == PB_FP8_E4M3 || a.kv_dtype == PB_FP8_E5M2;
   const int32_t d = a.head_dim, rotary_width = a.rotary_dim > 0 ? a.rotary_dim : d;
   const int32_t rotary_dim = a.skip_rotary != 0 ? 0 : rotary_width;
   const int64_t work = int64_t{a.num_tokens} * (a.num_q_heads + 2 * a.num_kv_heads) * d;
@@ -194,14 +196,31 @@ void rotary_cache(const RotaryCacheArgs& a) {
     const int64_t slot = a.slot_mapping[t];
     if (slot < 0) continue;
     const int64_t block = slot / a.block_size, offset = slot % a.block_size;
-    T* k_dst = static_cast<T*>(a.key_cache) + block * a.k_stride_block + offset * a.k_stride_slot;
-    T* v_dst = static_cast<T*>(a.value_cache) + block * a.v_stride_block + offset * a.v_stride_slot;
+    const int64_t k_at = block * a.k_stride_block + offset * a.k_stride_slot;
+    const int64_t v_at = block * a.v_stride_block + offset * a.v_stride_slot;
     const T* k = static_cast<const T*>(a.key) + t * a.k_stride;
     const T* v = static_cast<const T*>(a.value) + t * a.v_stride;
     for (int32_t h = 0; h < a.num_kv_heads; ++h) {
-      place(norm_head(k + int64_t{h} * d, a.k_norm, a.k_norm_eps, a.unit_offset != 0, d, staged), cos, sin, d,
-            rotary_dim, k_dst + h * a.k_stride_head);
-      std::memcpy(v_dst + h * a.v_stride_head, v + int64_t{h} * d, sizeof(T) * d);
+      const T* k_head = norm_head(k + int64_t{h} * d, a.k_norm, a.k_norm_eps, a.unit_offset != 0, d, staged);
+      const T* v_head = v + int64_t{h} * d;
+      if (fp8) {  // rotated in the activations' dtype, as transformers' forward gives the keys, then stored scaled
+        T rotated[kMaxNormedHeadDim];
+        place(k_head, cos, sin, d, rotary_dim, rotated);
+        uint8_t* k_dst = static_cast<uint8_t*>(a.key_cache) + k_at + h * a.k_stride_head;
+        uint8_t* v_dst = static_cast<uint8_t*>(a.value_cache) + v_at + h * a.v_stride_head;
+        const auto k_elem = [&](int i) { return load(rotated, i); };
+        const auto v_elem = [&](int i) { return load(v_head, i); };
+        if (a.kv_dtype == PB_FP8_E4M3) {
+          fp8_store_row<PB_FP8_E4M3>(k_elem, d, a.k_scale, k_dst);
+          fp8_store_row<PB_FP8_E4M3>(v_elem, d, a.v_scale, v_dst);
+        } else {
+          fp8_store_row<PB_FP8_E5M2>(k_elem, d, a.k_scale, k_dst);
+          fp8_store_row<PB_FP8_E5M2>(v_elem, d, a.v_scale, v_dst);
+        }
+        continue;
+      }
+      place(k_head, cos, sin, d, rotary_dim, static_cast<T*>(a.key_cache) + k_at + h * a.k_stride_head);
+      std::memcpy(static_cast<T*>(a.value_cache) + v_at + h * a.v_stride_head, v_head, sizeof(T) * d);
     }
   }
 }
@@ -272,7 +291,9 @@ int pb_cpu_add_rms_norm(const void* x, int64_t x_stride, const void* x_weight, f
 int pb_cpu_rotary_cache(const RotaryCacheArgs* args, int32_t dtype) {
   if (args->head_dim <= 0 || args->head_dim % 2 != 0 || args->block_size <= 0) return -2;
   if (args->rotary_dim < 0 || args->rotary_dim % 2 != 0 || args->rotary_dim > args->head_dim) return -2;
-  if ((args->q_norm != nullptr || args->k_norm != nullptr) && args->head_dim > kMaxNormedHeadDim) return -2;
+  const bool fp8 = args->kv_dtype == PB_FP8_E4M3 || args->kv_dtype == PB_FP8_E5M2;
+  if ((args->q_norm != nullptr || args->k_norm != nullptr || fp8) && args->head_dim > kMaxNormedHeadDim) return -2;
+  if (fp8 && !(args->k_scale > 0.0f && args->v_scale > 0.0f)) return -2;
   for (int32_t t = 0; t < args->num_tokens; ++t)  // before any write: a bad slot would land outside the pool
     if (args->slot_mapping[t] >= args->num_slots) return -4;
   switch (dtype) {
@@ -313,7 +334,7 @@ const char* pb_cpu_fused_error_string(int code) {
     case -4: return "cache write: a slot in slot_mapping lies past the pool's last block";
     case -2:
       return "bad shape (rows >= 0, hidden/width > 0, even head_dim, even rotary_dim <= head_dim, block_size > 0, "
-             "head_dim <= 512 with q/k norms)";
+             "head_dim <= 512 with q/k norms or an fp8 pool, positive fp8 scales)";
     default: return "unknown error";
   }
 }

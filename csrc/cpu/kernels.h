@@ -52,6 +52,9 @@ struct RotaryCacheArgs {
   int32_t rotary_dim;   // the leading dims of each head that rotate, the rest pass (Phi-4-mini); 0: all of head_dim
   int32_t unit_offset;  // the q/k norms are Gemma's: (1 + weight) in fp32, one rounding
   int64_t num_slots;    // the pool's blocks times block_size: a slot at or past it is refused, nothing written
+  int32_t kv_dtype;     // PB_FP8_E4M3 or PB_FP8_E5M2: fp8 pools, holding k / k_scale and v / v_scale; else the
+                        // activations' dtype (the pools hold k and v as they are)
+  float k_scale, v_scale;
 };
 
 // reshape_and_cache of the cpu backend: rows `key/value [T, Hkv, D]` (unit stride along D, the pool's dtype) copied

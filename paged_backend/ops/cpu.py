@@ -232,9 +232,13 @@ class AttentionPlan:
         self.function = _library().pb_cpu_paged_attention
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 sliding_window: int | None = None) -> torch.Tensor:  # fmt: skip
-        """Attention of one layer's `query [T, Hq, D]` (unit stride along D) over its pools: `[T, Hq, D]`."""
+                 sliding_window: int | None = None, k_scale: float | None = None,
+                 v_scale: float | None = None) -> torch.Tensor:  # fmt: skip
+        """Attention of one layer's `query [T, Hq, D]` (unit stride along D) over its pools: `[T, Hq, D]`. `k_scale`
+        and `v_scale`: this layer's fp8 scales, where they differ from the plan's."""
         args, out = self.args, query.new_empty(query.shape)
+        if k_scale is not None:
+            args.k_scale, args.v_scale = k_scale, v_scale
         args.query, args.q_stride_token, args.q_stride_head = query.data_ptr(), *query.stride()[:2]
         args.out, args.o_stride_token, args.o_stride_head = out.data_ptr(), *out.stride()[:2]
         args.key_cache, args.value_cache = key_cache.data_ptr(), value_cache.data_ptr()

@@ -49,7 +49,7 @@ class DecoderLayer(ctypes.Structure):
         ("group", I32), ("sliding_window", I32),
         ("q_norm", PTR), ("k_norm", PTR), ("q_norm_eps", F32), ("k_norm_eps", F32), ("skip_rotary", I32),
         ("post_attention_norm", PTR), ("post_mlp_norm", PTR), ("unit_offset", I32), ("activation", I32),
-        ("residual_scale", F32),
+        ("residual_scale", F32), ("k_scale", F32), ("v_scale", F32),
     ]  # fmt: skip
 
 
@@ -117,6 +117,7 @@ class LayerParts:
     post_mlp_norm: torch.Tensor | None = None
     activation: int = SILU
     residual_scale: float = 1.0
+    kv_scales: tuple[float, float] = (1.0, 1.0)  # an fp8 pool's k_scale and v_scale for this layer
 
 
 class DecoderLayers:
@@ -141,7 +142,8 @@ class DecoderLayers:
                 0, part.sliding_window or 0,
                 **part.head_prep.fields,  # its unit_offset is the layer's one kind of norm, q/k norms included
                 post_attention_norm=_pointer(part.post_attention_norm), post_mlp_norm=_pointer(part.post_mlp_norm),
-                activation=part.activation, residual_scale=part.residual_scale,
+                activation=part.activation, residual_scale=part.residual_scale, k_scale=part.kv_scales[0],
+                v_scale=part.kv_scales[1],
             ))  # fmt: skip
             # The weights are kept alive here; the pools are not (sleep mode frees them): the caller rebuilds this
             # when a pool moves.

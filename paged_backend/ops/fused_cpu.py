@@ -15,7 +15,8 @@ from functools import cache, cached_property
 import torch
 
 from paged_backend.ops._c_abi import I32, I64, PTR, check_layouts, check_status
-from paged_backend.ops.cpu import QUERY_DTYPES, _library
+from paged_backend.ops.cpu import KV_DTYPES, QUERY_DTYPES, _library
+from paged_backend.ops.reference import is_fp8, to_fp8
 
 FUSED_DTYPES = QUERY_DTYPES  # float32, float16, bfloat16
 
@@ -33,6 +34,7 @@ class RotaryCacheArgs(ctypes.Structure):
         ("block_size", I32), ("num_threads", I32),
         ("q_norm", PTR), ("k_norm", PTR), ("q_norm_eps", ctypes.c_float), ("k_norm_eps", ctypes.c_float),
         ("skip_rotary", I32), ("rotary_dim", I32), ("unit_offset", I32), ("num_slots", I64),
+        ("kv_dtype", I32), ("k_scale", ctypes.c_float), ("v_scale", ctypes.c_float),
     ]  # fmt: skip
 
 
@@ -128,21 +130,26 @@ class RotaryCache:
     rotate (R = `head_dim` unless the model's rotary is partial, as Phi-4-mini's), the rest pass."""
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
-                 head_dim: int | None = None, num_slots: int = 0) -> None:  # fmt: skip
-        """`num_slots`: the pool's blocks times `block_size`, for the C++ layer loop, which takes the struct as is
-        (a call here reads it from the pools); the kernel refuses any slot at or past it, so 0 refuses every write."""
+                 head_dim: int | None = None, num_slots: int = 0, kv_dtype: torch.dtype | None = None) -> None:  # fmt: skip
+        """`num_slots` and `kv_dtype` (the pools'; None: cos's): for the C++ layer loop, which takes the struct as
+        is (a call here reads both from the pools). The kernel refuses any slot at or past `num_slots`, so 0 refuses
+        every write."""
         self._keep = (cos, sin, slot_mapping)  # the struct points into them
         self.args = RotaryCacheArgs(
             cos=cos.data_ptr(), sin=sin.data_ptr(), slot_mapping=slot_mapping.data_ptr(),
             num_tokens=cos.shape[0], head_dim=head_dim or cos.shape[1], block_size=block_size,
             num_threads=torch.get_num_threads(), rotary_dim=cos.shape[1], num_slots=num_slots,
+            kv_dtype=KV_DTYPES[kv_dtype or cos.dtype],
         )  # fmt: skip
         self.dtype = QUERY_DTYPES[cos.dtype]
 
-    def __call__(self, query, key, value, key_cache, value_cache, prep: HeadPrep = PLAIN) -> torch.Tensor:
+    def __call__(self, query, key, value, key_cache, value_cache, prep: HeadPrep = PLAIN,
+                 kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:  # fmt: skip
         """Rotated `query [T, Hq, D]` (a new tensor) after storing rotated keys and the values in the pools; `prep`
-        adds the layer's per-head norms first, or skips the rotary."""
+        adds the layer's per-head norms first, or skips the rotary. fp8 pools store k / k_scale and v / v_scale
+        (`kv_scales`), saturated and rounded as `reference.to_fp8`."""
         args, head_dim = self.args, self.args.head_dim
+        args.kv_dtype, (args.k_scale, args.v_scale) = KV_DTYPES[key_cache.dtype], kv_scales
         for name, field in prep.fields.items():
             setattr(args, name, field)
         out = torch.empty(query.shape[0], query.shape[1] // head_dim, head_dim, dtype=query.dtype)
@@ -185,7 +192,8 @@ def act_mul_reference(gate, up, activation: int = SILU) -> torch.Tensor:
 
 
 def rotary_cache_reference(query, key, value, cos, sin, key_cache, value_cache, slot_mapping,
-                           prep: HeadPrep = PLAIN, head_dim: int | None = None) -> torch.Tensor:  # fmt: skip
+                           prep: HeadPrep = PLAIN, head_dim: int | None = None,
+                           kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:  # fmt: skip
     def rotate(x):  # [T, H, D] with cos/sin [T, 1, R]: the first R dims rotate, the rest pass (partial rotary)
         if not prep.rotary:  # SmolLM3's NoPE layers
             return x
@@ -202,6 +210,10 @@ def rotary_cache_reference(query, key, value, cos, sin, key_cache, value_cache, 
     k = rotate(normed(key.reshape(key.shape[0], -1, head_dim), prep.k_norm))
     v = value.reshape(value.shape[0], -1, head_dim)
     stored = slot_mapping >= 0
-    for source, pool in ((k, key_cache), (v, value_cache)):
-        pool.view(-1, *pool.shape[2:])[slot_mapping[stored]] = source[stored]
+    for source, pool, scale in ((k, key_cache, kv_scales[0]), (v, value_cache, kv_scales[1])):
+        if is_fp8(pool.dtype):  # index_put takes no fp8: the raw bytes
+            rows = to_fp8(source[stored], pool.dtype, scale).view(torch.uint8)
+            pool.view(torch.uint8).view(-1, *pool.shape[2:])[slot_mapping[stored]] = rows
+        else:
+            pool.view(-1, *pool.shape[2:])[slot_mapping[stored]] = source[stored]
     return q

@@ -41,6 +41,7 @@ from paged_backend.ops import resolve_backend
 from paged_backend.ops.cpu import AttentionPlan
 from paged_backend.ops.decoder_layers import DecoderLayers, LayerParts
 from paged_backend.ops.fused_cpu import ACTIVATIONS, FUSED_DTYPES, RotaryCache, act_mul, add_rms_norm
+from paged_backend.ops.reference import is_fp8
 from paged_backend.worker.attention import PagedMetadata
 from paged_backend.worker.model_families import (
     FAMILIES,
@@ -80,8 +81,8 @@ def unfused_reason(model: nn.Module, kv_cache: PagedKVCache, attention_backend: 
     config, dtype = model.config, model.dtype
     if kv_cache.device.type != "cpu" or model.device.type != "cpu":
         return "the fused kernels run on CPU"
-    if dtype not in FUSED_DTYPES or kv_cache.dtype != dtype:
-        return f"model {dtype} with a {kv_cache.dtype} pool (the fused path stores the model's dtype)"
+    if dtype not in FUSED_DTYPES or (kv_cache.dtype != dtype and not is_fp8(kv_cache.dtype)):
+        return f"model {dtype} with a {kv_cache.dtype} pool (the fused path stores the model's dtype, or fp8)"
     if activation_name(config) not in ACTIVATIONS:
         return f"activation {activation_name(config)!r} (fused: {', '.join(ACTIVATIONS)})"
     if getattr(config, "attn_logit_softcapping", None) is not None and not family.softcapped_attention:
@@ -171,7 +172,9 @@ class FusedForward:
         if any(self._hook_dicts):
             return None
         native = env_flag(NATIVE_SWITCH, True)
-        key = (self.linears.refresh() if self.linears is not None else None, self.kv_cache.generation, native)
+        cache = self.kv_cache  # the C++ loop's layers carry their fp8 scales, which calibration sets after load
+        key = (self.linears.refresh() if self.linears is not None else None, cache.generation, native,
+               tuple(cache.k_scales), tuple(cache.v_scales))  # fmt: skip
         if key != self._built_key:
             self._built, self._built_key = self._build_calls(native), key
         return self._built
@@ -198,7 +201,8 @@ class FusedForward:
         panels = lambda linear: [(forward.panel, forward.bias) for forward in linear]  # noqa: E731
         parts = [
             LayerParts(*map(panels, layer), *self.norms[index], *self.kv_cache.layer(index), self.windows[index],
-                       self.head_preps[index], *self.post_norms[index], self.activation, self.residual_scale)
+                       self.head_preps[index], *self.post_norms[index], self.activation, self.residual_scale,
+                       self._kv_scales(index))
             for index, layer in enumerate(forwards)
         ]  # fmt: skip
         return DecoderLayers(parts, *self.qkv_sizes[:2], self.head_dim)
@@ -247,11 +251,11 @@ class FusedForward:
             if key not in index_of:
                 index_of[key] = len(rotaries)
                 rotaries.append(RotaryCache(*rotary[kind], group.slot_mapping, block_size, head_dim,
-                                             self.kv_cache.num_blocks * block_size))  # fmt: skip
+                                             self.kv_cache.num_blocks * block_size, self.kv_cache.dtype))  # fmt: skip
                 plans.append(AttentionPlan(
                     group.block_tables, group.seq_lens, group.query_start_loc, num_q_heads=q_width // head_dim,
                     num_kv_heads=kv_width // head_dim, head_dim=head_dim, block_size=block_size, dtype=dtype,
-                    scale=self.scale, softcap=self.softcap,
+                    kv_dtype=self.kv_cache.dtype, scale=self.scale, softcap=self.softcap,
                 ))  # fmt: skip
             groups.append(index_of[key])
         return groups, rotaries, plans
@@ -283,6 +287,10 @@ class FusedForward:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits.float()
 
+    def _kv_scales(self, layer: int) -> tuple[float, float]:
+        """The layer's fp8 scales (1.0 for other pools): its K and V are stored over them, read back times them."""
+        return self.kv_cache.k_scales[layer], self.kv_cache.v_scales[layer]
+
     def _python_layers(self, calls, residual, x, groups, rotaries, plans, cut) -> torch.Tensor:
         cache, last = self.kv_cache, len(self.layers) - 1
         for index, (qkv_proj, o_proj, gate_up_proj, down_proj) in enumerate(calls):
@@ -291,8 +299,9 @@ class FusedForward:
             q, k, v = qkv_proj(x)
             rotary, plan = rotaries[groups[index]], plans[groups[index]]
             key_cache, value_cache = cache.layer(index)
-            q = rotary(q, k, v, key_cache, value_cache, self.head_preps[index])
-            out = o_proj(plan(q, key_cache, value_cache, self.windows[index]).view(q.shape[0], -1))
+            scales = self._kv_scales(index)
+            q = rotary(q, k, v, key_cache, value_cache, self.head_preps[index], scales)
+            out = o_proj(plan(q, key_cache, value_cache, self.windows[index], *scales).view(q.shape[0], -1))
             post_attention, post_mlp = self.post_norms[index]
             x = add_rms_norm(out, residual, *self.norms[index][1], x_weight=post_attention,
                              x_scale=self.residual_scale, unit_offset=self.unit_offset)  # fmt: skip

@@ -152,7 +152,8 @@ class ModelRunner:
         self, ids, positions, metadata: PagedMetadata, rows: list[int], cut: Callable[[], bool] | None = None
     ) -> torch.Tensor:
         """Run the packed batch; float32 logits of the packed `rows` only (`logits_to_keep`), in that order."""
-        if self.fused is not None:
+        # an fp8 pool's first step calibrates its scales from the keys transformers' forward hands the cache
+        if self.fused is not None and not self.kv_cache.scales_pending:
             with self._eval_mode():
                 return self.fused(ids, positions, metadata, rows, cut)
         return self._model_logits(ids, positions, metadata, torch.tensor(rows, dtype=torch.long, device=self.device))
