@@ -64,6 +64,13 @@ def test_an_fp8_pool_runs_fused_and_equals_transformers_forward_over_it(cache_dt
     torch.testing.assert_close(fused_logprobs, plain_logprobs, rtol=1e-4, atol=1e-5)
 
 
+def test_an_fp8_pool_with_heads_wider_than_the_staging_buffer_runs_transformers_forward(make_llm):
+    model = tiny_model("llama", hidden_size=1024, num_heads=1, num_kv_heads=1, intermediate_size=64)
+    llm = make_llm(model=model, cache_dtype="fp8", num_blocks=16)
+    assert llm.engine.runner.fused is None and llm.engine.runner.unfused_reason == "head_dim 1024 over 512 with an fp8 pool"
+    assert len(llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids) == MAX_TOKENS
+
+
 @pytest.mark.parametrize(
     "arch, overrides",
     [("smollm3", {}), ("phi3", {}), ("phi3", {"partial_rotary_factor": 0.5}), ("phi3", {"sliding_window": 6}),

@@ -19,6 +19,7 @@ from paged_backend.ops.cpu import KV_DTYPES, QUERY_DTYPES, _library
 from paged_backend.ops.reference import is_fp8, to_fp8
 
 FUSED_DTYPES = QUERY_DTYPES  # float32, float16, bfloat16
+MAX_STAGED_HEAD_DIM = 512  # kMaxNormedHeadDim: heads normed or stored to fp8 go through a stack buffer this wide
 
 
 class RotaryCacheArgs(ctypes.Structure):

@@ -40,7 +40,14 @@ from paged_backend.core.kv_cache import PagedKVCache
 from paged_backend.ops import resolve_backend
 from paged_backend.ops.cpu import AttentionPlan
 from paged_backend.ops.decoder_layers import DecoderLayers, LayerParts
-from paged_backend.ops.fused_cpu import ACTIVATIONS, FUSED_DTYPES, RotaryCache, act_mul, add_rms_norm
+from paged_backend.ops.fused_cpu import (
+    ACTIVATIONS,
+    FUSED_DTYPES,
+    MAX_STAGED_HEAD_DIM,
+    RotaryCache,
+    act_mul,
+    add_rms_norm,
+)
 from paged_backend.ops.reference import is_fp8
 from paged_backend.worker.attention import PagedMetadata
 from paged_backend.worker.model_families import (
@@ -83,6 +90,8 @@ def unfused_reason(model: nn.Module, kv_cache: PagedKVCache, attention_backend: 
         return "the fused kernels run on CPU"
     if dtype not in FUSED_DTYPES or (kv_cache.dtype != dtype and not is_fp8(kv_cache.dtype)):
         return f"model {dtype} with a {kv_cache.dtype} pool (the fused path stores the model's dtype, or fp8)"
+    if is_fp8(kv_cache.dtype) and kv_cache.head_dim > MAX_STAGED_HEAD_DIM:
+        return f"head_dim {kv_cache.head_dim} over {MAX_STAGED_HEAD_DIM} with an fp8 pool"
     if activation_name(config) not in ACTIVATIONS:
         return f"activation {activation_name(config)!r} (fused: {', '.join(ACTIVATIONS)})"
     if getattr(config, "attn_logit_softcapping", None) is not None and not family.softcapped_attention:
