@@ -1,13 +1,8 @@
 """benchmarks/attention.py --tables engine: decode tables laid out by the real BlockManager, every block once."""
 
-import importlib.util
-import sys
-from pathlib import Path
+from _benchmark_modules import load_benchmark
 
-spec = importlib.util.spec_from_file_location("attention_bench", Path(__file__).parents[1] / "benchmarks" / "attention.py")
-attention_bench = importlib.util.module_from_spec(spec)
-sys.modules["attention_bench"] = attention_bench  # dataclasses look their module up
-spec.loader.exec_module(attention_bench)
+attention_bench = load_benchmark("attention")
 
 
 def test_engine_tables_hold_every_block_once_with_each_prompt_in_ascending_order():

@@ -1,13 +1,8 @@
 """The KV-memory replay: paged waste stays under 4% where contiguous buffers waste most of their memory."""
 
-import importlib.util
-import sys
-from pathlib import Path
+from _benchmark_modules import load_benchmark
 
-spec = importlib.util.spec_from_file_location("kv_memory", Path(__file__).parents[1] / "benchmarks" / "kv_memory.py")
-kv_memory = importlib.util.module_from_spec(spec)
-sys.modules["kv_memory"] = kv_memory  # dataclasses look their module up
-spec.loader.exec_module(kv_memory)
+kv_memory = load_benchmark("kv_memory")
 
 
 def test_paged_pool_wastes_under_4_percent_and_fits_more_requests():

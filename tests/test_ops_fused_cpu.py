@@ -105,7 +105,7 @@ def test_silu_mul_keeps_a_nan_gate_nan_as_torch_does():
     assert out[0, ::2].isnan().all() and not out[0, 1::2].isnan().any()
 
 
-def rotary_case(rows, dtype, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, num_blocks=40):
+def rotary_case(rows, dtype, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, num_blocks=40, pool_dtype=None):
     positions = torch.arange(rows) + 7
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     freqs = torch.cat([positions[:, None].float() * inv_freq] * 2, dim=-1)
@@ -114,7 +114,7 @@ def rotary_case(rows, dtype, num_q_heads=9, num_kv_heads=3, head_dim=64, block_s
     q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
     slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(7))[:rows]
     slots[::4] = -1  # padding rows are not stored
-    pools = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype) for _ in range(4)]
+    pools = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=pool_dtype or dtype) for _ in range(4)]
     return q, k, v, cos, sin, slots, pools
 
 
@@ -202,8 +202,8 @@ FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
 def test_rotary_cache_stores_into_fp8_pools_scaled_and_rounded_as_the_reference(pool_dtype, dtype, rows):
-    q, k, v, cos, sin, slots, _ = rotary_case(rows, dtype)
-    key_cache, value_cache, ref_keys, ref_values = (torch.zeros(40, 16, 3, 64, dtype=pool_dtype) for _ in range(4))
+    q, k, v, cos, sin, slots, (key_cache, value_cache, ref_keys, ref_values) = rotary_case(rows, dtype,
+                                                                                          pool_dtype=pool_dtype)
     scales = (0.05, 0.02)
     for prep in (PLAIN, HeadPrep(rotary=False)):
         expected = fused_cpu.rotary_cache_reference(q, k, v, cos, sin, ref_keys, ref_values, slots, prep,
@@ -241,10 +241,9 @@ def test_fp8_stores_every_bf16_value_as_torch_rounds_it(pool_dtype, scale):
 
 
 def test_an_fp8_pool_needs_positive_scales():
-    q, k, v, cos, sin, slots, _ = rotary_case(2, torch.float32)
-    pools = [torch.zeros(40, 16, 3, 64, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    q, k, v, cos, sin, slots, pools = rotary_case(2, torch.float32, pool_dtype=torch.float8_e4m3fn)
     with pytest.raises(RuntimeError, match="positive fp8 scales"):
-        RotaryCache(cos, sin, slots, 16)(q, k, v, *pools, kv_scales=(0.0, 1.0))
+        RotaryCache(cos, sin, slots, 16)(q, k, v, *pools[:2], kv_scales=(0.0, 1.0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
