@@ -1,7 +1,7 @@
 """The CPU attention kernel's bf16 decode on AMX tiles (csrc/cpu/attention_tiles.h), on CPUs that have them (Intel
 Sapphire Rapids and later): against the oracle and against the AVX-512 path it replaces, over head dims of two to
 eight tile steps, one to 64 rows per kv head, blocks narrower than sixteen keys and partial groups, a softcap, a
-window and split contexts, with every slot outside the contexts poisoned with NaN (`build_case`); and a row's bits
+window and split contexts, bf16 and fp8 caches, with every slot outside the contexts poisoned with NaN (`build_case`); and a row's bits
 independent of the batch. The other bf16 kernel tests run it too wherever head_dim is a multiple of 32; this file
 holds what only a CPU with AMX can show, and skips elsewhere."""
 
@@ -40,6 +40,16 @@ CASES = [
     # contexts cut into parts and merged, a window starting inside one
     AttentionCase("d128-split-window", q_lens=(1, 1), seq_lens=(4500, 2100), group=4, head_dim=128, dtype=BF16,
                   sliding_window=1500),
+    # fp8 caches under a bf16 query: each group of sixteen keys widened to bf16 (exactly) before the tiles; decode,
+    # a prefill tile of 64 rows per kv head, partial groups of blocks of eight keys, and split contexts
+    AttentionCase("fp8-d128-g4", q_lens=(1, 1, 1), seq_lens=(16, 45, 300), group=4, head_dim=128, dtype=BF16,
+                  kv_dtype=torch.float8_e4m3fn, k_scale=0.05, v_scale=0.02),
+    AttentionCase("fp8-d64-g4-prefill-64-rows", q_lens=(16, 1), seq_lens=(70, 20), group=4, head_dim=64, dtype=BF16,
+                  kv_dtype=torch.float8_e4m3fn, k_scale=0.1, v_scale=0.1, softcap=5.0),
+    AttentionCase("fp8-d96-g2-bs8", q_lens=(1, 3), seq_lens=(23, 61), group=2, head_dim=96, block_size=8, dtype=BF16,
+                  kv_dtype=torch.float8_e4m3fn, k_scale=0.05, v_scale=0.05),
+    AttentionCase("fp8-d128-split-window", q_lens=(1, 1), seq_lens=(4500, 2100), group=4, head_dim=128, dtype=BF16,
+                  kv_dtype=torch.float8_e4m3fn, k_scale=0.05, v_scale=0.05, sliding_window=1500),
 ]
 
 
@@ -55,14 +65,15 @@ def on_vector_code(call):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_tiles_match_the_oracle_and_the_vector_path(case: AttentionCase):
     built = build_case(case)
-    kwargs = dict(sliding_window=case.sliding_window, softcap=case.softcap)
+    kwargs = dict(sliding_window=case.sliding_window, softcap=case.softcap, k_scale=case.k_scale,
+                  v_scale=case.v_scale)
     tiles = cpu.paged_attention(*built.attention_args(), **kwargs)
     vectors = on_vector_code(lambda: cpu.paged_attention(*built.attention_args(), **kwargs))
     expected = reference.paged_attention(*built.attention_args(), **kwargs)
     assert not tiles.float().isnan().any()  # no NaN from the poisoned slots past a partial group
     torch.testing.assert_close(tiles.float(), expected.float(), **tolerance(case))
     torch.testing.assert_close(tiles.float(), vectors.float(), **tolerance(case))
-    if case.name == "d128-g4":  # the tiles did run: they sum in another order than the vectors
+    if case.name in ("d128-g4", "fp8-d128-g4"):  # the tiles did run: they sum in another order than the vectors
         assert not torch.equal(tiles, vectors)
 
 

@@ -22,7 +22,7 @@ namespace {
 // with the rescale folded into the accumulators' load. K/V elements are widened to fp32 as they are loaded, except
 // bf16 K/V under a bf16 query: AVX512-BF16's pair dot products take them raw (the weights rounded to bf16 for V).
 // Every row's arithmetic is the same whichever rows share its pass, which batch-invariant mode relies on.
-// A bf16 query over a bf16 cache runs on AMX tiles instead where the CPU has them (attention_tiles.h).
+// A bf16 query over a bf16 or fp8 cache runs on AMX tiles instead where the CPU has them (attention_tiles.h).
 
 typedef int32_t v16i __attribute__((vector_size(64)));
 
@@ -339,10 +339,13 @@ void decode_blocks(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, co
   float correction[4];
 #if defined(PB_AMX)
   std::optional<TileDecode> tiles;  // bf16 on AMX tiles (attention_tiles.h)
-  if constexpr (kPairs<L>)
-    if (tiles_take(a)) tiles.emplace(s, a.num_kv_heads, count, dim);  // the rule run_task chose the path by
+  if constexpr (kPairs<L> || L::code == PB_FP8_E4M3 || L::code == PB_FP8_E5M2)
+    if (tiles_take(a)) tiles.emplace(s, L::code, a.num_kv_heads, count, dim);  // run_task chose the path by it
   const int64_t key_stride = a.k_stride_slot * static_cast<int64_t>(elem);
   const int64_t value_stride = a.v_stride_slot * static_cast<int64_t>(elem);
+  const bool raw_scores = kPairs<L> || tiles;  // scored from the raw bf16 query: its scale goes on the scores
+#else
+  constexpr bool raw_scores = kPairs<L>;
 #endif
   for (int block_start = lo - lo % bs; block_start < hi; block_start += bs) {
     const int64_t block = table[block_start / bs];
@@ -367,7 +370,7 @@ void decode_blocks(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, co
 #if defined(PB_AMX)
         TileDecode::Rows at{};
         if (tiles) {
-          at = tiles->padded({keys[0], values[0], key_stride, value_stride}, m);
+          at = tiles->staged({keys[0], values[0], key_stride, value_stride}, m);
           tiles->score(h, rows, at, ahead);
         } else
 #endif
@@ -375,7 +378,7 @@ void decode_blocks(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, co
         for (int k = 0; k < count; ++k) {  // online softmax of each row over these keys
           const int r = rows[k], pos = tile.first_pos + r / tile.heads;
           float* row_probs = s.probs.data() + r * 16;
-          if constexpr (kPairs<L>) store16(row_probs, load16(row_probs) * (a.scale * a.k_scale));
+          if (raw_scores) store16(row_probs, load16(row_probs) * (a.scale * a.k_scale));
           if (a.softcap > 0.0f)
             for (int j = 0; j < 16; ++j) row_probs[j] = capped(a, row_probs[j]);
           const v16i t = first_key + lane;

@@ -1,5 +1,5 @@
-// The CPU attention kernel's decode path on AMX tiles, for a bf16 query over a bf16 cache (decode, drafts and
-// prefill tiles under panel_min_rows rows per kv head). Included by attention_decode.h.
+// The CPU attention kernel's decode path on AMX tiles, for a bf16 query over a bf16 or fp8 cache (every tile:
+// decode, drafts and prefill). Included by attention_decode.h.
 //
 // On Sapphire Rapids `vdpbf16ps` issues at a quarter of an fp32 FMA's rate, which made the vector decode path
 // compute-bound in bf16 (its rate from cache no higher than DRAM streams). The tile unit does both products of a kv
@@ -16,7 +16,10 @@
 //   softmax's rescale when it is not 1, loaded into C tiles 4-7 per group, and summed and interleaved back into the
 //   rows at the end.
 // A partial group (fewer than sixteen keys left in the block) is copied into a zero-padded buffer first, so every
-// group runs the same code; a row's bits depend only on its keys' positions, as batch-invariant mode needs.
+// group runs the same code; a row's bits depend only on its keys' positions, as batch-invariant mode needs. An fp8
+// cache's groups are all widened into that buffer as bf16, which holds every fp8 number exactly (its scales go on
+// the scores and the output, as on the other paths): a prefill tile widens each key once for all its rows, where the
+// fp8 panels widened it into fp32 and multiplied there (1.7x slower on the real model's heads, 2026-11-29).
 #pragma once
 
 #include "amx.h"
@@ -31,8 +34,8 @@ class TileDecode {
   // Any number of rows per kv head: the scores' C tile has 16 columns, so more rows are scored in passes of 16; the
   // values' C tiles hold 4 rows per query row, so more than 4 rows go through them in slices of 4. A last pass or
   // slice is padded with zero queries or weights. The scratch it needs is sized here, on the tasks that use it.
-  TileDecode(Scratch& s, int kv_heads, int rows_per_head, int dim)
-      : s_(s), kv_heads_(kv_heads), count_(rows_per_head), dim_(dim), chunks_(dim / 32),
+  TileDecode(Scratch& s, int32_t kv_dtype, int kv_heads, int rows_per_head, int dim)
+      : s_(s), kv_dtype_(kv_dtype), kv_heads_(kv_heads), count_(rows_per_head), dim_(dim), chunks_(dim / 32),
         columns_(std::min(rows_per_head, 16)), passes_((rows_per_head + 15) / 16),
         slice_rows_(std::min(rows_per_head, 4)), slices_((rows_per_head + 3) / 4) {
     pb_amx::TileConfig config{};
@@ -86,19 +89,20 @@ class TileDecode {
   }
 
   // Sixteen keys and values of kv head h from `key` and `value`, `stride` bytes apart, of which the first `m` are
-  // real. Returns where to read them: in place when all sixteen are, else a zero-padded copy.
+  // real. Returns where to read them as bf16: in place when all sixteen are real and bf16, else a zero-padded copy,
+  // fp8 widened to bf16 in it (exactly: fp8_row_to_bf16).
   struct Rows {
     const char *key, *value;
     int64_t key_stride, value_stride;
   };
-  Rows padded(Rows rows, int m) {
-    if (m == 16) return rows;
+  Rows staged(Rows rows, int m) {
+    if (m == 16 && kv_dtype_ == PB_BF16) return rows;
     const size_t bytes = dim_ * sizeof(uint16_t);
     char* key = reinterpret_cast<char*>(s_.tile_rows.data());
     char* value = key + 16 * bytes;
     for (int j = 0; j < m; ++j) {
-      std::memcpy(key + j * bytes, rows.key + j * rows.key_stride, bytes);
-      std::memcpy(value + j * bytes, rows.value + j * rows.value_stride, bytes);
+      stage_row(rows.key + j * rows.key_stride, key + j * bytes);
+      stage_row(rows.value + j * rows.value_stride, value + j * bytes);
     }
     std::memset(key + m * bytes, 0, (16 - m) * bytes);  // zeros, not an earlier group's rows: 0 * inf would be NaN
     std::memset(value + m * bytes, 0, (16 - m) * bytes);
@@ -205,15 +209,27 @@ class TileDecode {
     }
   }
 
+  void stage_row(const char* src, char* dst) const {
+    const auto* bytes = reinterpret_cast<const uint8_t*>(src);
+    auto* out = reinterpret_cast<uint16_t*>(dst);
+    switch (kv_dtype_) {
+      case PB_FP8_E4M3: fp8_row_to_bf16<PB_FP8_E4M3>(bytes, dim_, out); break;
+      case PB_FP8_E5M2: fp8_row_to_bf16<PB_FP8_E5M2>(bytes, dim_, out); break;
+      default: std::memcpy(dst, src, dim_ * sizeof(uint16_t));
+    }
+  }
+
   Scratch& s_;
+  int32_t kv_dtype_;
   int kv_heads_, count_, dim_, chunks_;
   int columns_, passes_;     // the scores' rows per pass (C tile columns), and passes over the rows
   int slice_rows_, slices_;  // the values' rows per slice, and slices over the rows
 };
 
-// Whether a bf16 query over a bf16 cache runs on the tiles: head_dim a multiple of 32, the tiles granted and on.
+// Whether a bf16 query over a bf16 or fp8 cache runs on the tiles: head_dim a multiple of 32, the tiles granted and on.
 inline bool tiles_take(const PbCpuAttentionArgs& a) {
-  return a.q_dtype == PB_BF16 && a.kv_dtype == PB_BF16 && a.head_dim % 32 == 0 && pb_amx::in_use();
+  const bool bf16_exact = a.kv_dtype == PB_BF16 || a.kv_dtype == PB_FP8_E4M3 || a.kv_dtype == PB_FP8_E5M2;
+  return a.q_dtype == PB_BF16 && bf16_exact && a.head_dim % 32 == 0 && pb_amx::in_use();
 }
 
 }  // namespace

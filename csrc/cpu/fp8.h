@@ -8,6 +8,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
 #include "bf16.h"
 #include "kernels.h"
 
@@ -50,6 +54,59 @@ inline void fp8_row_to_float(const uint8_t* bytes, int n, float* dst) {
   std::memcpy(tail, bytes + i, n - i);
   const f32x16 values = fp8x16_to_float<CODE>(tail);
   std::memcpy(dst + i, &values, (n - i) * sizeof(float));
+}
+
+#if defined(__AVX512BW__)
+// Thirty-two bytes of format CODE at `p` as bfloat16, by moving bits: a normal number's exponent is rebiased (e4m3's
+// 7 and e5m2's 15 to bf16's 127) and its mantissa shifted up; subnormals, which become normal in bf16, come from an
+// eight-entry table; e4m3's NaN (S.1111.111) and e5m2's infinities and NaNs are set apart.
+template <int32_t CODE>
+inline __m512i fp8x32_to_bf16(const uint8_t* p) {
+  const __m512i byte = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i magnitude = _mm512_and_si512(byte, _mm512_set1_epi16(0x7F));
+  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(byte, _mm512_set1_epi16(0x80)), 8);
+  __m512i bits;
+  if constexpr (CODE == PB_FP8_E5M2) {
+    // subnormals m * 2^-16 (m < 4), then 0x7C: infinity, above it NaN
+    const __m512i subnormal = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                               0, 0, 0, 0, 0x3840, 0x3800, 0x3780, 0);
+    bits = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 5), _mm512_set1_epi16(112 << 7));
+    bits = _mm512_mask_permutexvar_epi16(bits, _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(4)), magnitude,
+                                         subnormal);
+    bits = _mm512_mask_mov_epi16(bits, _mm512_cmpeq_epi16_mask(magnitude, _mm512_set1_epi16(0x7C)),
+                                 _mm512_set1_epi16(0x7F80));
+    bits = _mm512_mask_mov_epi16(bits, _mm512_cmpgt_epu16_mask(magnitude, _mm512_set1_epi16(0x7C)),
+                                 _mm512_set1_epi16(0x7FC0));
+  } else {
+    // subnormals m * 2^-9 (m < 8); 0x7F is NaN
+    const __m512i subnormal = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                               0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
+    bits = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(120 << 7));
+    bits = _mm512_mask_permutexvar_epi16(bits, _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(8)), magnitude,
+                                         subnormal);
+    bits = _mm512_mask_mov_epi16(bits, _mm512_cmpeq_epi16_mask(magnitude, _mm512_set1_epi16(0x7F)),
+                                 _mm512_set1_epi16(0x7FC0));
+  }
+  return _mm512_or_si512(bits, sign);
+}
+#endif
+
+// `n` elements (a multiple of 16) of format CODE at `bytes` as bfloat16 in `dst`, exactly: an fp8 number has at most
+// three mantissa bits and an exponent within bf16's range.
+template <int32_t CODE>
+inline void fp8_row_to_bf16(const uint8_t* bytes, int n, uint16_t* dst) {
+  int i = 0;
+#if defined(__AVX512BW__)
+  for (; i + 32 <= n; i += 32) _mm512_storeu_si512(dst + i, fp8x32_to_bf16<CODE>(bytes + i));
+#endif
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  for (; i < n; i += 16) {  // a float's high half: its low half is zero
+    u32x16 bits;
+    const f32x16 values = fp8x16_to_float<CODE>(bytes + i);
+    std::memcpy(&bits, &values, sizeof(bits));
+    const u16x16 high = __builtin_convertvector(bits >> 16, u16x16);
+    std::memcpy(dst + i, &high, sizeof(high));
+  }
 }
 
 // `x` in format CODE as torch's `x.clamp(-max, max).to(float8_*)` stores it (ops/reference.py's to_fp8): saturated to

@@ -5,8 +5,8 @@
 // merged after (flash-decoding's split), so that one long sequence decodes on every core. Keys are visited block
 // by block with an online softmax (one rescale per block), so nothing is gathered or padded: each task reads its
 // context once, which is what bounds decode.
-// Over fp32 and fp16 caches, and bf16 on AMX tiles (attention_tiles.h), every tile, prefill included, goes sixteen
-// keys at a time per kv head (attention_decode.h). Over other caches, tiles of 8 or more rows per kv head take
+// Over fp32 and fp16 caches, and bf16 and fp8 on AMX tiles (attention_tiles.h), every tile, prefill included, goes
+// sixteen keys at a time per kv head (attention_decode.h). Over other caches, tiles of 8 or more rows per kv head take
 // transposed 16-key panels against four rows at a time (panel_blocks, here): see panel_min_rows. Values are
 // accumulated four rows at a time with the accumulators in registers. Math is fp32; the argument struct, the
 // dtype conversions and the scratch both paths share are in attention_cpu.h.
