@@ -17,6 +17,8 @@ its arithmetic allows. Below the streaming bound, the kernel is compute-bound at
 pages, as the engine's do by default; a last column times a copy on 2 MiB pages (what PAGED_BACKEND_KV_HUGE_PAGES=1
 gives the engine, core/huge_pages.py). On CPUs with AMX, bf16 decode runs on the tiles (csrc/cpu/attention_tiles.h); a
 column times the same calls on the AVX-512 path it replaces.
+--cpu-kv-dtype fp8_e4m3 (or fp8_e5m2) stores the pools in fp8 under a scale, read with the query in --cpu-dtype; the
+contiguous baseline reads the same values in the query's dtype, and bandwidth counts the pool's bytes.
 --geometry smollm2-135m uses the real model's heads (9 q, 3 kv, dim 64) instead of Llama-3-8B's. --tables engine lays
 the tables out as the engine's BlockManager does on a pool that has served a batch before (engine_tables), instead of
 shuffling every block: the layout the kernel meets in serving, where --tables shuffled is its worst case.
@@ -24,6 +26,7 @@ shuffling every block: the layout the kernel meets in serving, where --tables sh
     python benchmarks/attention.py                            # GPU grid
     python benchmarks/attention.py --device cpu --threads 1 --output cpu.md
     python benchmarks/attention.py --device cpu --threads 1 --batch 1 8 64 --context 512 2048 16384
+    python benchmarks/attention.py --device cpu --threads 1 --cpu-dtype bfloat16 --cpu-kv-dtype fp8_e4m3
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ GEOMETRIES = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}  # q heads,
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = GEOMETRIES["llama3-8b"]
 TABLES = "shuffled"  # or "engine" (--tables)
 DECODED = 256  # --tables engine: tokens each sequence decodes after its prompt (--decoded)
+KV_DTYPE: torch.dtype | None = None  # the pools' dtype where it is not the query's (--cpu-kv-dtype)
+KV_SCALE = 0.05  # an fp8 pool holds K / KV_SCALE and V / KV_SCALE (as --calculate-kv-scales would set a scale)
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 PEAK_TBPS_BY_NAME = (("H200", 4.8), ("H100 PCIe", 2.0), ("H100", 3.35), ("A100", 2.0))
 
 
@@ -66,7 +72,7 @@ class DecodeBatch:
 
     @property
     def kv_bytes(self) -> int:
-        return 2 * self.contiguous_key.numel() * self.contiguous_key.element_size()
+        return 2 * self.contiguous_key.numel() * self.key_cache.element_size()
 
 
 def make_batch(batch: int, context: int, block_size: int, dtype: torch.dtype, device: str) -> DecodeBatch:
@@ -76,14 +82,18 @@ def make_batch(batch: int, context: int, block_size: int, dtype: torch.dtype, de
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
     key_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
     value_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    if KV_DTYPE is not None:
+        key_cache, value_cache = ((pool.float() / KV_SCALE).to(KV_DTYPE) for pool in (key_cache, value_cache))
     if TABLES == "engine":
         tables = engine_tables(batch, context, block_size).to(device)
     else:
         perm = torch.randperm(num_blocks - 1, generator=gen, device=device) + 1
         tables = perm.view(batch, blocks_per_seq).to(torch.int32)
 
-    def contiguous(pool: torch.Tensor) -> torch.Tensor:
+    def contiguous(pool: torch.Tensor) -> torch.Tensor:  # in the query's dtype: an fp8 pool's values times its scale
         tokens = pool[tables.long()].view(batch, context, NUM_KV_HEADS, HEAD_DIM)
+        if KV_DTYPE is not None:
+            tokens = (tokens.float() * KV_SCALE).to(dtype)
         return tokens.transpose(1, 2).contiguous()
 
     return DecodeBatch(
@@ -190,10 +200,15 @@ def without_amx(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     return call
 
 
+def kv_scales() -> dict[str, float]:
+    scale = 1.0 if KV_DTYPE is None else KV_SCALE
+    return {"k_scale": scale, "v_scale": scale}
+
+
 def paged(b: DecodeBatch, backend: str) -> Callable[[], torch.Tensor]:
     scale = HEAD_DIM**-0.5
     return lambda: ops.paged_attention(b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens,
-                                       b.query_start_loc, scale, backend=backend)
+                                       b.query_start_loc, scale, backend=backend, **kv_scales())
 
 
 def sdpa_contiguous(b: DecodeBatch) -> Callable[[], torch.Tensor]:
@@ -287,8 +302,8 @@ def cpu_table(args: argparse.Namespace) -> list[str]:
               "cpu / contiguous", "oracle / contiguous", "cpu kernel GB/s", "sequential sum GB/s", "cpu % of sum",
               "block-order read GB/s", "cpu % of block-order read", "cpu cache-resident GB/s",
               "cpu on 2 MiB pages GB/s", "cpu AVX-512 path GB/s (AMX off)"]
-    amx = dtype == torch.bfloat16 and cpu_ops.amx_tiles()  # the tiles run bf16 decode: time the path they replace
-    lines = [f"CPU, {args.cpu_dtype}, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, head dim {HEAD_DIM}, "
+    amx = tiles_run(dtype)  # time the path the tiles replace too
+    lines = [f"CPU, {pools_named(args)}, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, head dim {HEAD_DIM}, "
              f"{torch.get_num_threads()} threads, best of {args.iters}; {table_layout()}, block size "
              f"{args.block_size}", "", _row(header), _row(["---"] * len(header))]
     for batch in args.batch:
@@ -330,25 +345,42 @@ def prefill_calls(batch: int, prompt: int, block_size: int,
 
     def paged_prefill(backend: str) -> Callable[[], torch.Tensor]:
         return lambda: ops.paged_attention(query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, starts,
-                                           scale, backend=backend)
+                                           scale, backend=backend, **kv_scales())
 
     def sdpa_causal() -> torch.Tensor:
         return F.scaled_dot_product_attention(dense_query, b.contiguous_key, b.contiguous_value, is_causal=True,
                                               enable_gqa=True)
 
-    return {"cpu": paged_prefill("cpu"), "torch": paged_prefill("torch"), "sdpa": sdpa_causal}
+    calls = {"cpu": paged_prefill("cpu"), "torch": paged_prefill("torch"), "sdpa": sdpa_causal}
+    if tiles_run(dtype):
+        calls["avx-512"] = without_amx(calls["cpu"])
+    return calls
 
 
 def cpu_prefill_table(args: argparse.Namespace) -> list[str]:
-    header = ["batch", "prompt", "cpu kernel ms", "torch oracle ms", "sdpa causal ms", "cpu / sdpa", "oracle / sdpa"]
-    lines = ["", f"Prefill (causal, q_len = prompt length, {args.cpu_dtype}):", "", _row(header),
+    dtype = getattr(torch, args.cpu_dtype)
+    amx = tiles_run(dtype)
+    header = ["batch", "prompt", "cpu kernel ms", "torch oracle ms", "sdpa causal ms", "cpu / sdpa", "oracle / sdpa",
+              "cpu AVX-512 path ms (AMX off)"]
+    lines = ["", f"Prefill (causal, q_len = prompt length, {pools_named(args)}):", "", _row(header),
              _row(["---"] * len(header))]
     for batch, prompt in ((1, 512), (4, 512)):
-        times = time_all(prefill_calls(batch, prompt, args.block_size, getattr(torch, args.cpu_dtype)), "cpu",
-                         args.iters)
+        times = time_all(prefill_calls(batch, prompt, args.block_size, dtype), "cpu", args.iters)
         lines.append(_row([batch, prompt, f"{times['cpu']:.2f}", f"{times['torch']:.2f}", f"{times['sdpa']:.2f}",
-                           f"{times['cpu'] / times['sdpa']:.2f}", f"{times['torch'] / times['sdpa']:.2f}"]))
+                           f"{times['cpu'] / times['sdpa']:.2f}", f"{times['torch'] / times['sdpa']:.2f}",
+                           f"{times['avx-512']:.2f}" if amx else "n/a"]))
     return lines
+
+
+def tiles_run(dtype: torch.dtype) -> bool:
+    """Whether the kernel runs a query of `dtype` on AMX tiles here: bf16 over bf16 or fp8 pools."""
+    return dtype == torch.bfloat16 and cpu_ops.amx_tiles()
+
+
+def pools_named(args: argparse.Namespace) -> str:
+    if KV_DTYPE is None:
+        return args.cpu_dtype
+    return f"{args.cpu_dtype} query, {args.cpu_kv_dtype} pools (scale {KV_SCALE})"
 
 
 def table_layout() -> str:
@@ -362,7 +394,7 @@ def _row(cells: list) -> str:
 
 
 def main() -> None:
-    global NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, TABLES, DECODED
+    global NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, TABLES, DECODED, KV_DTYPE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=int, nargs="+", default=None)
@@ -376,6 +408,8 @@ def main() -> None:
     parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="llama3-8b", help="attention heads")
     parser.add_argument("--cpu-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="query and KV dtype of the CPU decode and prefill tables")
+    parser.add_argument("--cpu-kv-dtype", choices=["same", *FP8_DTYPES], default="same",
+                        help="the CPU pools' dtype: the query's (--cpu-dtype), or fp8 under a scale")
     parser.add_argument("--no-prefill", action="store_true", help="CPU: leave out the prefill table")
     parser.add_argument("--tables", choices=["shuffled", "engine"], default="shuffled",
                         help="decode block tables: every block shuffled, or as the engine's BlockManager lays them out")
@@ -385,6 +419,7 @@ def main() -> None:
     NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = GEOMETRIES[args.geometry]
     TABLES, DECODED = args.tables, args.decoded
     on_gpu = args.device == "cuda"
+    KV_DTYPE = None if on_gpu else FP8_DTYPES.get(args.cpu_kv_dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
     args.batch = args.batch or ([1, 8, 64, 256] if on_gpu else [1, 8])
