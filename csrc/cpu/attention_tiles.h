@@ -19,7 +19,7 @@
 // group runs the same code; a row's bits depend only on its keys' positions, as batch-invariant mode needs. An fp8
 // cache's groups are all widened into that buffer as bf16, which holds every fp8 number exactly (its scales go on
 // the scores and the output, as on the other paths): a prefill tile widens each key once for all its rows, where the
-// fp8 panels widened it into fp32 and multiplied there (1.7x slower on the real model's heads, 2026-11-29).
+// fp8 panels widened it into fp32 and multiplied there (1.5-1.75x slower on the real model's heads, 2026-11-29).
 #pragma once
 
 #include "amx.h"
