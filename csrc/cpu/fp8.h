@@ -58,35 +58,27 @@ inline void fp8_row_to_float(const uint8_t* bytes, int n, float* dst) {
 
 #if defined(__AVX512BW__)
 // Thirty-two bytes of format CODE at `p` as bfloat16, by moving bits: a normal number's exponent is rebiased (e4m3's
-// 7 and e5m2's 15 to bf16's 127) and its mantissa shifted up; subnormals, which become normal in bf16, come from an
-// eight-entry table; e4m3's NaN (S.1111.111) and e5m2's infinities and NaNs are set apart.
+// 7 and e5m2's 15 to bf16's 127) and its mantissa shifted up; subnormals, which become normal in bf16, come from a
+// table; e4m3's NaN (S.1111.111) and e5m2's infinities and NaNs are set apart.
 template <int32_t CODE>
 inline __m512i fp8x32_to_bf16(const uint8_t* p) {
+  constexpr bool kE5M2 = CODE == PB_FP8_E5M2;
+  constexpr int kMantissa = kE5M2 ? 2 : 3, kRebias = kE5M2 ? 127 - 15 : 127 - 7;
+  constexpr short kLargestNumber = kE5M2 ? 0x7C : 0x7E;  // above it, NaNs (e5m2's 0x7C is its infinity)
+  // m * 2^-16 (e5m2) or m * 2^-9 (e4m3) for the subnormal mantissas m, in bf16
+  const __m512i subnormal = kE5M2 ? _mm512_set_epi64(0, 0, 0, 0, 0, 0, 0, 0x3840380037800000)
+                                  : _mm512_set_epi64(0, 0, 0, 0, 0, 0, 0x3C603C403C203C00, 0x3BC03B803B000000);
   const __m512i byte = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   const __m512i magnitude = _mm512_and_si512(byte, _mm512_set1_epi16(0x7F));
   const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(byte, _mm512_set1_epi16(0x80)), 8);
-  __m512i bits;
-  if constexpr (CODE == PB_FP8_E5M2) {
-    // subnormals m * 2^-16 (m < 4), then 0x7C: infinity, above it NaN
-    const __m512i subnormal = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                               0, 0, 0, 0, 0x3840, 0x3800, 0x3780, 0);
-    bits = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 5), _mm512_set1_epi16(112 << 7));
-    bits = _mm512_mask_permutexvar_epi16(bits, _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(4)), magnitude,
-                                         subnormal);
+  __m512i bits = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 7 - kMantissa), _mm512_set1_epi16(kRebias << 7));
+  bits = _mm512_mask_permutexvar_epi16(bits, _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(1 << kMantissa)),
+                                       magnitude, subnormal);
+  if constexpr (kE5M2)  // its infinity; e4m3 has none
     bits = _mm512_mask_mov_epi16(bits, _mm512_cmpeq_epi16_mask(magnitude, _mm512_set1_epi16(0x7C)),
                                  _mm512_set1_epi16(0x7F80));
-    bits = _mm512_mask_mov_epi16(bits, _mm512_cmpgt_epu16_mask(magnitude, _mm512_set1_epi16(0x7C)),
-                                 _mm512_set1_epi16(0x7FC0));
-  } else {
-    // subnormals m * 2^-9 (m < 8); 0x7F is NaN
-    const __m512i subnormal = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                               0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
-    bits = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(120 << 7));
-    bits = _mm512_mask_permutexvar_epi16(bits, _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(8)), magnitude,
-                                         subnormal);
-    bits = _mm512_mask_mov_epi16(bits, _mm512_cmpeq_epi16_mask(magnitude, _mm512_set1_epi16(0x7F)),
-                                 _mm512_set1_epi16(0x7FC0));
-  }
+  bits = _mm512_mask_mov_epi16(bits, _mm512_cmpgt_epu16_mask(magnitude, _mm512_set1_epi16(kLargestNumber)),
+                               _mm512_set1_epi16(0x7FC0));  // NaN
   return _mm512_or_si512(bits, sign);
 }
 #endif
