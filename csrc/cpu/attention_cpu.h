@@ -28,9 +28,9 @@ constexpr int kPanel = 16;            // keys per transposed panel in the many-r
 // kMaxRowsPerTask). On the Xeon the decode path was faster at every count to 128 (2026-11-29): 1.5-1.8x in fp32,
 // 2.5-4x on the tiles, 4-8x over fp16 caches; the panels' last win was against an older decode path (EPYC,
 // 2026-11-22). fp8 caches off the tiles: 32, where the two tie; the decode path is 1.1-1.6x faster below it, the
-// panels 1.05-1.2x at 128 rows (the decode path widens fp8 K once per four rows, the panels once). bf16 without the tiles: 8, because its vector decode path rounds
-// the softmax weights to bf16 once, where the panels keep them fp32: prefill weights rounded once put the real
-// model's first bf16 answer token on a tie.
+// panels 1.05-1.2x at 128 rows (the decode path widens fp8 K once per four rows, the panels once). bf16 without the
+// tiles: 8, because its vector decode path rounds the softmax weights to bf16 once, where the panels keep them fp32:
+// prefill weights rounded once put the real model's first bf16 answer token on a tie.
 inline int panel_min_rows(int32_t kv_dtype, bool tiles) {
   if (kv_dtype == PB_F32 || kv_dtype == PB_F16 || tiles) return kMaxRowsPerTask + 1;
   return kv_dtype == PB_BF16 ? 8 : 32;

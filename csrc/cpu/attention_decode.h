@@ -339,7 +339,7 @@ void decode_blocks(const PbCpuAttentionArgs& a, Scratch& s, const Tile& tile, co
   float correction[4];
 #if defined(PB_AMX)
   std::optional<TileDecode> tiles;  // bf16 on AMX tiles (attention_tiles.h)
-  if constexpr (kPairs<L> || L::code == PB_FP8_E4M3 || L::code == PB_FP8_E5M2)
+  if constexpr (kPairs<L> || is_fp8(L::code))
     if (tiles_take(a)) tiles.emplace(s, L::code, a.num_kv_heads, count, dim);  // run_task chose the path by it
   const int64_t key_stride = a.k_stride_slot * static_cast<int64_t>(elem);
   const int64_t value_stride = a.v_stride_slot * static_cast<int64_t>(elem);

@@ -228,8 +228,8 @@ class TileDecode {
 
 // Whether a bf16 query over a bf16 or fp8 cache runs on the tiles: head_dim a multiple of 32, the tiles granted and on.
 inline bool tiles_take(const PbCpuAttentionArgs& a) {
-  const bool bf16_exact = a.kv_dtype == PB_BF16 || a.kv_dtype == PB_FP8_E4M3 || a.kv_dtype == PB_FP8_E5M2;
-  return a.q_dtype == PB_BF16 && bf16_exact && a.head_dim % 32 == 0 && pb_amx::in_use();
+  return a.q_dtype == PB_BF16 && (a.kv_dtype == PB_BF16 || is_fp8(a.kv_dtype)) && a.head_dim % 32 == 0 &&
+         pb_amx::in_use();
 }
 
 }  // namespace

@@ -15,6 +15,9 @@
 #include "bf16.h"
 #include "kernels.h"
 
+// Whether a PbCpuDtype code is one of the fp8 formats.
+constexpr bool is_fp8(int32_t code) { return code == PB_FP8_E4M3 || code == PB_FP8_E5M2; }
+
 // Sixteen bytes of format CODE (PB_FP8_E4M3 or PB_FP8_E5M2) at `p` as floats, through fp16 (one vcvtph2ps).
 template <int32_t CODE>
 inline f32x16 fp8x16_to_float(const uint8_t* p) {
@@ -81,25 +84,14 @@ inline __m512i fp8x32_to_bf16(const uint8_t* p) {
                                _mm512_set1_epi16(0x7FC0));  // NaN
   return _mm512_or_si512(bits, sign);
 }
-#endif
 
-// `n` elements (a multiple of 16) of format CODE at `bytes` as bfloat16 in `dst`, exactly: an fp8 number has at most
-// three mantissa bits and an exponent within bf16's range.
+// `n` elements (a multiple of 32, as the AMX tiles' head_dim is) of format CODE at `bytes` as bfloat16 in `dst`,
+// exactly: an fp8 number has at most three mantissa bits and an exponent within bf16's range.
 template <int32_t CODE>
 inline void fp8_row_to_bf16(const uint8_t* bytes, int n, uint16_t* dst) {
-  int i = 0;
-#if defined(__AVX512BW__)
-  for (; i + 32 <= n; i += 32) _mm512_storeu_si512(dst + i, fp8x32_to_bf16<CODE>(bytes + i));
-#endif
-  typedef uint32_t u32x16 __attribute__((vector_size(64)));
-  for (; i < n; i += 16) {  // a float's high half: its low half is zero
-    u32x16 bits;
-    const f32x16 values = fp8x16_to_float<CODE>(bytes + i);
-    std::memcpy(&bits, &values, sizeof(bits));
-    const u16x16 high = __builtin_convertvector(bits >> 16, u16x16);
-    std::memcpy(dst + i, &high, sizeof(high));
-  }
+  for (int i = 0; i < n; i += 32) _mm512_storeu_si512(dst + i, fp8x32_to_bf16<CODE>(bytes + i));
 }
+#endif
 
 // `x` in format CODE as torch's `x.clamp(-max, max).to(float8_*)` stores it (ops/reference.py's to_fp8): saturated to
 // the finite range, then rounded to nearest, ties to even; NaN stays NaN.

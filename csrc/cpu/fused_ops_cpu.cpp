@@ -179,7 +179,7 @@ inline void place(const T* x, const T* cos, const T* sin, int32_t d, int32_t rot
 
 template <typename T>
 void rotary_cache(const RotaryCacheArgs& a) {
-  const bool fp8 = a.kv_dtype == PB_FP8_E4M3 || a.kv_dtype == PB_FP8_E5M2;
+  const bool fp8 = is_fp8(a.kv_dtype);
   const int32_t d = a.head_dim, rotary_width = a.rotary_dim > 0 ? a.rotary_dim : d;
   const int32_t rotary_dim = a.skip_rotary != 0 ? 0 : rotary_width;
   const int64_t work = int64_t{a.num_tokens} * (a.num_q_heads + 2 * a.num_kv_heads) * d;
@@ -291,7 +291,7 @@ int pb_cpu_add_rms_norm(const void* x, int64_t x_stride, const void* x_weight, f
 int pb_cpu_rotary_cache(const RotaryCacheArgs* args, int32_t dtype) {
   if (args->head_dim <= 0 || args->head_dim % 2 != 0 || args->block_size <= 0) return -2;
   if (args->rotary_dim < 0 || args->rotary_dim % 2 != 0 || args->rotary_dim > args->head_dim) return -2;
-  const bool fp8 = args->kv_dtype == PB_FP8_E4M3 || args->kv_dtype == PB_FP8_E5M2;
+  const bool fp8 = is_fp8(args->kv_dtype);
   if ((args->q_norm != nullptr || args->k_norm != nullptr || fp8) && args->head_dim > kMaxNormedHeadDim) return -2;
   if (fp8 && !(args->k_scale > 0.0f && args->v_scale > 0.0f)) return -2;
   for (int32_t t = 0; t < args->num_tokens; ++t)  // before any write: a bad slot would land outside the pool
