@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from paged_backend import startup
 from paged_backend.engine.args import EngineArgs
 from paged_backend.engine.args_typer import add_engine_command
 
@@ -154,6 +155,7 @@ def run(
             for r in records
         ]
         llm = LLM(**engine.engine_kwargs())
+        startup.started()
         started = time.perf_counter()
         priorities = [int(r.get("priority", 0)) for r in records]
         if chat:

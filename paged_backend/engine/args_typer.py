@@ -21,6 +21,7 @@ from typer.core import TyperCommand, TyperOption
 
 from paged_backend.engine.args import CONFIG_HELP, ENGINE_FLAGS, EngineArgs, EngineFlag, config_path, read_config_file
 from paged_backend.errors import InvalidRequest
+from paged_backend.startup import quiet_start
 
 ModelArgument = Annotated[str | None, typer.Argument(metavar="MODEL", help="the same as --model", show_default=False)]
 ConfigOption = Annotated[str | None, typer.Option("--config", metavar="FILE", help=CONFIG_HELP)]
@@ -50,7 +51,8 @@ def with_engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
         given = {name: values.pop(name) for name in cli_only}
         if given.get("model_tag") is not None:
             engine.model = given["model_tag"]  # vLLM's rule: the positional model wins over --model
-        return command(engine, **values)
+        with quiet_start():  # the command calls started() once its engine is built
+            return command(engine, **values)
 
     callback.__name__, callback.__doc__ = command.__name__, command.__doc__
     callback.__signature__ = inspect.Signature([p for name, p in own.items() if name != "engine"] + generated)

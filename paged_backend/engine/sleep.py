@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from paged_backend import startup
 from paged_backend.engine.assembly import attach_decode_graphs
 from paged_backend.errors import InvalidRequest, PagedBackendError
 from paged_backend.worker.model_worker import model_runner
@@ -153,6 +154,7 @@ class EngineSleep:
 
 def _give_memory_back(device: torch.device) -> None:
     """Return freed memory to the system: CUDA's cached blocks, and on Linux the heap glibc keeps after a free."""
+    startup.thaw()  # a command's frozen start-up heap holds what was just dropped
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

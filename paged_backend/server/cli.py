@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
+from paged_backend import startup
 from paged_backend.config.env import env_seconds
 from paged_backend.engine.args import CONFIG_HELP, EngineArgs, read_document
 from paged_backend.engine.args_typer import FlagCommand, ModelArgument, add_engine_command
@@ -262,6 +263,7 @@ def serve(
     server_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                                    access_log=not disable_uvicorn_access_log)  # fmt: skip
     server = DrainingServer(server_config, draining, drain_timeout)
+    startup.started()
     try:
         server.run()
     finally:

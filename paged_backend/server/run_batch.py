@@ -18,6 +18,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
+from paged_backend import startup
 from paged_backend.engine.args import EngineArgs
 from paged_backend.engine.args_typer import add_engine_command
 from paged_backend.errors import PagedBackendError, one_line
@@ -67,6 +68,7 @@ def run_batch(
         typer.echo(f"error: {one_line(error)}", err=True)
         raise typer.Exit(2) from error
     app = build_app(built, ServerSettings(served_model_name=served_model_name), engine_thread=engine_thread)
+    startup.started()
     started = time.perf_counter()
     try:
         outputs = asyncio.run(_run_lines(app, lines, built.config.scheduler.max_num_seqs, progress))

@@ -17,6 +17,7 @@ from typing import Annotated
 import typer
 
 from paged_backend.config.env import env_flag, env_fraction
+from paged_backend.startup import quiet_start, started
 from paged_backend.tgi.names import kv_cache_dtype as kv_cache_dtype_from_tgi
 from paged_backend.worker.default_model import TINY_MODEL
 
@@ -27,6 +28,7 @@ Opt = typer.Option
 
 
 @app.command()
+@quiet_start()  # started() once the model is built
 def serve(
     model_id: str,
     revision: Annotated[str | None, Opt(help="hub revision (ignored)")] = None,
@@ -97,6 +99,7 @@ def serve(
         )
     except PagedBackendError as error:  # a model or format this machine cannot run, a bad environment value
         raise typer.BadParameter(str(error)) from error
+    started()
     asyncio.run(
         serve_shard(model, uds_path, rank=rank.rank, world_size=rank.world_size, use_prefix_caching=prefix_caching)
     )
