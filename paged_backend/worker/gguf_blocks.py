@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,20 +32,21 @@ from torch import nn
 
 from paged_backend.ops.panel_linear import QuantizedWeight
 
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+
 BLOCKS_FILE = "gguf_blocks.safetensors"  # beside model.safetensors in a conversion; transformers does not read it
 BLOCK = 32  # weights per block in Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (the K-quants: 256)
 
 
-def save(model: nn.Module, path: Path, out: Path) -> None:
-    """Write the blocks of GGUF file `path` (the DECODERS' kinds) that `model` (transformers' float32 load of it)
-    holds as linear weights, keyed by the weights' names, into `out` (nothing when there are none). A weight whose
+def save(model: nn.Module, reader: GGUFReader, out: Path) -> None:
+    """Write the blocks of a GGUF file (its `reader`; the DECODERS' kinds) that `model` (transformers' float32 load
+    of it) holds as linear weights, keyed by the weights' names, into `out` (nothing when there are none). A weight whose
     tensor transformers cannot map or process on its own (an architecture gguf-py names otherwise, MoE experts that
     need the whole load) is left out: it runs on float panels, as every GGUF weight did before."""
-    from gguf import GGUFReader
     from safetensors.torch import save_file
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    reader = GGUFReader(path)
     stored = {tensor.name: tensor for tensor in reader.tensors if tensor.tensor_type.name in DECODERS}
     if not stored:
         return

@@ -2,8 +2,10 @@
 HF directory from the cache.
 
 A `.gguf` file (or a directory holding exactly one) carries the architecture, the weights, the tokenizer and
-the chat template. transformers reads all of it and dequantizes the tensors, which takes seconds to tens of
-seconds (mostly parsing the tokenizer's fields). The result is saved once under
+the chat template. transformers reads all of it and dequantizes the tensors, which takes tens of seconds: ~40 s for
+the 135M default model on 2 cores, where gguf-py's parse of the header (its tokenizer's fields) takes ~5 s and
+transformers parses the file three times (config, tokenizer, weights); this module parses it once more, for its
+checks and the blocks, and maps the tensor names once more (~7 s). The result is saved once under
 `cache_root()/gguf/<content hash>` as config + safetensors (float32: the exact dequantized values) +
 tokenizer, plus the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, K-quant and IQ4 blocks of its linear weights (`gguf_blocks`: the CPU
 panels run on them), with a manifest of the entry's file checksums. The next start hashes the GGUF file, finds the
@@ -19,12 +21,16 @@ import shutil
 import sys
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from paged_backend.core.build_cache import build_once, cache_root
 from paged_backend.errors import InvalidRequest, UnsupportedModel
 from paged_backend.worker import gguf_blocks
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 MAGIC = b"GGUF"
 MANIFEST = "manifest.json"
@@ -53,12 +59,13 @@ def converted(path: Path) -> Path:
     if entry.exists() and not _intact(entry):
         print(f"paged-backend: the cached conversion {entry} is damaged; rebuilding it", file=sys.stderr)
         shutil.rmtree(entry, ignore_errors=True)
+    reader = None
     if not entry.exists():
-        check(path)
+        reader = check(path)
         print(f"paged-backend: converting {path.name} once (cached in {entry})", file=sys.stderr)
         for stale in entry.parent.glob(f"{entry.name.rsplit('-v', 1)[0]}-v*"):  # this file's older-format entries
             shutil.rmtree(stale, ignore_errors=True)
-    return build_once(entry, lambda scratch: _convert(path, scratch))
+    return build_once(entry, lambda scratch: _convert(path, scratch, reader or check(path)))
 
 
 def cache_entry(path: Path) -> Path:
@@ -66,8 +73,9 @@ def cache_entry(path: Path) -> Path:
     return cache_root() / "gguf" / f"{_digest(path)}-v{CACHE_FORMAT}"
 
 
-def check(path: Path) -> None:
-    """Refuse, with a sentence, a file that is not a complete GGUF or holds tensors no loader here reads."""
+def check(path: Path) -> GGUFReader:
+    """The file's reader; or a refusal, with a sentence, of a file that is not a complete GGUF or holds tensors no
+    loader here reads. (Parsing the header takes seconds on a real model's tokenizer fields: read it once.)"""
     from gguf import GGUFReader
 
     with open(path, "rb") as handle:
@@ -87,6 +95,7 @@ def check(path: Path) -> None:
             f"dequantize; convert the model to a supported type (F32, F16, BF16, Q8_0, Q4_K, ...) with "
             f"llama-quantize"
         )
+    return reader
 
 
 def _dequantizes(qtype) -> bool:
@@ -100,7 +109,7 @@ def _dequantizes(qtype) -> bool:
     return True
 
 
-def _convert(path: Path, out: Path) -> None:
+def _convert(path: Path, out: Path, reader: GGUFReader) -> None:
     import torch
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -131,7 +140,7 @@ def _convert(path: Path, out: Path) -> None:
     model.config.save_pretrained(out)
     model.generation_config.save_pretrained(out)
     save_model(model, str(out / "model.safetensors"))  # handles the tied embedding / lm_head pair
-    gguf_blocks.save(model, path, out / gguf_blocks.BLOCKS_FILE)  # the quantized blocks, for the panels
+    gguf_blocks.save(model, reader, out / gguf_blocks.BLOCKS_FILE)  # the quantized blocks, for the panels
     tokenizer.save_pretrained(out)
     files = {p.name: _checksum(p) for p in sorted(out.iterdir())}
     (out / MANIFEST).write_text(json.dumps({"source": str(path), "files": files}, indent=1))
