@@ -4,7 +4,8 @@ Importing torch and transformers and building a model makes millions of long-liv
 walks all of them again each time enough new ones pile up. A command that builds an engine runs inside
 `quiet_start()`, which turns the collector off. Once the engine is built, `started()` collects once, freezes what is
 left into the permanent generation and turns the collector back on: a long-running server's later collections skip
-that heap instead of stalling its engine loop for as long as a full collection of it takes (~0.4 s on a 2-core CPU).
+that heap, so a full collection, should one come, does not stall the engine loop for the ~0.5 s a pass over it takes
+on a 2-core CPU (the engine itself makes few objects for the collector; the start-up is where it cost time).
 vLLM freezes its heap after start-up for the same reason. Sleep mode `thaw()`s the heap before it collects the
 weights it dropped. When the command returns, the heap is unfrozen and the collector left as it was: the
 interpreter's last collection still frees everything (Triton's extension, which torch imports, warns of objects that
