@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from paged_backend.cli import app as cli_app
-from paged_backend.startup import quiet_start, started, thaw
+from paged_backend.startup import collector_paused, quiet_start, started, thaw
 from paged_backend.worker.default_model import TINY_MODEL
 
 
@@ -76,3 +76,10 @@ def test_run_in_process_leaves_the_callers_collector_as_it_was(works, tmp_path):
     result = CliRunner().invoke(cli_app, ["run", "--model", model, "--device", "cpu", "--max-tokens", "2",
                                           "--no-progress"], input="Hello\n")  # fmt: skip
     assert result.exit_code == (0 if works else 2), result.output
+
+
+def test_a_paused_collector_runs_again_after_the_block_even_when_it_raises():
+    with pytest.raises(RuntimeError), collector_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("a GGUF file transformers cannot read")
+    assert gc.isenabled()
