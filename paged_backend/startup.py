@@ -27,15 +27,13 @@ _state: dict[str, bool] = {}
 def quiet_start() -> Iterator[None]:
     """Run a command with the collector off until it calls `started()`; everything as it was afterwards."""
     enabled = gc.isenabled()
-    gc.disable()
-    _state.update(enabled=enabled, quiet=True, frozen=False)
-    try:
-        yield
-    finally:
-        thaw()
-        _state.clear()
-        if enabled:
-            gc.enable()
+    with collector_paused():
+        _state.update(enabled=enabled, quiet=True, frozen=False)
+        try:
+            yield
+        finally:
+            thaw()
+            _state.clear()
 
 
 @contextmanager
