@@ -156,14 +156,14 @@ def run(
         ]
         llm = LLM(**engine.engine_kwargs())
         startup.started()
-        started = time.perf_counter()
+        began = time.perf_counter()
         priorities = [int(r.get("priority", 0)) for r in records]
         if chat:
             conversations = [[{"role": "user", "content": r["prompt"]}] for r in records]
             outputs = llm.chat(conversations, params, priority=priorities, use_tqdm=progress)
         else:
             outputs = llm.generate([r["prompt"] for r in records], params, priority=priorities, use_tqdm=progress)
-        elapsed = time.perf_counter() - started
+        elapsed = time.perf_counter() - began
     except (PagedBackendError, ValidationError, TypeError, ValueError) as error:  # (a line's values, e.g. priority)
         typer.echo(f"error: {one_line(error)}", err=True)
         raise typer.Exit(2) from error

@@ -69,13 +69,13 @@ def run_batch(
         raise typer.Exit(2) from error
     app = build_app(built, ServerSettings(served_model_name=served_model_name), engine_thread=engine_thread)
     startup.started()
-    started = time.perf_counter()
+    began = time.perf_counter()
     try:
         outputs = asyncio.run(_run_lines(app, lines, built.config.scheduler.max_num_seqs, progress))
     finally:
         built.close()
     output_file.write_text("".join(json.dumps(output) + "\n" for output in outputs))
-    typer.echo(summary(outputs, time.perf_counter() - started), err=True)
+    typer.echo(summary(outputs, time.perf_counter() - began), err=True)
 
 
 def summary(outputs: list[dict], elapsed: float) -> str:
